@@ -1,0 +1,124 @@
+"""The `nightshift` command line."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from daemon import report
+from daemon.settings import DEFAULT_CONFIG, ConfigError, Settings, check_paths, load_settings
+from daemon.supervisor import NightChild, wait_interruptibly
+from jobs import logs
+
+
+def parse_until(until: str | None, default_seconds: float, now: dt.datetime) -> float:
+    """--until HH:MM (local time, the next such moment) or now + default; unix seconds."""
+    if until is None:
+        return now.timestamp() + default_seconds
+    try:
+        h, m = (int(x) for x in until.split(":"))
+        t = now.replace(hour=h, minute=m, second=0, microsecond=0)
+    except ValueError:
+        raise SystemExit(f"--until: expected HH:MM, got {until!r}") from None
+    if t <= now:
+        t += dt.timedelta(days=1)
+    return t.timestamp()
+
+
+def window_seconds(s: Settings) -> float:
+    window = getattr(s, "window", None)
+    if window is None:
+        return 5 * 3600.0
+    return window.length_seconds()
+
+
+def run_child(s: Settings, *, night: str, deadline: float, plan_only: bool,
+              on_event=lambda _: None) -> Any:
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        child = NightChild(s.night_config().model_dump_json(), night=night, deadline=deadline,
+                           plan_only=plan_only, on_event=on_event)
+        child.start()
+        return wait_interruptibly(child, stop, grace=s.daemon.stop_grace_seconds)
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+
+def cmd_once(args: argparse.Namespace, s: Settings) -> int:
+    now = dt.datetime.now().astimezone()
+    deadline = parse_until(args.until, window_seconds(s), now)
+    save_margin = getattr(getattr(s, "window", None), "save_margin_minutes", 0) * 60
+    night = f"manual-{now.date().isoformat()}"
+    out = run_child(s, night=night, deadline=deadline - save_margin, plan_only=False)
+    if out.summary is None:
+        print(f"nightshift once: the night's process failed ({out.describe_exit()}); last lines:", file=sys.stderr)
+        print("\n".join(out.tail[-15:]), file=sys.stderr)
+        return 1
+    print(report.summary_table(out.summary))
+    return {"failed": 1, "interrupted": 3}.get(out.summary["outcome"], 0)
+
+
+def cmd_plan(args: argparse.Namespace, s: Settings) -> int:
+    now = dt.datetime.now().astimezone()
+    deadline = parse_until(args.until, window_seconds(s), now)
+    out = run_child(s, night="plan", deadline=deadline, plan_only=True)
+    if out.summary is None or "plan" not in out.summary:
+        print(f"nightshift plan: failed ({out.describe_exit()})", file=sys.stderr)
+        print("\n".join(out.tail[-15:]), file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(out.summary["plan"], indent=2))
+    else:
+        print(report.plan_table(out.summary["plan"]))
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace, s: Settings) -> int:
+    problems = check_paths(s)
+    if problems:
+        print(str(ConfigError(args.config, problems)), file=sys.stderr)
+        return 2
+    print(f"{args.config}: OK")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="nightshift", description=__doc__)
+    ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="TOML file (default: %(default)s)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("once", help="run one night now")
+    p.add_argument("--until", help="HH:MM local time the window closes (default: now + window length)")
+    p.set_defaults(func=cmd_once)
+    p = sub.add_parser("plan", help="pull and print tonight's plan; trains nothing")
+    p.add_argument("--until", help="HH:MM (default: now + window length)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+    p = sub.add_parser("check-config", help="report every problem of a config file")
+    p.add_argument("file", type=Path, nargs="?")
+    p.set_defaults(func=cmd_check_config)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "check-config" and args.file is not None:
+        args.config = args.file
+    try:
+        s = load_settings(args.config)
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    logs.configure(s.log.level, None if s.log.format == "auto" else s.log.format)
+    return args.func(args, s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

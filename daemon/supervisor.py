@@ -1,0 +1,137 @@
+"""Run one night in a child process and relay what it reports.
+
+The child gets the job sections of the settings on stdin and the deadline on its
+command line; its events arrive as JSON lines on its stdout, its log lines on
+stderr (passed through, the last ones kept for a failure report). A stop request
+sends SIGTERM, waits the grace for the checkpoint, then SIGKILLs.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import structlog
+
+log = structlog.get_logger("nightshift.supervisor")
+EXIT_INTERRUPTED = 3  # jobs/child.py: stopped on request, checkpoint saved
+
+
+@dataclass
+class ChildOutcome:
+    returncode: int
+    summary: dict[str, Any] | None
+    tail: list[str] = field(default_factory=list)
+
+    @property
+    def crashed(self) -> bool:
+        return self.summary is None or self.returncode not in (0, EXIT_INTERRUPTED)
+
+    def describe_exit(self) -> str:
+        if self.returncode < 0:
+            return f"killed by signal {signal.Signals(-self.returncode).name}"
+        return f"exit status {self.returncode}"
+
+
+class NightChild:
+    def __init__(self, night_config_json: str, *, night: str, deadline: float,
+                 on_event: Callable[[dict[str, Any]], None] = lambda _: None, plan_only: bool = False,
+                 log_stream: TextIO | None = None, tail_lines: int = 40) -> None:
+        self.config_json = night_config_json
+        self.night, self.deadline, self.plan_only = night, deadline, plan_only
+        self.on_event = on_event
+        self.log_stream = log_stream or sys.stderr
+        self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        self.summary: dict[str, Any] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> int:
+        cmd = [sys.executable, "-m", "jobs.child", "--night", self.night, "--deadline", repr(self.deadline)]
+        if self.plan_only:
+            cmd.append("--plan-only")
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+        env.setdefault("NIGHTSHIFT_LOG_FORMAT", "console" if self.log_stream.isatty() else "json")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=env, start_new_session=True)  # our SIGINT is not its SIGINT
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(self.config_json.encode())
+        self.proc.stdin.close()
+        self._threads = [threading.Thread(target=self._read_events, daemon=True),
+                         threading.Thread(target=self._read_logs, daemon=True)]
+        for t in self._threads:
+            t.start()
+        log.info("child_started", pid=self.proc.pid, night=self.night, plan_only=self.plan_only)
+        return self.proc.pid
+
+    def _read_events(self) -> None:
+        assert self.proc and self.proc.stdout
+        for raw in self.proc.stdout:
+            try:
+                ev = json.loads(raw)
+            except json.JSONDecodeError:
+                self.tail.append(raw.decode(errors="replace").rstrip())
+                continue
+            if ev.get("event") == "result":
+                self.summary = ev["summary"]
+            try:
+                self.on_event(ev)
+            except Exception:
+                log.exception("event_handler_failed", event=ev.get("event"))
+
+    def _read_logs(self) -> None:
+        assert self.proc and self.proc.stderr
+        for raw in self.proc.stderr:
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.tail.append(line)
+            try:
+                self.log_stream.write(line + "\n")
+                self.log_stream.flush()
+            except (ValueError, OSError):
+                pass
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def request_stop(self) -> None:
+        if self.running():
+            assert self.proc is not None
+            log.info("child_stop_requested", pid=self.proc.pid)
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, grace: float) -> ChildOutcome:
+        """SIGTERM, wait `grace` seconds for the checkpoint, then SIGKILL."""
+        self.request_stop()
+        try:
+            return self.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            assert self.proc is not None
+            log.warning("child_killed_after_grace", pid=self.proc.pid, grace=grace)
+            self.proc.kill()
+            return self.wait()
+
+    def wait(self, timeout: float | None = None) -> ChildOutcome:
+        assert self.proc is not None
+        rc = self.proc.wait(timeout=timeout)
+        for t in self._threads:
+            t.join(timeout=5)
+        return ChildOutcome(rc, self.summary, list(self.tail))
+
+
+def wait_interruptibly(child: NightChild, stop: threading.Event, grace: float, poll: float = 0.2,
+                       on_tick: Callable[[], None] = lambda: None) -> ChildOutcome:
+    """Wait for the child; when `stop` is set, stop it gracefully. `on_tick` runs every poll (watchdog)."""
+    while child.running():
+        if stop.wait(poll):
+            return child.stop(grace)
+        on_tick()
+    return child.wait()

@@ -1,0 +1,59 @@
+"""The night's child process: `python -m jobs.child --night N --deadline TS < night-config.json`.
+
+The daemon never imports torch; this process does, and its exit returns every byte
+of VRAM. Events go out as JSON lines on the original stdout; anything else a library
+prints is redirected to stderr (the log). SIGTERM asks for a graceful stop: the
+trainer checkpoints and the process exits with EXIT_INTERRUPTED.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jobs.child")
+    ap.add_argument("--night", required=True)
+    ap.add_argument("--deadline", type=float, required=True, help="unix seconds")
+    ap.add_argument("--plan-only", action="store_true")
+    args = ap.parse_args(argv)
+
+    events = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # stray prints from libraries must not corrupt the event stream
+    sys.stdout = sys.stderr
+    lock = threading.Lock()
+
+    def emit(ev: dict[str, Any]) -> None:
+        with lock:
+            events.write(json.dumps({"ts": time.time(), **ev}, default=str) + "\n")
+
+    from jobs import logs
+
+    logs.configure(os.environ.get("NIGHTSHIFT_LOG_LEVEL", "INFO"))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    from jobs.night import NightConfig, run_night
+
+    cfg = NightConfig.model_validate_json(sys.stdin.read())
+    logs.route_transformers_logging()
+    summary = run_night(cfg, night=args.night, deadline=args.deadline, emit=emit, stop=stop,
+                        plan_only=args.plan_only)
+    emit({"event": "result", "summary": summary})
+    return {"interrupted": EXIT_INTERRUPTED, "failed": EXIT_FAILED}.get(summary["outcome"], EXIT_OK)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Record formats: recognise a record, map operator field names, validate, normalise.
+
+Every accepted record becomes one of two normal forms, which is what gets hashed
+(so the same sample from any file or format is kept once) and stored in the ledger:
+  {"messages": [{"role": ..., "content": ...}, ...]}   (alpaca, chat, prompt/completion)
+  {"text": "..."}                                        (raw text: every token is trained on)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import unicodedata
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Format = Literal["auto", "alpaca", "chat", "prompt_completion", "text"]
+ROLES = {"system", "user", "assistant"}
+
+
+class RecordError(ValueError):
+    """A record that cannot be trained on; `reason` is a low-cardinality code (a metric label)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Normalised:
+    record: dict[str, Any]
+    hash: str
+
+
+def _text(value: Any, field: str, *, required: bool = True) -> str:
+    if value is None:
+        if required:
+            raise RecordError("missing_field", f"field '{field}' is missing")
+        return ""
+    if not isinstance(value, str):
+        raise RecordError("wrong_type", f"field '{field}' must be a string, got {type(value).__name__}")
+    value = unicodedata.normalize("NFC", value).strip()
+    if required and not value:
+        raise RecordError("empty_field", f"field '{field}' is empty")
+    return value
+
+
+def detect(record: dict[str, Any]) -> Format:
+    if "messages" in record:
+        return "chat"
+    if "instruction" in record or "output" in record:
+        return "alpaca"
+    if "prompt" in record or "completion" in record:
+        return "prompt_completion"
+    if "text" in record:
+        return "text"
+    raise RecordError(
+        "missing_field",
+        "no known fields: expected 'messages', 'instruction'+'output', 'prompt'+'completion' or 'text' "
+        f"(got {sorted(record)[:8]})",
+    )
+
+
+def normalise(record: Any, fmt: Format = "auto", field_map: dict[str, str] | None = None) -> Normalised:
+    """Validate one record and return its normal form and content hash.
+
+    `field_map` maps the operator's field names onto ours, e.g. {"question": "instruction"}.
+    """
+    if not isinstance(record, dict):
+        raise RecordError("wrong_type", f"a record must be an object, got {type(record).__name__}")
+    if field_map:
+        record = {field_map.get(k, k): v for k, v in record.items()}
+    kind = detect(record) if fmt == "auto" else fmt
+    if kind == "alpaca":
+        instruction = _text(record.get("instruction"), "instruction")
+        extra = _text(record.get("input"), "input", required=False)
+        prompt = f"{instruction}\n\n{extra}" if extra else instruction
+        norm = {"messages": [_msg("user", prompt), _msg("assistant", _text(record.get("output"), "output"))]}
+    elif kind == "prompt_completion":
+        norm = {
+            "messages": [
+                _msg("user", _text(record.get("prompt"), "prompt")),
+                _msg("assistant", _text(record.get("completion"), "completion")),
+            ]
+        }
+    elif kind == "chat":
+        norm = {"messages": _messages(record.get("messages"))}
+    else:
+        norm = {"text": _text(record.get("text"), "text")}
+    canonical = json.dumps(norm, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return Normalised(norm, hashlib.sha256(canonical.encode()).hexdigest())
+
+
+def _msg(role: str, content: str) -> dict[str, str]:
+    return {"role": role, "content": content}
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if value is None:
+        raise RecordError("missing_field", "field 'messages' is missing")
+    if not isinstance(value, list):
+        raise RecordError("wrong_type", f"field 'messages' must be a list, got {type(value).__name__}")
+    if not value:
+        raise RecordError("empty_field", "field 'messages' is empty")
+    out = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RecordError("wrong_type", f"{where} must be an object with 'role' and 'content'")
+        role = _text(m.get("role"), f"{where}.role")
+        if role not in ROLES:
+            raise RecordError("wrong_type", f"{where}.role must be one of {sorted(ROLES)}, got '{role}'")
+        out.append(_msg(role, _text(m.get("content"), f"{where}.content")))
+    if not any(m["role"] == "assistant" for m in out):
+        raise RecordError("missing_field", "field 'messages' has no assistant turn to train on")
+    return out

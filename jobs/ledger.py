@@ -1,0 +1,325 @@
+"""The SQLite ledger: the single source of truth of what was seen, planned, trained and published.
+
+Every step is idempotent against it, so `kill -9` at any moment followed by a rerun
+loses nothing and trains nothing twice. One file in the state directory, WAL mode,
+short transactions; the daemon reads it, the night's child writes it.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+  id INTEGER PRIMARY KEY, source TEXT NOT NULL, path TEXT NOT NULL, size INTEGER NOT NULL,
+  mtime REAL NOT NULL, sha256 TEXT NOT NULL, seen_at REAL NOT NULL, run_id TEXT,
+  records INTEGER DEFAULT 0, accepted INTEGER DEFAULT 0, duplicates INTEGER DEFAULT 0,
+  quarantined INTEGER DEFAULT 0, moved_to TEXT, UNIQUE (source, sha256));
+CREATE INDEX IF NOT EXISTS files_by_path ON files (source, path, size, mtime);
+CREATE TABLE IF NOT EXISTS samples (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, hash TEXT NOT NULL UNIQUE, source TEXT NOT NULL,
+  file_id INTEGER, line INTEGER, record TEXT NOT NULL, n_tokens INTEGER NOT NULL,
+  status TEXT NOT NULL CHECK (status IN ('pending', 'trained', 'heldout')), version INTEGER,
+  created_at REAL NOT NULL, trained_at REAL);
+CREATE INDEX IF NOT EXISTS samples_by_status ON samples (status, id);
+CREATE TABLE IF NOT EXISTS quarantine (
+  id INTEGER PRIMARY KEY, run_id TEXT, source TEXT, file TEXT, line INTEGER, reason TEXT NOT NULL,
+  detail TEXT, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+  id TEXT PRIMARY KEY, night TEXT NOT NULL, status TEXT NOT NULL, started_at REAL NOT NULL,
+  ended_at REAL, deadline REAL, attempt INTEGER NOT NULL DEFAULT 1, version INTEGER, plan TEXT,
+  summary TEXT, error TEXT);
+CREATE INDEX IF NOT EXISTS runs_by_night ON runs (night, started_at);
+CREATE TABLE IF NOT EXISTS run_samples (
+  run_id TEXT NOT NULL, ord INTEGER NOT NULL, sample_id INTEGER NOT NULL, role TEXT NOT NULL,
+  PRIMARY KEY (run_id, ord));
+CREATE TABLE IF NOT EXISTS phases (
+  run_id TEXT NOT NULL, phase TEXT NOT NULL, started_at REAL NOT NULL, seconds REAL,
+  PRIMARY KEY (run_id, phase, started_at));
+CREATE TABLE IF NOT EXISTS throughput (
+  id INTEGER PRIMARY KEY, key TEXT NOT NULL, run_id TEXT, at REAL NOT NULL, origin TEXT NOT NULL,
+  tokens INTEGER NOT NULL, seconds REAL NOT NULL, tokens_per_second REAL NOT NULL,
+  overhead_seconds REAL, detail TEXT);
+CREATE INDEX IF NOT EXISTS throughput_by_key ON throughput (key, at);
+CREATE TABLE IF NOT EXISTS versions (
+  version INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, run_id TEXT, parent INTEGER, path TEXT,
+  status TEXT NOT NULL, created_at REAL NOT NULL, promoted_at REAL, manifest TEXT);
+CREATE TABLE IF NOT EXISTS events (
+  id INTEGER PRIMARY KEY, at REAL NOT NULL, kind TEXT NOT NULL, run_id TEXT, version INTEGER,
+  detail TEXT);
+"""
+
+# Run statuses. 'running' means a child owns it (or died owning it: resumable).
+FINAL_RUN_STATUSES = ("succeeded", "rejected", "failed", "skipped")
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    id: int
+    hash: str
+    record: dict[str, Any]
+    n_tokens: int
+    source: str
+
+
+class Ledger:
+    def __init__(self, path: Path, *, clock=time.time) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.clock = clock
+        self.db = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")  # a committed 'trained' must survive power loss
+        self.db.execute("PRAGMA foreign_keys=ON")
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextmanager
+    def tx(self) -> Iterator[sqlite3.Connection]:
+        """One atomic transaction (BEGIN IMMEDIATE: writers queue instead of failing)."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.db
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    # ---- files -------------------------------------------------------------------------------
+    def file_known_by_stat(self, source: str, path: str, size: int, mtime: float) -> bool:
+        q = "SELECT 1 FROM files WHERE source=? AND path=? AND size=? AND mtime=?"
+        return self.db.execute(q, (source, path, size, mtime)).fetchone() is not None
+
+    def file_known_by_hash(self, source: str, sha256: str) -> bool:
+        q = "SELECT 1 FROM files WHERE source=? AND sha256=?"
+        return self.db.execute(q, (source, sha256)).fetchone() is not None
+
+    def record_file(self, conn: sqlite3.Connection, *, source: str, path: str, size: int, mtime: float,
+                    sha256: str, run_id: str) -> int:
+        cur = conn.execute(
+            "INSERT INTO files (source, path, size, mtime, sha256, seen_at, run_id) VALUES (?,?,?,?,?,?,?)",
+            (source, path, size, mtime, sha256, self.clock(), run_id),
+        )
+        return int(cur.lastrowid)
+
+    def finish_file(self, conn: sqlite3.Connection, file_id: int, *, records: int, accepted: int,
+                    duplicates: int, quarantined: int) -> None:
+        conn.execute(
+            "UPDATE files SET records=?, accepted=?, duplicates=?, quarantined=? WHERE id=?",
+            (records, accepted, duplicates, quarantined, file_id),
+        )
+
+    def set_file_moved(self, file_id: int, moved_to: str) -> None:
+        self.db.execute("UPDATE files SET moved_to=? WHERE id=?", (moved_to, file_id))
+
+    # ---- samples -----------------------------------------------------------------------------
+    def add_sample(self, conn: sqlite3.Connection, *, hash: str, source: str, file_id: int, line: int,
+                   record: dict[str, Any], n_tokens: int) -> bool:
+        """Insert a pending sample; False when the same content is already known (from any file)."""
+        cur = conn.execute(
+            "INSERT OR IGNORE INTO samples (hash, source, file_id, line, record, n_tokens, status, created_at)"
+            " VALUES (?,?,?,?,?,?, 'pending', ?)",
+            (hash, source, file_id, line, json.dumps(record, ensure_ascii=False), n_tokens, self.clock()),
+        )
+        return cur.rowcount == 1
+
+    def add_quarantine(self, conn: sqlite3.Connection, *, run_id: str, source: str, file: str,
+                       line: int | None, reason: str, detail: str) -> None:
+        conn.execute(
+            "INSERT INTO quarantine (run_id, source, file, line, reason, detail, at) VALUES (?,?,?,?,?,?,?)",
+            (run_id, source, file, line, reason, detail, self.clock()),
+        )
+
+    def pending(self, *, order: str = "oldest", exclude: Iterable[int] = ()) -> list[SampleRow]:
+        direction = "ASC" if order == "oldest" else "DESC"
+        rows = self.db.execute(
+            f"SELECT id, hash, record, n_tokens, source FROM samples WHERE status='pending' ORDER BY id {direction}"
+        ).fetchall()
+        skip = set(exclude)
+        return [_sample(r) for r in rows if r["id"] not in skip]
+
+    def trained(self, limit: int | None = None) -> list[SampleRow]:
+        q = "SELECT id, hash, record, n_tokens, source FROM samples WHERE status='trained' ORDER BY id"
+        rows = self.db.execute(q + (f" LIMIT {int(limit)}" if limit else "")).fetchall()
+        return [_sample(r) for r in rows]
+
+    def samples_by_id(self, ids: Sequence[int]) -> list[SampleRow]:
+        out: dict[int, SampleRow] = {}
+        for chunk in _chunks(list(ids), 500):
+            marks = ",".join("?" * len(chunk))
+            q = f"SELECT id, hash, record, n_tokens, source FROM samples WHERE id IN ({marks})"
+            for r in self.db.execute(q, chunk):
+                out[r["id"]] = _sample(r)
+        return [out[i] for i in ids]
+
+    def mark_trained(self, conn: sqlite3.Connection, sample_ids: Sequence[int], version: int) -> None:
+        now = self.clock()
+        for chunk in _chunks(list(sample_ids), 500):
+            marks = ",".join("?" * len(chunk))
+            conn.execute(
+                f"UPDATE samples SET status='trained', version=?, trained_at=? "
+                f"WHERE status='pending' AND id IN ({marks})",
+                (version, now, *chunk),
+            )
+
+    def mark_heldout(self, conn: sqlite3.Connection, sample_ids: Sequence[int], version: int) -> None:
+        """Held-out samples are never trained on: they measure each version on unseen data."""
+        for chunk in _chunks(list(sample_ids), 500):
+            marks = ",".join("?" * len(chunk))
+            conn.execute(
+                f"UPDATE samples SET status='heldout', version=? WHERE status='pending' AND id IN ({marks})",
+                (version, *chunk),
+            )
+
+    def backlog(self) -> tuple[int, int]:
+        r = self.db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(n_tokens), 0) FROM samples WHERE status='pending'"
+        ).fetchone()
+        return int(r[0]), int(r[1])
+
+    def sample_counts(self) -> dict[str, int]:
+        rows = self.db.execute("SELECT status, COUNT(*) FROM samples GROUP BY status").fetchall()
+        return {r[0]: int(r[1]) for r in rows}
+
+    # ---- runs --------------------------------------------------------------------------------
+    def open_run(self, night: str) -> sqlite3.Row | None:
+        """The unfinished run of this night (crashed or interrupted), which a new start resumes."""
+        return self.db.execute(
+            "SELECT * FROM runs WHERE night=? AND status='running' ORDER BY started_at DESC LIMIT 1", (night,)
+        ).fetchone()
+
+    def night_done(self, night: str) -> bool:
+        q = f"SELECT 1 FROM runs WHERE night=? AND status IN ({','.join('?' * len(FINAL_RUN_STATUSES))})"
+        return self.db.execute(q, (night, *FINAL_RUN_STATUSES)).fetchone() is not None
+
+    def runs_of_night(self, night: str) -> list[sqlite3.Row]:
+        return self.db.execute("SELECT * FROM runs WHERE night=? ORDER BY started_at", (night,)).fetchall()
+
+    def start_run(self, run_id: str, night: str, deadline: float) -> None:
+        with self.tx() as c:
+            c.execute(
+                "INSERT INTO runs (id, night, status, started_at, deadline) VALUES (?,?, 'running', ?, ?)",
+                (run_id, night, self.clock(), deadline),
+            )
+
+    def resume_run(self, run_id: str, deadline: float) -> int:
+        with self.tx() as c:
+            c.execute("UPDATE runs SET attempt=attempt+1, deadline=? WHERE id=?", (deadline, run_id))
+            return int(c.execute("SELECT attempt FROM runs WHERE id=?", (run_id,)).fetchone()[0])
+
+    def run(self, run_id: str) -> sqlite3.Row | None:
+        return self.db.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
+
+    def last_runs(self, n: int = 10) -> list[sqlite3.Row]:
+        return self.db.execute("SELECT * FROM runs ORDER BY started_at DESC LIMIT ?", (n,)).fetchall()
+
+    def save_plan(self, run_id: str, plan: dict[str, Any], roles: Sequence[tuple[int, str]],
+                  version: int, version_name: str, parent: int | None) -> None:
+        """Store the plan, its samples in order and reserve the version number, atomically."""
+        with self.tx() as c:
+            c.execute("DELETE FROM run_samples WHERE run_id=?", (run_id,))
+            c.executemany(
+                "INSERT INTO run_samples (run_id, ord, sample_id, role) VALUES (?,?,?,?)",
+                [(run_id, i, sid, role) for i, (sid, role) in enumerate(roles)],
+            )
+            c.execute("UPDATE runs SET plan=?, version=? WHERE id=?", (json.dumps(plan), version, run_id))
+            c.execute(
+                "INSERT INTO versions (version, name, run_id, parent, status, created_at) VALUES (?,?,?,?,?,?)",
+                (version, version_name, run_id, parent, "training", self.clock()),
+            )
+
+    def run_samples(self, run_id: str) -> list[tuple[int, str]]:
+        rows = self.db.execute(
+            "SELECT sample_id, role FROM run_samples WHERE run_id=? ORDER BY ord", (run_id,)
+        ).fetchall()
+        return [(int(r[0]), str(r[1])) for r in rows]
+
+    def finish_run(self, run_id: str, status: str, *, summary: dict[str, Any] | None = None,
+                   error: str | None = None) -> None:
+        with self.tx() as c:
+            c.execute(
+                "UPDATE runs SET status=?, ended_at=?, summary=COALESCE(?, summary), error=? WHERE id=?",
+                (status, self.clock(), json.dumps(summary) if summary else None, error, run_id),
+            )
+            if status in ("failed", "skipped"):
+                c.execute("UPDATE versions SET status='failed' WHERE run_id=? AND status='training'", (run_id,))
+
+    def record_phase(self, run_id: str, phase: str, started_at: float, seconds: float) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO phases (run_id, phase, started_at, seconds) VALUES (?,?,?,?)",
+            (run_id, phase, started_at, seconds),
+        )
+
+    def phase_seconds(self, run_id: str) -> dict[str, float]:
+        rows = self.db.execute("SELECT phase, SUM(seconds) FROM phases WHERE run_id=? GROUP BY phase", (run_id,))
+        return {r[0]: float(r[1] or 0.0) for r in rows}
+
+    # ---- throughput history ------------------------------------------------------------------
+    def record_throughput(self, *, key: str, run_id: str | None, origin: str, tokens: int, seconds: float,
+                          overhead_seconds: float | None, detail: dict[str, Any]) -> None:
+        self.db.execute(
+            "INSERT INTO throughput (key, run_id, at, origin, tokens, seconds, tokens_per_second,"
+            " overhead_seconds, detail) VALUES (?,?,?,?,?,?,?,?,?)",
+            (key, run_id, self.clock(), origin, tokens, seconds, tokens / seconds if seconds > 0 else 0.0,
+             overhead_seconds, json.dumps(detail)),
+        )
+
+    def throughput_history(self, key: str, n: int = 5) -> list[sqlite3.Row]:
+        return self.db.execute(
+            "SELECT * FROM throughput WHERE key=? ORDER BY at DESC LIMIT ?", (key, n)
+        ).fetchall()
+
+    # ---- versions ----------------------------------------------------------------------------
+    def next_version(self) -> int:
+        r = self.db.execute("SELECT COALESCE(MAX(version), 0) FROM versions").fetchone()
+        return int(r[0]) + 1
+
+    def version(self, version: int) -> sqlite3.Row | None:
+        return self.db.execute("SELECT * FROM versions WHERE version=?", (version,)).fetchone()
+
+    def versions(self) -> list[sqlite3.Row]:
+        return self.db.execute("SELECT * FROM versions ORDER BY version").fetchall()
+
+    def promoted_history(self) -> list[sqlite3.Row]:
+        return self.db.execute(
+            "SELECT * FROM versions WHERE promoted_at IS NOT NULL ORDER BY promoted_at DESC"
+        ).fetchall()
+
+    def set_version(self, conn: sqlite3.Connection, version: int, *, status: str, path: str | None = None,
+                    manifest: dict[str, Any] | None = None, promoted: bool = False) -> None:
+        conn.execute(
+            "UPDATE versions SET status=?, path=COALESCE(?, path), manifest=COALESCE(?, manifest),"
+            " promoted_at=CASE WHEN ? THEN ? ELSE promoted_at END WHERE version=?",
+            (status, path, json.dumps(manifest) if manifest else None, promoted, self.clock(), version),
+        )
+
+    def add_event(self, kind: str, *, run_id: str | None = None, version: int | None = None,
+                  detail: dict[str, Any] | None = None) -> None:
+        self.db.execute(
+            "INSERT INTO events (at, kind, run_id, version, detail) VALUES (?,?,?,?,?)",
+            (self.clock(), kind, run_id, version, json.dumps(detail or {})),
+        )
+
+    def events(self, kind: str | None = None) -> list[sqlite3.Row]:
+        if kind:
+            return self.db.execute("SELECT * FROM events WHERE kind=? ORDER BY id", (kind,)).fetchall()
+        return self.db.execute("SELECT * FROM events ORDER BY id").fetchall()
+
+
+def _sample(r: sqlite3.Row) -> SampleRow:
+    return SampleRow(int(r["id"]), r["hash"], json.loads(r["record"]), int(r["n_tokens"]), r["source"])
+
+
+def _chunks(xs: list[int], n: int) -> Iterator[list[int]]:
+    for i in range(0, len(xs), n):
+        yield xs[i : i + n]

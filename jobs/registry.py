@@ -1,0 +1,125 @@
+"""The adapter registry on disk: immutable versioned directories and an atomic `current`.
+
+Nothing is half-published: a version is written under adapters/.tmp-*, every file and
+the directory are fsynced, then it is renamed to adapters/<name>-vNNNN. `current` is a
+relative symlink replaced with rename(2). Names are never reused (inference servers
+cache adapters by name). The manifest records every file's sha256, checked before a
+version is promoted or sent to an inference server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+TMP_PREFIX = ".tmp-"
+
+
+class IntegrityError(RuntimeError):
+    pass
+
+
+def version_name(name: str, version: int) -> str:
+    return f"{name}-v{version:04d}"
+
+
+def parse_version(dirname: str) -> int | None:
+    m = re.fullmatch(r".+-v(\d{4,})", dirname)
+    return int(m.group(1)) if m else None
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Registry:
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = Path(state_dir)
+        self.adapters = self.state_dir / "adapters"
+        self.current_link = self.state_dir / "current"
+        self.adapters.mkdir(parents=True, exist_ok=True)
+
+    def new_tmp_dir(self, name: str) -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}-", dir=self.adapters))
+
+    def path_of(self, name: str, version: int) -> Path:
+        return self.adapters / version_name(name, version)
+
+    def publish(self, tmp: Path, name: str, version: int, manifest: dict[str, Any]) -> Path:
+        """Seal tmp (adapter files already in it) as version `version`; returns the final path."""
+        final = self.path_of(name, version)
+        if final.exists():
+            raise FileExistsError(f"{final} exists: version names are never reused")
+        files = {p.name: sha256_of(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
+        manifest = {**manifest, "files": files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+        for p in tmp.iterdir():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(tmp)
+        os.rename(tmp, final)
+        fsync_dir(self.adapters)
+        return final
+
+    def verify(self, path: Path) -> dict[str, Any]:
+        """The manifest, after checking every file it lists; IntegrityError names what is wrong."""
+        mf = Path(path) / MANIFEST
+        if not mf.is_file():
+            raise IntegrityError(f"{path}: no {MANIFEST}")
+        manifest = json.loads(mf.read_text())
+        for fname, digest in manifest.get("files", {}).items():
+            f = Path(path) / fname
+            if not f.is_file():
+                raise IntegrityError(f"{path}: {fname} is missing")
+            if sha256_of(f) != digest:
+                raise IntegrityError(f"{path}: {fname} does not match its sha256 in the manifest "
+                                     "(truncated or altered)")
+        if not manifest.get("files"):
+            raise IntegrityError(f"{path}: the manifest lists no files")
+        return manifest
+
+    def promote(self, path: Path) -> None:
+        """Point `current` at path atomically (verified first)."""
+        self.verify(path)
+        tmp_link = self.state_dir / f".current.{os.getpid()}"
+        if tmp_link.is_symlink() or tmp_link.exists():
+            tmp_link.unlink()
+        os.symlink(os.path.relpath(path, self.state_dir), tmp_link)
+        os.replace(tmp_link, self.current_link)
+        fsync_dir(self.state_dir)
+
+    def current(self) -> Path | None:
+        if not self.current_link.is_symlink():
+            return None
+        target = (self.state_dir / os.readlink(self.current_link)).resolve()
+        return target if target.is_dir() else None
+
+    def current_version(self) -> int | None:
+        cur = self.current()
+        return parse_version(cur.name) if cur else None
+
+    def clean_stale(self) -> list[Path]:
+        """Remove half-written versions left by a crash (call with the state lock held)."""
+        stale = [p for p in self.adapters.iterdir() if p.name.startswith(TMP_PREFIX)]
+        for p in stale:
+            shutil.rmtree(p, ignore_errors=True)
+        return stale
