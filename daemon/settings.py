@@ -7,6 +7,7 @@ whole: every wrong key at once, named as the user writes it.
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -61,10 +62,12 @@ class Settings(BaseSettings):
     daemon: DaemonConfig = Field(default_factory=DaemonConfig)
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
-                                   file_secret_settings: PydanticBaseSettingsSource
-                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Precedence: explicit arguments, then NIGHTSHIFT_* environment, then the TOML file."""
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         if settings_cls.model_config.get("toml_file"):
             sources.append(TomlConfigSettingsSource(settings_cls))
@@ -101,13 +104,15 @@ def key_name(loc: tuple[Any, ...]) -> tuple[str, str]:
 def format_error(err: dict[str, Any]) -> str:
     loc = tuple(x for x in err["loc"] if not (isinstance(x, str) and x.startswith(("function-", "tagged-union"))))
     name, env = key_name(loc)
+    in_list = any(isinstance(x, int) for x in loc)
     if err["type"] == "extra_forbidden":
         return f"{name}: unknown key"
     if err["type"] == "missing":
-        return f"{name}: required key is missing (or set {env})"
+        return f"{name}: required key is missing" + ("" if in_list else f" (or set {env})")
     got = err.get("input")
     shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
-    return f"{name}: {err['msg']}{shown}"
+    origin = f" [from the environment: {env}]" if not in_list and env.upper() in map(str.upper, os.environ) else ""
+    return f"{name}: {err['msg']}{shown}{origin}"
 
 
 def load_settings(path: Path | None = DEFAULT_CONFIG, **overrides: Any) -> Settings:

@@ -32,8 +32,9 @@ class StateLock:
             except BlockingIOError:
                 if time.monotonic() >= end:
                     os.close(fd)
+                    purpose = f" for {self.what}" if self.what else ""
                     raise LockTimeout(f"{self.path} is held by another nightshift process "
-                                      f"(waited {self.timeout:g} s{' for ' + self.what if self.what else ''})")
+                                      f"(waited {self.timeout:g} s{purpose})") from None
                 time.sleep(0.05)
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()} {self.what}\n".encode())

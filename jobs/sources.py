@@ -7,6 +7,7 @@ whole). Nothing in the inbox is ever deleted.
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import time
@@ -106,8 +107,11 @@ def _read_with_datasets(path: Path, suffix: str, cache_dir: Path) -> Iterator[Ra
             rows = datasets.Dataset.from_parquet(str(path), cache_dir=str(cache_dir), keep_in_memory=True)
         else:  # .csv: every cell is text; empty cells stay empty strings, not NaN
             _check_utf8(path)
+            with open(path, newline="", encoding="utf-8") as f:
+                header = next(csv.reader(f), [])
+            features = datasets.Features({c: datasets.Value("string") for c in header})
             rows = datasets.Dataset.from_csv(
-                str(path), cache_dir=str(cache_dir), keep_in_memory=True, dtype=str, keep_default_na=False
+                str(path), cache_dir=str(cache_dir), keep_in_memory=True, features=features, na_filter=False
             )
     except RecordError as e:
         yield RawRecord(None, None, e)

@@ -1,0 +1,120 @@
+"""Hot-swap: tell every configured target about a newly promoted (or rolled-back-to) version.
+
+`notify_all(cfg, adapter)` notifies the targets one after the other and returns one
+TargetOutcome per target, in configuration order. A target that fails (after its retries)
+does not stop the others, and nothing here touches the adapter files: a failed hot-swap
+never undoes a publication. Only the URLs and commands from the configuration are used.
+
+How clients find the newest name: after a swap where every vllm/sglang target has the
+version loaded, `newest_name_file` (if configured) holds it (`tiny-v0007\\n`, replaced
+atomically); the webhook body carries it; the daemon exports it as a metric. Clients must
+not take the highest version listed by /v1/models: after a rollback that is the bad one.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from jobs.hotswap import command, lora_server, webhook
+from jobs.hotswap.config import (
+    CommandTarget,
+    HotswapConfig,
+    LoraServerTarget,
+    SecretError,
+    Target,
+    WebhookTarget,
+)
+from jobs.hotswap.core import (
+    AdapterRef,
+    Clock,
+    Sleep,
+    TargetOutcome,
+    parse_versioned_name,
+    versioned_name,
+)
+from jobs.hotswap.lora_server import loaded_versions, plan_unloads
+from jobs.hotswap.webhook import verify_signature
+
+__all__ = [
+    "AdapterRef",
+    "CommandTarget",
+    "HotswapConfig",
+    "LoraServerTarget",
+    "SecretError",
+    "Target",
+    "TargetOutcome",
+    "WebhookTarget",
+    "loaded_versions",
+    "notify_all",
+    "notify_one",
+    "parse_versioned_name",
+    "plan_unloads",
+    "verify_signature",
+    "versioned_name",
+    "write_newest_name",
+]
+
+_log = structlog.get_logger("nightshift.hotswap")
+
+
+def notify_one(
+    t: Target, adapter: AdapterRef, *, sleep: Sleep = time.sleep, clock: Clock = time.monotonic, log: Any = _log
+) -> TargetOutcome:
+    if isinstance(t, LoraServerTarget):
+        return lora_server.swap(t, adapter, sleep=sleep, clock=clock, log=log)
+    if isinstance(t, WebhookTarget):
+        return webhook.notify(t, adapter, sleep=sleep, clock=clock, log=log)
+    return command.run(t, adapter, sleep=sleep, clock=clock, log=log)
+
+
+def notify_all(
+    cfg: HotswapConfig,
+    adapter: AdapterRef,
+    *,
+    sleep: Sleep = time.sleep,
+    clock: Clock = time.monotonic,
+    log: Any = _log,
+) -> list[TargetOutcome]:
+    """Notify every target; log each outcome; update newest_name_file when the servers have it."""
+    outcomes: list[TargetOutcome] = []
+    for t in cfg.targets:
+        outcome = notify_one(t, adapter, sleep=sleep, clock=clock, log=log)
+        fields = {
+            "target": t.name,
+            "kind": t.kind,
+            "version": adapter.version,
+            "name": adapter.name,
+            "attempts": outcome.attempts,
+            "seconds": round(outcome.seconds, 3),
+        }
+        if outcome.ok:
+            log.info("hotswap.ok", **fields, detail=outcome.detail)
+        else:
+            log.error("hotswap.failed", **fields, error=outcome.error, detail=outcome.detail)
+        outcomes.append(outcome)
+    servers_ok = all(o.ok for o in outcomes if o.kind in ("vllm", "sglang"))
+    if cfg.newest_name_file is not None and servers_ok:
+        write_newest_name(cfg.newest_name_file, adapter.name)
+    return outcomes
+
+
+def write_newest_name(path: Path, name: str) -> None:
+    """Replace `path` with `name + "\\n"` atomically (temp file in the same directory, rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

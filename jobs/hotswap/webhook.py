@@ -1,0 +1,110 @@
+"""Generic webhook: POST the new version as JSON, authenticated and signed.
+
+Body (UTF-8 JSON, keys sorted, no spaces): {"base_model", "manifest", "name", "path", "version"}.
+Headers:
+- Authorization: Bearer <token>            when token_file / token_env is set
+- X-Nightshift-Timestamp: <unix seconds>   when the request was signed (fresh per attempt)
+- X-Nightshift-Signature: sha256=<hex>     HMAC-SHA256(secret, f"{timestamp}." + body bytes)
+- X-Nightshift-Delivery: <uuid4>           the same for every retry of one notification
+
+Why the timestamp is inside the signed material: a captured request cannot be replayed
+later with a new timestamp, and a receiver rejects timestamps older than a few minutes
+(`verify_signature(..., tolerance_s=300)`); the delivery id lets it drop duplicates
+inside that window. A receiver must compute the HMAC over the raw body bytes it received,
+before any JSON parsing, and compare in constant time (as verify_signature does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jobs.hotswap.config import SecretError, WebhookTarget
+from jobs.hotswap.core import AdapterRef, Clock, Sleep, TargetError, TargetOutcome, with_retries
+from jobs.hotswap.transport import request, retryable_status, tls_context
+
+SIGNATURE_HEADER = "X-Nightshift-Signature"
+TIMESTAMP_HEADER = "X-Nightshift-Timestamp"
+DELIVERY_HEADER = "X-Nightshift-Delivery"
+
+
+def payload_bytes(adapter: AdapterRef) -> bytes:
+    payload = {
+        "version": adapter.version,
+        "name": adapter.name,
+        "path": str(adapter.path),
+        "base_model": adapter.base_model,
+        "manifest": adapter.manifest,
+    }
+    return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str).encode("utf-8")
+
+
+def sign(secret: str, timestamp: int, body: bytes) -> str:
+    mac = hmac.new(secret.encode("utf-8"), f"{timestamp}.".encode() + body, hashlib.sha256)
+    return "sha256=" + mac.hexdigest()
+
+
+def verify_signature(
+    secret: str,
+    body: bytes,
+    headers: Mapping[str, str],
+    *,
+    now: float,
+    tolerance_s: float = 300,
+) -> bool:
+    """For receivers (and our tests): signature valid and timestamp within ±tolerance_s."""
+    low = {k.lower(): v for k, v in headers.items()}
+    try:
+        ts = int(low[TIMESTAMP_HEADER.lower()])
+        given = low[SIGNATURE_HEADER.lower()]
+    except (KeyError, ValueError):
+        return False
+    if abs(now - ts) > tolerance_s:
+        return False
+    return hmac.compare_digest(given, sign(secret, ts, body))
+
+
+def notify(
+    t: WebhookTarget,
+    adapter: AdapterRef,
+    *,
+    sleep: Sleep,
+    clock: Clock = time.monotonic,
+    log: Any,
+    wall: Callable[[], float] = time.time,
+) -> TargetOutcome:
+    body = payload_bytes(adapter)
+    delivery = str(uuid.uuid4())
+    ctx = tls_context(t.verify_tls, t.ca_bundle)
+    if not t.verify_tls and t.url.startswith("https:"):
+        log.warning("hotswap.tls_unverified", target=t.name, url=t.url)
+
+    def attempt(_: int) -> dict[str, Any]:
+        try:
+            token, secret = t.token(), t.hmac_secret()
+        except SecretError as e:
+            raise TargetError(str(e), retryable=False) from e
+        headers = {"Content-Type": "application/json", DELIVERY_HEADER: delivery}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        if secret:
+            ts = int(wall())
+            headers[TIMESTAMP_HEADER] = str(ts)
+            headers[SIGNATURE_HEADER] = sign(secret, ts, body)
+        r = request("POST", t.url, body=body, headers=headers, timeout_s=t.timeout_s, ctx=ctx)
+        if not r.ok:
+            raise TargetError(
+                f"POST {t.url}: HTTP {r.status}: {r.message()}",
+                retryable=retryable_status(r.status),
+                detail={"status": r.status},
+            )
+        return {"status": r.status, "delivery": delivery, "signed": bool(secret)}
+
+    return with_retries(
+        attempt, target=t.name, kind=t.kind, retries=t.retries, backoff_s=t.backoff_s, sleep=sleep, clock=clock, log=log
+    )

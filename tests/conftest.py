@@ -1,0 +1,82 @@
+"""Shared fixtures: one tiny random-initialised model per test session, built offline."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE_INBOX = REPO / "config" / "sample-inbox"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from jobs.tinymodel import build_tiny_llama
+
+    out = tmp_path_factory.mktemp("model") / "tiny-llama"
+    return build_tiny_llama(out, sorted(SAMPLE_INBOX.glob("*.json*")))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model: Path) -> Any:
+    from jobs.train import load_tokenizer
+
+    return load_tokenizer(tiny_model)
+
+
+def write_jsonl(path: Path, records: list[Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def alpaca(i: int, tag: str = "") -> dict[str, str]:
+    return {"instruction": f"Add {i} and {i + 1}{tag}.", "output": f"{i} + {i + 1} = {2 * i + 1}"}
+
+
+@pytest.fixture()
+def night_env(tmp_path: Path, tiny_model: Path):
+    """A state dir, an empty inbox and a NightConfig factory pointing at them."""
+    from jobs.night import NightConfig
+
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+
+    def make(**over: Any) -> NightConfig:
+        base: dict[str, Any] = {
+            "state_dir": tmp_path / "state",
+            "model": {"path": tiny_model, "name": "tiny"},
+            "sources": [{"name": "inbox", "inbox": inbox, "settle_seconds": 0}],
+            "plan": {"prior_tokens_per_second": 2000, "prior_overhead_seconds": 0, "heldout_share": 0.1},
+            "train": {"backend": "hf", "lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3, "batch_size": 8,
+                      "max_tokens_per_batch": 2048, "max_seq_length": 128, "gradient_checkpointing": False,
+                      "checkpoint_every_seconds": 600},
+        }
+        for section, values in over.items():
+            if isinstance(values, dict) and isinstance(base.get(section), dict):
+                base[section] = {**base[section], **values}
+            else:
+                base[section] = values
+        return NightConfig.model_validate(base)
+
+    return inbox, make
+
+
+def run(cfg: Any, *, night: str = "2026-11-21", seconds: float = 3600, stop: threading.Event | None = None,
+        events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    from jobs.night import run_night
+
+    sink = events if events is not None else []
+    return run_night(cfg, night=night, deadline=time.time() + seconds, emit=sink.append,
+                     stop=stop or threading.Event())
+
+
+def copy_samples(inbox: Path) -> None:
+    for p in SAMPLE_INBOX.iterdir():
+        shutil.copy(p, inbox / p.name)

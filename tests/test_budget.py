@@ -1,0 +1,49 @@
+from jobs.budget import PlanConfig, estimate, is_heldout, make_plan
+from jobs.ledger import SampleRow
+
+
+def rows(n, tokens=100):
+    return [SampleRow(i, f"{i * 2654435761 % 2**32:08x}" + "0" * 56, {}, tokens, "s") for i in range(1, n + 1)]
+
+
+def hist(tps, overhead, origin="run"):
+    return {"tokens_per_second": tps, "overhead_seconds": overhead, "origin": origin}
+
+
+def test_prior_when_nothing_measured_and_says_so():
+    cfg = PlanConfig(prior_tokens_per_second=100, prior_overhead_seconds=10, heldout_share=0, safety_factor=1)
+    p = make_plan(rows(50), now=0, deadline=30, history=[], cfg=cfg, epochs=1, key="k")
+    assert not p.measured and "prior" in p.basis
+    # (30 s - 10 s overhead) x 100 tok/s = 2000 tokens = 20 samples of 100 tokens
+    assert len(p.train_ids) == 20 and p.deferred_samples == 30 and p.deferred_tokens == 3000
+    assert p.predicted_train_seconds == 20.0
+
+
+def test_measured_history_median_and_epochs():
+    cfg = PlanConfig(heldout_share=0, safety_factor=1)
+    history = [hist(1000, 100), hist(50, 100), hist(200, 300)]  # median 200 tok/s, 100 s overhead
+    tps, overhead, basis, measured = estimate(history, cfg)
+    assert (tps, overhead, measured) == (200, 100, True) and "median of 3" in basis
+    p = make_plan(rows(100), now=0, deadline=600, history=history, cfg=cfg, epochs=2, key="k")
+    # (600 - 100) x 200 / 2 epochs = 50,000 tokens: all 100 samples of 100 tokens fit
+    assert len(p.train_ids) == 100 and p.predicted_train_seconds == 100.0
+    p = make_plan(rows(100, tokens=1000), now=0, deadline=600, history=history, cfg=cfg, epochs=2, key="k")
+    assert len(p.train_ids) == 50 and p.deferred_samples == 50
+
+
+def test_oldest_first_and_heldout_is_deterministic():
+    cfg = PlanConfig(heldout_share=0.2, safety_factor=1, prior_overhead_seconds=0)
+    a = make_plan(rows(200), now=0, deadline=1e6, history=[], cfg=cfg, epochs=1, key="k")
+    b = make_plan(rows(200), now=0, deadline=1e6, history=[], cfg=cfg, epochs=1, key="k")
+    assert a.heldout_ids == b.heldout_ids and 10 < len(a.heldout_ids) < 70
+    assert a.train_ids == sorted(a.train_ids) and not set(a.train_ids) & set(a.heldout_ids)
+
+
+def test_no_time_left_defers_everything():
+    cfg = PlanConfig(prior_overhead_seconds=600)
+    p = make_plan(rows(10), now=0, deadline=300, history=[], cfg=cfg, epochs=1, key="k")
+    assert p.train_ids == [] and p.deferred_samples == 10 and p.available_seconds == 0
+
+
+def test_heldout_share_zero():
+    assert not is_heldout("ffffffff", 0)

@@ -1,0 +1,645 @@
+"""Hot-swap against real loopback HTTP servers that behave as vLLM / SGLang document.
+
+The fakes follow vllm/entrypoints/openai/serving_models.py (400 on a name already loaded,
+404 on an unknown unload or a missing adapter path, /v1/models lists data[].id/root/parent)
+and SGLang's http_server.py (/load_lora_adapter -> {"success", "error_message",
+"loaded_adapters"}, 400 on failure, adapters listed by /v1/models).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import ipaddress
+import json
+import os
+import ssl
+import sys
+import threading
+import time
+import tomllib
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from jobs.hotswap import (
+    AdapterRef,
+    HotswapConfig,
+    loaded_versions,
+    notify_all,
+    parse_versioned_name,
+    plan_unloads,
+    verify_signature,
+    versioned_name,
+)
+from jobs.hotswap.webhook import SIGNATURE_HEADER, TIMESTAMP_HEADER
+
+BASE = "tiny-base"
+
+
+class Fake:
+    """One loopback server; `behaviour` picks what it is (vllm, sglang, fail, hang, webhook, redirect)."""
+
+    def __init__(
+        self,
+        behaviour: str,
+        *,
+        api_key: str | None = None,
+        secret: str | None = None,
+        tls: ssl.SSLContext | None = None,
+        status: int = 500,
+        redirect_to: str = "",
+    ) -> None:
+        self.behaviour, self.api_key, self.secret = behaviour, api_key, secret
+        self.status, self.redirect_to = status, redirect_to
+        self.loaded: dict[str, str] = {}
+        self.requests: list[dict[str, Any]] = []
+        self.release = threading.Event()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                fake._handle(self, "GET")
+
+            def do_POST(self) -> None:
+                fake._handle(self, "POST")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        if tls is not None:
+            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
+        scheme = "https" if tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def posts(self, suffix: str) -> list[dict[str, Any]]:
+        return [r for r in self.requests if r["method"] == "POST" and r["path"].endswith(suffix)]
+
+    # -- request handling ------------------------------------------------------------
+    def _handle(self, h: BaseHTTPRequestHandler, method: str) -> None:
+        raw = h.rfile.read(int(h.headers.get("Content-Length") or 0))
+        body = json.loads(raw) if raw and self.behaviour != "webhook" else None
+        self.requests.append({"method": method, "path": h.path, "body": body, "raw": raw, "headers": dict(h.headers)})
+        if self.behaviour == "hang":
+            self.release.wait(5)
+            return self._send(h, 200, {})
+        if self.behaviour == "fail":
+            return self._send(h, self.status, {"object": "error", "message": "engine is sleeping"})
+        if self.behaviour == "redirect":
+            h.send_response(302)
+            h.send_header("Location", self.redirect_to)
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+            return None
+        if self.behaviour == "webhook":
+            return self._webhook(h, raw)
+        if self.api_key and h.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return self._send(h, 401, {"error": "Unauthorized"})
+        if method == "GET" and h.path == "/v1/models":
+            cards = [{"id": BASE, "object": "model", "root": BASE, "parent": None}]
+            cards += [{"id": n, "object": "model", "root": p, "parent": BASE} for n, p in self.loaded.items()]
+            return self._send(h, 200, {"object": "list", "data": cards})
+        prefix = "/v1" if self.behaviour == "vllm" else ""
+        if method == "POST" and h.path == f"{prefix}/load_lora_adapter":
+            return self._load(h, body or {})
+        if method == "POST" and h.path == f"{prefix}/unload_lora_adapter":
+            return self._unload(h, body or {})
+        return self._send(h, 404, {"detail": "Not Found"})
+
+    def _load(self, h: BaseHTTPRequestHandler, body: dict[str, Any]) -> None:
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            return self._error(h, 400, "Both 'lora_name' and 'lora_path' must be provided.")
+        if name in self.loaded:
+            return self._error(h, 400, f"The lora adapter '{name}' has already been loaded.")
+        if not os.path.isdir(path):
+            return self._error(h, 404, f"No adapter found for {path}")
+        self.loaded[name] = path
+        if self.behaviour == "sglang":
+            return self._send(h, 200, {"success": True, "error_message": None, "loaded_adapters": self.loaded})
+        return self._send(h, 200, f"Success: LoRA adapter '{name}' added successfully.")
+
+    def _unload(self, h: BaseHTTPRequestHandler, body: dict[str, Any]) -> None:
+        name = body.get("lora_name")
+        if name not in self.loaded:
+            return self._error(
+                h, 404 if self.behaviour == "vllm" else 400, f"The lora adapter '{name}' cannot be found."
+            )
+        del self.loaded[name]
+        if self.behaviour == "sglang":
+            return self._send(h, 200, {"success": True, "loaded_adapters": self.loaded})
+        return self._send(h, 200, f"Success: LoRA adapter '{name}' removed successfully.")
+
+    def _error(self, h: BaseHTTPRequestHandler, status: int, message: str) -> None:
+        if self.behaviour == "sglang":
+            return self._send(h, status, {"success": False, "error_message": message})
+        return self._send(h, status, {"object": "error", "message": message, "type": "x", "code": status})
+
+    def _webhook(self, h: BaseHTTPRequestHandler, raw: bytes) -> None:
+        """A receiver that checks the bearer token and the HMAC on its own (not via our helper)."""
+        if self.api_key and h.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return self._send(h, 401, {"error": "bad token"})
+        if self.secret:
+            ts = h.headers.get(TIMESTAMP_HEADER, "")
+            want = "sha256=" + hmac.new(self.secret.encode(), f"{ts}.".encode() + raw, hashlib.sha256).hexdigest()
+            if not hmac.compare_digest(h.headers.get(SIGNATURE_HEADER, ""), want):
+                return self._send(h, 401, {"error": "bad signature"})
+        return self._send(h, 204, None)
+
+    @staticmethod
+    def _send(h: BaseHTTPRequestHandler, status: int, payload: Any) -> None:
+        if payload is None:
+            data = b""
+        else:
+            data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
+        try:
+            h.send_response(status)
+            h.send_header("Content-Type", "application/json")
+            h.send_header("Content-Length", str(len(data)))
+            h.end_headers()
+            h.wfile.write(data)
+        except OSError:  # the client gave up (timeout test)
+            pass
+
+
+@pytest.fixture
+def servers() -> Iterator[list[Fake]]:
+    started: list[Fake] = []
+    yield started
+    for s in started:
+        s.close()
+
+
+def start(servers: list[Fake], behaviour: str, **kw: Any) -> Fake:
+    s = Fake(behaviour, **kw)
+    servers.append(s)
+    return s
+
+
+def adapter(tmp_path: Path, version: int, prefix: str = "tiny") -> AdapterRef:
+    d = tmp_path / "adapters" / versioned_name(prefix, version)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "adapter_config.json").write_text("{}")
+    return AdapterRef(
+        version=version,
+        name=d.name,
+        path=d,
+        base_model=BASE,
+        manifest={"version": version, "files": {"adapter_config.json": "ab" * 32}},
+    )
+
+
+class Sleeps(list[float]):
+    def __call__(self, seconds: float) -> None:
+        self.append(seconds)
+
+
+def cfg(*targets: dict[str, Any], **top: Any) -> HotswapConfig:
+    return HotswapConfig.model_validate({"targets": list(targets), **top})
+
+
+# -- configuration ---------------------------------------------------------------------------
+def test_config_from_toml_picks_each_kind() -> None:
+    doc = tomllib.loads("""
+        newest_name_file = "/tmp/x/newest"
+        [[targets]]
+        kind = "vllm"
+        name = "v"
+        base_url = "http://127.0.0.1:8000/"
+        [[targets]]
+        kind = "sglang"
+        name = "s"
+        base_url = "https://gpu.example:30000"
+        keep_loaded = 3
+        ca_bundle = "/etc/ssl/lab-ca.pem"
+        [[targets]]
+        kind = "webhook"
+        name = "w"
+        url = "https://hooks.example/x"
+        token_env = "TOK"
+        hmac_secret_file = "/etc/nightshift/hmac"
+        [[targets]]
+        kind = "command"
+        name = "c"
+        argv = ["/bin/true"]
+        timeout_s = 5
+    """)
+    c = HotswapConfig.model_validate(doc)
+    assert [type(t).__name__ for t in c.targets] == [
+        "LoraServerTarget",
+        "LoraServerTarget",
+        "WebhookTarget",
+        "CommandTarget",
+    ]
+    v = c.targets[0]
+    assert v.base_url == "http://127.0.0.1:8000" and v.keep_loaded == 2 and v.verify_tls  # type: ignore[union-attr]
+    assert c.targets[1].keep_loaded == 3  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("key", ["token", "api_key", "hmac_secret"])
+def test_config_refuses_clear_text_secrets(key: str) -> None:
+    kind = {"token": "webhook", "api_key": "vllm", "hmac_secret": "webhook"}[key]
+    t = {"kind": kind, "name": "x", key: "s3cret"}
+    t.update({"url": "https://h.example/"} if kind == "webhook" else {"base_url": "http://127.0.0.1:1"})
+    with pytest.raises(ValidationError) as e:
+        cfg(t)
+    assert f"'{key}' must not be written in clear" in str(e.value)
+    assert f"{key}_file" in str(e.value) and f"{key}_env" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"kind": "vllm", "name": "x", "base_url": "file:///etc/passwd"},
+        {"kind": "vllm", "name": "x", "base_url": "http://user:pw@127.0.0.1:1"},
+        {"kind": "webhook", "name": "x", "url": "https://h.example", "token_file": "/a", "token_env": "B"},
+        {"kind": "vllm", "name": "x", "base_url": "http://127.0.0.1:1", "keep_loaded": 0},
+        {"kind": "command", "name": "x", "argv": []},
+        {"kind": "command", "name": "x", "argv": ["/bin/true"], "verify_tls": False},
+        {"kind": "ftp", "name": "x"},
+    ],
+)
+def test_config_rejects_bad_targets(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        cfg(bad)
+
+
+def test_config_rejects_duplicate_names() -> None:
+    t = {"kind": "command", "name": "same", "argv": ["/bin/true"]}
+    with pytest.raises(ValidationError, match="two targets are named 'same'"):
+        cfg(t, t)
+
+
+def test_versioned_names(tmp_path: Path) -> None:
+    assert versioned_name("tiny", 7) == "tiny-v0007"
+    assert parse_versioned_name("tiny-v0007") == ("tiny", 7)
+    assert parse_versioned_name("my-model-v12345") == ("my-model", 12345)
+    assert parse_versioned_name(BASE) is None and parse_versioned_name("tiny-v7") is None
+    with pytest.raises(ValueError, match="not '<prefix>-v0008'"):
+        AdapterRef(version=8, name="tiny-v0007", path=tmp_path, base_model=BASE)
+    with pytest.raises(ValueError, match="absolute"):
+        AdapterRef(version=7, name="tiny-v0007", path=Path("rel"), base_model=BASE)
+
+
+def test_plan_unloads_keeps_just_loaded_and_newest_others() -> None:
+    names = ["t-v0001", "t-v0002", "t-v0003", "t-v0004"]
+    assert plan_unloads(names, "t-v0004", 2) == ["t-v0001", "t-v0002"]
+    assert plan_unloads(names, "t-v0004", 1) == ["t-v0001", "t-v0002", "t-v0003"]
+    assert plan_unloads(names, "t-v0002", 2) == ["t-v0001", "t-v0003"]  # rollback: keep v2 + v4
+    assert plan_unloads(names, "t-v0004", 9) == []
+    assert plan_unloads(["t-v0003"], "t-v0003", 1) == []
+
+
+# -- vLLM ------------------------------------------------------------------------------------
+def test_vllm_loads_versioned_names_and_honours_keep_loaded(tmp_path: Path, servers: list[Fake]) -> None:
+    srv = start(servers, "vllm")
+    srv.loaded.update({"sql-lora": "/elsewhere/sql", "big-v0001": "/elsewhere/big"})  # not ours
+    c = cfg({"kind": "vllm", "name": "vllm", "base_url": srv.url, "keep_loaded": 2})
+    for v in range(1, 6):
+        a = adapter(tmp_path, v)
+        before = sorted((p.name, p.stat().st_mtime_ns) for p in a.path.iterdir())
+        [out] = notify_all(c, a, sleep=Sleeps())
+        assert out.ok and out.attempts == 1 and out.error is None, out
+        assert out.kind == "vllm" and out.target == "vllm"
+        assert out.detail["loaded"] == [versioned_name("tiny", n) for n in range(max(1, v - 1), v + 1)]
+        assert sorted((p.name, p.stat().st_mtime_ns) for p in a.path.iterdir()) == before  # untouched
+        assert loaded_versions(c.targets[0], "tiny") == out.detail["loaded"]  # type: ignore[arg-type]
+    loads = [r["body"] for r in srv.posts("/v1/load_lora_adapter")]
+    assert [b["lora_name"] for b in loads] == [f"tiny-v000{v}" for v in range(1, 6)]
+    assert all(Path(b["lora_path"]).is_absolute() and b["lora_path"].endswith(b["lora_name"]) for b in loads)
+    assert [r["body"]["lora_name"] for r in srv.posts("/v1/unload_lora_adapter")] == [
+        "tiny-v0001",
+        "tiny-v0002",
+        "tiny-v0003",
+    ]
+    assert set(srv.loaded) == {"sql-lora", "big-v0001", "tiny-v0004", "tiny-v0005"}
+
+
+def test_vllm_resend_of_a_loaded_name_is_success(tmp_path: Path, servers: list[Fake]) -> None:
+    srv = start(servers, "vllm")
+    c = cfg({"kind": "vllm", "name": "vllm", "base_url": srv.url})
+    a = adapter(tmp_path, 7)
+    assert notify_all(c, a, sleep=Sleeps())[0].detail["already_loaded"] is False
+    [again] = notify_all(c, a, sleep=Sleeps())
+    assert again.ok and again.attempts == 1 and again.detail["already_loaded"] is True
+    assert len(srv.posts("/v1/load_lora_adapter")) == 2 and list(srv.loaded) == ["tiny-v0007"]
+
+
+def test_vllm_rollback_keeps_the_version_just_loaded(tmp_path: Path, servers: list[Fake]) -> None:
+    srv = start(servers, "vllm")
+    c = cfg({"kind": "vllm", "name": "vllm", "base_url": srv.url, "keep_loaded": 2})
+    for v in (3, 4, 5):
+        notify_all(c, adapter(tmp_path, v), sleep=Sleeps())
+    assert set(srv.loaded) == {"tiny-v0004", "tiny-v0005"}
+    [out] = notify_all(c, adapter(tmp_path, 3), sleep=Sleeps())  # roll back to v3
+    assert out.ok and out.detail["unloaded"] == ["tiny-v0004"]
+    assert set(srv.loaded) == {"tiny-v0003", "tiny-v0005"}
+
+
+def test_vllm_bearer_api_key(tmp_path: Path, servers: list[Fake], monkeypatch: pytest.MonkeyPatch) -> None:
+    srv = start(servers, "vllm", api_key="k-123")
+    keyfile = tmp_path / "key"
+    keyfile.write_text("k-123\n")
+    keyfile.chmod(0o600)
+    ok = cfg({"kind": "vllm", "name": "a", "base_url": srv.url, "api_key_file": str(keyfile)})
+    assert notify_all(ok, adapter(tmp_path, 1), sleep=Sleeps())[0].ok
+    monkeypatch.setenv("WRONG_KEY", "nope")
+    bad = cfg({"kind": "vllm", "name": "b", "base_url": srv.url, "api_key_env": "WRONG_KEY", "retries": 3})
+    [out] = notify_all(bad, adapter(tmp_path, 2), sleep=Sleeps())
+    assert not out.ok and out.attempts == 1 and "HTTP 401" in (out.error or "")  # 401 is not retried
+    unset = cfg({"kind": "vllm", "name": "c", "base_url": srv.url, "api_key_env": "NOT_SET_ANYWHERE"})
+    [out] = notify_all(unset, adapter(tmp_path, 3), sleep=Sleeps())
+    assert not out.ok and "NOT_SET_ANYWHERE is not set" in (out.error or "")
+
+
+def test_vllm_missing_route_or_adapter_is_not_retried(tmp_path: Path, servers: list[Fake]) -> None:
+    srv = start(servers, "sglang")  # vLLM routes absent: like VLLM_ALLOW_RUNTIME_LORA_UPDATING unset
+    sleeps = Sleeps()
+    c = cfg({"kind": "vllm", "name": "v", "base_url": srv.url, "retries": 3})
+    [out] = notify_all(c, adapter(tmp_path, 1), sleep=sleeps)
+    assert not out.ok and out.attempts == 1 and sleeps == [] and "HTTP 404" in (out.error or "")
+    srv2 = start(servers, "vllm")
+    gone = AdapterRef(version=2, name="tiny-v0002", path=tmp_path / "missing", base_model=BASE)
+    [out] = notify_all(cfg({"kind": "vllm", "name": "v", "base_url": srv2.url}), gone, sleep=sleeps)
+    assert not out.ok and "No adapter found" in (out.error or "")
+
+
+def test_remote_adapters_dir_rewrites_the_path(tmp_path: Path, servers: list[Fake]) -> None:
+    srv = start(servers, "vllm")
+    remote = tmp_path / "mounted"
+    (remote / "tiny-v0001").mkdir(parents=True)
+    c = cfg({"kind": "vllm", "name": "v", "base_url": srv.url, "remote_adapters_dir": str(remote) + "/"})
+    assert notify_all(c, adapter(tmp_path, 1), sleep=Sleeps())[0].ok
+    assert srv.loaded["tiny-v0001"] == f"{remote}/tiny-v0001"
+
+
+# -- SGLang ----------------------------------------------------------------------------------
+def test_sglang_same_policy(tmp_path: Path, servers: list[Fake]) -> None:
+    srv = start(servers, "sglang")
+    c = cfg({"kind": "sglang", "name": "sg", "base_url": srv.url, "keep_loaded": 1})
+    for v in (1, 2, 3):
+        [out] = notify_all(c, adapter(tmp_path, v), sleep=Sleeps())
+        assert out.ok and out.kind == "sglang" and out.detail["loaded"] == [f"tiny-v000{v}"]
+    assert list(srv.loaded) == ["tiny-v0003"]
+    assert [r["body"]["lora_name"] for r in srv.posts("/unload_lora_adapter")] == ["tiny-v0001", "tiny-v0002"]
+    assert not srv.posts("/v1/load_lora_adapter")  # SGLang's routes have no /v1
+    [again] = notify_all(c, adapter(tmp_path, 3), sleep=Sleeps())
+    assert again.ok and again.detail["already_loaded"]
+
+
+# -- failures, retries, timeouts --------------------------------------------------------------
+def test_retries_with_exponential_backoff(tmp_path: Path, servers: list[Fake]) -> None:
+    srv = start(servers, "fail", status=503)
+    sleeps = Sleeps()
+    c = cfg({"kind": "vllm", "name": "down", "base_url": srv.url, "retries": 3, "backoff_s": 0.5})
+    [out] = notify_all(c, adapter(tmp_path, 1), sleep=sleeps)
+    assert not out.ok and out.attempts == 4 and sleeps == [0.5, 1.0, 2.0]
+    assert "HTTP 503" in (out.error or "") and "engine is sleeping" in (out.error or "")
+    assert len(srv.posts("/v1/load_lora_adapter")) == 4
+
+
+def test_backoff_is_capped(tmp_path: Path, servers: list[Fake]) -> None:
+    srv = start(servers, "fail")
+    sleeps = Sleeps()
+    c = cfg({"kind": "webhook", "name": "w", "url": srv.url, "retries": 4, "backoff_s": 20})
+    assert notify_all(c, adapter(tmp_path, 1), sleep=sleeps)[0].attempts == 5
+    assert sleeps == [20, 40, 60, 60]
+
+
+def test_timeout_is_reported_and_retried(tmp_path: Path, servers: list[Fake]) -> None:
+    srv = start(servers, "hang")
+    sleeps = Sleeps()
+    c = cfg({"kind": "vllm", "name": "slow", "base_url": srv.url, "timeout_s": 0.2, "retries": 1})
+    t0 = time.monotonic()
+    [out] = notify_all(c, adapter(tmp_path, 1), sleep=sleeps)
+    assert not out.ok and out.attempts == 2 and sleeps == [1.0]
+    assert "timed out after 0.2 s" in (out.error or "")
+    assert time.monotonic() - t0 < 3 and 0.3 < out.seconds < 3
+
+
+def test_connection_refused_is_retried(tmp_path: Path, servers: list[Fake]) -> None:
+    srv = start(servers, "vllm")
+    url = srv.url
+    srv.close()
+    servers.remove(srv)
+    c = cfg({"kind": "sglang", "name": "gone", "base_url": url, "retries": 2, "backoff_s": 0.1})
+    [out] = notify_all(c, adapter(tmp_path, 1), sleep=(sleeps := Sleeps()))
+    assert not out.ok and out.attempts == 3 and sleeps == [0.1, 0.2]
+
+
+def test_one_failing_target_does_not_stop_the_others(tmp_path: Path, servers: list[Fake]) -> None:
+    bad, good, hook = start(servers, "fail"), start(servers, "vllm"), start(servers, "webhook")
+    newest = tmp_path / "run" / "newest"
+    c = cfg(
+        {"kind": "vllm", "name": "bad", "base_url": bad.url, "retries": 1},
+        {"kind": "vllm", "name": "good", "base_url": good.url},
+        {"kind": "webhook", "name": "hook", "url": hook.url},
+        {"kind": "command", "name": "cmd", "argv": [sys.executable, "-c", "pass"]},
+        newest_name_file=str(newest),
+    )
+    outs = notify_all(c, adapter(tmp_path, 1), sleep=Sleeps())
+    assert [(o.target, o.ok) for o in outs] == [("bad", False), ("good", True), ("hook", True), ("cmd", True)]
+    assert not newest.exists()  # a server lacks v1: clients must keep using the old name
+    json.dumps([o.as_dict() for o in outs])  # JSON-ready for the ledger / child events
+    ok_only = cfg(*[t.model_dump() for t in c.targets[1:]], newest_name_file=str(newest))
+    assert all(o.ok for o in notify_all(ok_only, adapter(tmp_path, 2), sleep=Sleeps()))
+    assert newest.read_text() == "tiny-v0002\n"
+
+
+def test_redirects_are_refused(tmp_path: Path, servers: list[Fake]) -> None:
+    elsewhere = start(servers, "webhook")
+    srv = start(servers, "redirect", redirect_to=elsewhere.url + "/steal")
+    [out] = notify_all(cfg({"kind": "webhook", "name": "w", "url": srv.url}), adapter(tmp_path, 1), sleep=Sleeps())
+    assert not out.ok and out.attempts == 1 and "HTTP 302" in (out.error or "")
+    assert elsewhere.requests == []  # only URLs from the configuration are contacted
+
+
+# -- webhook ---------------------------------------------------------------------------------
+def test_webhook_is_signed_and_carries_the_bearer_token(
+    tmp_path: Path,
+    servers: list[Fake],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    srv = start(servers, "webhook", api_key="tok-1", secret="hmac-key")
+    monkeypatch.setenv("HOOK_TOKEN", "tok-1")
+    secret_file = tmp_path / "hmac"
+    secret_file.write_text("hmac-key\n")
+    secret_file.chmod(0o600)
+    c = cfg(
+        {
+            "kind": "webhook",
+            "name": "w",
+            "url": srv.url + "/hook",
+            "token_env": "HOOK_TOKEN",
+            "hmac_secret_file": str(secret_file),
+        }
+    )
+    a = adapter(tmp_path, 7)
+    [out] = notify_all(c, a, sleep=Sleeps())
+    assert out.ok and out.detail["status"] == 204 and out.detail["signed"], out
+    [req] = srv.requests
+    payload = json.loads(req["raw"])
+    assert payload == {
+        "version": 7,
+        "name": "tiny-v0007",
+        "path": str(a.path),
+        "base_model": BASE,
+        "manifest": a.manifest,
+    }
+    headers = req["headers"]
+    assert verify_signature("hmac-key", req["raw"], headers, now=time.time())
+    tampered = req["raw"].replace(b'"version":7', b'"version":8')
+    assert not verify_signature("hmac-key", tampered, headers, now=time.time())
+    assert not verify_signature("other-key", req["raw"], headers, now=time.time())
+    assert not verify_signature("hmac-key", req["raw"], headers, now=time.time() + 3600)  # replayed late
+    # the receiver itself refuses a tampered body sent with the original headers
+    import urllib.error
+    import urllib.request
+
+    fwd = {k: v for k, v in headers.items() if k.lower() not in ("host", "content-length")}
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(urllib.request.Request(srv.url, data=tampered, headers=fwd), timeout=5)
+    assert e.value.code == 401
+
+
+def test_webhook_wrong_token_and_missing_secret_fail_without_retry(
+    tmp_path: Path,
+    servers: list[Fake],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    srv = start(servers, "webhook", api_key="right")
+    monkeypatch.setenv("HOOK_TOKEN", "wrong")
+    c = cfg(
+        {"kind": "webhook", "name": "w", "url": srv.url, "token_env": "HOOK_TOKEN", "retries": 3},
+        {"kind": "webhook", "name": "w2", "url": srv.url, "hmac_secret_file": str(tmp_path / "nope")},
+    )
+    sleeps = Sleeps()
+    bad_token, no_secret = notify_all(c, adapter(tmp_path, 1), sleep=sleeps)
+    assert not bad_token.ok and bad_token.attempts == 1 and "HTTP 401" in (bad_token.error or "")
+    assert not no_secret.ok and "cannot read" in (no_secret.error or "") and sleeps == []
+    assert len(srv.requests) == 1  # no request at all without its secret
+
+
+# -- command ---------------------------------------------------------------------------------
+def test_command_gets_the_path(tmp_path: Path) -> None:
+    seen = tmp_path / "seen.json"
+    script = (
+        "import json, os, sys; json.dump({'argv': sys.argv[1:], "
+        "'name': os.environ['NIGHTSHIFT_ADAPTER_NAME']}, open(sys.argv[1], 'w')); print('reloaded')"
+    )
+    c = cfg({"kind": "command", "name": "c", "argv": [sys.executable, "-c", script, str(seen)]})
+    a = adapter(tmp_path, 3)
+    [out] = notify_all(c, a, sleep=Sleeps())
+    assert out.ok and out.detail["returncode"] == 0 and "reloaded" in out.detail["output_tail"]
+    assert json.loads(seen.read_text()) == {"argv": [str(seen), str(a.path)], "name": "tiny-v0003"}
+
+
+def test_command_failure_keeps_the_output_tail(tmp_path: Path) -> None:
+    c = cfg(
+        {
+            "kind": "command",
+            "name": "c",
+            "retries": 1,
+            "argv": [sys.executable, "-c", "import sys; print('x' * 5000 + 'server said no'); sys.exit(3)"],
+        }
+    )
+    sleeps = Sleeps()
+    [out] = notify_all(c, adapter(tmp_path, 1), sleep=sleeps)
+    assert not out.ok and out.attempts == 2 and sleeps == [1.0]
+    assert "status 3" in (out.error or "") and out.detail["output_tail"].endswith("server said no\n")
+    assert len(out.detail["output_tail"]) == 2000
+    [missing] = notify_all(
+        cfg({"kind": "command", "name": "m", "argv": [str(tmp_path / "nope")]}), adapter(tmp_path, 1), sleep=sleeps
+    )
+    assert not missing.ok and missing.attempts == 1 and "cannot run" in (missing.error or "")
+
+
+def test_command_timeout_kills_it_and_its_children(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    script = (
+        "import os, subprocess, sys, time; "
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{c.pid}}'); print('started', flush=True); "
+        "time.sleep(60)"
+    )
+    c = cfg({"kind": "command", "name": "c", "timeout_s": 1.0, "retries": 0, "argv": [sys.executable, "-c", script]})
+    t0 = time.monotonic()
+    [out] = notify_all(c, adapter(tmp_path, 1), sleep=Sleeps())
+    assert time.monotonic() - t0 < 10
+    assert not out.ok and "timed out after 1 s and was killed" in (out.error or "")
+    assert "started" in out.detail["output_tail"]
+    for pid in map(int, pids.read_text().split()):
+        for _ in range(50):  # the grandchild is reparented and reaped by init, give it a moment
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"process {pid} survived the timeout")
+
+
+# -- TLS -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def self_signed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    x509 = pytest.importorskip("cryptography.x509", reason="cryptography is needed to make a test certificate")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    d = tmp_path_factory.mktemp("tls")
+    (d / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (d / "key.pem").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return d / "cert.pem", d / "key.pem"
+
+
+def test_tls_self_signed_is_refused_by_default(
+    tmp_path: Path,
+    servers: list[Fake],
+    self_signed: tuple[Path, Path],
+) -> None:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(*self_signed)
+    srv = start(servers, "vllm", tls=ctx)
+    a = adapter(tmp_path, 1)
+    sleeps = Sleeps()
+    [out] = notify_all(cfg({"kind": "vllm", "name": "t", "base_url": srv.url, "retries": 3}), a, sleep=sleeps)
+    assert not out.ok and out.attempts == 1 and sleeps == []  # a certificate problem is not retried
+    assert "certificate verification failed" in (out.error or "") and "ca_bundle" in (out.error or "")
+    assert srv.loaded == {}
+    trusted = cfg({"kind": "vllm", "name": "t", "base_url": srv.url, "ca_bundle": str(self_signed[0])})
+    assert notify_all(trusted, a, sleep=sleeps)[0].ok
+    lab = cfg({"kind": "vllm", "name": "t", "base_url": srv.url, "verify_tls": False})
+    [out] = notify_all(lab, adapter(tmp_path, 2), sleep=sleeps)
+    assert out.ok and set(srv.loaded) == {"tiny-v0001", "tiny-v0002"}
