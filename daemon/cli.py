@@ -15,6 +15,7 @@ from daemon import report
 from daemon.settings import DEFAULT_CONFIG, ConfigError, Settings, check_paths, load_settings
 from daemon.supervisor import NightChild, wait_interruptibly
 from jobs import logs
+from jobs.ledger import Ledger, NightOutcomes
 
 
 def parse_until(until: str | None, default_seconds: float, now: dt.datetime) -> float:
@@ -32,10 +33,7 @@ def parse_until(until: str | None, default_seconds: float, now: dt.datetime) -> 
 
 
 def window_seconds(s: Settings) -> float:
-    window = getattr(s, "window", None)
-    if window is None:
-        return 5 * 3600.0
-    return window.length_seconds()
+    return s.window.length.total_seconds()
 
 
 def run_child(s: Settings, *, night: str, deadline: float, plan_only: bool,
@@ -55,9 +53,14 @@ def run_child(s: Settings, *, night: str, deadline: float, plan_only: bool,
 def cmd_once(args: argparse.Namespace, s: Settings) -> int:
     now = dt.datetime.now().astimezone()
     deadline = parse_until(args.until, window_seconds(s), now)
-    save_margin = getattr(getattr(s, "window", None), "save_margin_minutes", 0) * 60
     night = f"manual-{now.date().isoformat()}"
-    out = run_child(s, night=night, deadline=deadline - save_margin, plan_only=False)
+    out = run_child(s, night=night, deadline=deadline - s.window.save_margin.total_seconds(), plan_only=False)
+    if out.summary is None or out.summary["outcome"] == "failed":
+        # one attempt for a manual night: close it (a killed `once` leaves it open, and a rerun resumes)
+        error = (out.summary or {}).get("error") or f"the night's process died ({out.describe_exit()})"
+        ledger = Ledger(s.state_dir / "ledger.sqlite")
+        NightOutcomes(ledger).close(night, "failed", error, deadline=deadline)
+        ledger.close()
     if out.summary is None:
         print(f"nightshift once: the night's process failed ({out.describe_exit()}); last lines:", file=sys.stderr)
         print("\n".join(out.tail[-15:]), file=sys.stderr)
@@ -90,6 +93,20 @@ def cmd_check_config(args: argparse.Namespace, s: Settings) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace, s: Settings) -> int:
+    from daemon.service import Service
+
+    return Service(s).run()
+
+
+def cmd_status(args: argparse.Namespace, s: Settings) -> int:
+    from daemon.status import collect, render
+
+    info = collect(s)
+    print(json.dumps(info, indent=2, default=str) if args.json else render(info))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="nightshift", description=__doc__)
     ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="TOML file (default: %(default)s)")
@@ -101,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--until", help="HH:MM (default: now + window length)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
+    p = sub.add_parser("run", help="the service: wait for each night's window and run it (systemd)")
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser("status", help="next window, last runs, backlog, adapter in service")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
     p = sub.add_parser("check-config", help="report every problem of a config file")
     p.add_argument("file", type=Path, nargs="?")
     p.set_defaults(func=cmd_check_config)

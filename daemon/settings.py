@@ -20,8 +20,11 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from daemon.metrics import MetricsConfig
+from daemon.window import WindowConfig
 from jobs.budget import PlanConfig
 from jobs.evaluate import EvalConfig
+from jobs.hotswap import HotswapConfig
 from jobs.night import ModelConfig, NightConfig
 from jobs.sources import SourceConfig
 from jobs.train import TrainConfig
@@ -58,6 +61,9 @@ class Settings(BaseSettings):
     plan: PlanConfig = Field(default_factory=PlanConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    hotswap: HotswapConfig = Field(default_factory=HotswapConfig)
+    window: WindowConfig = Field(default_factory=WindowConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     daemon: DaemonConfig = Field(default_factory=DaemonConfig)
 
@@ -109,10 +115,13 @@ def format_error(err: dict[str, Any]) -> str:
         return f"{name}: unknown key"
     if err["type"] == "missing":
         return f"{name}: required key is missing" + ("" if in_list else f" (or set {env})")
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if msg.startswith("["):  # a validator that already names the key the user's way
+        return msg
     got = err.get("input")
     shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
     origin = f" [from the environment: {env}]" if not in_list and env.upper() in map(str.upper, os.environ) else ""
-    return f"{name}: {err['msg']}{shown}{origin}"
+    return f"{name}: {msg}{shown}{origin}"
 
 
 def load_settings(path: Path | None = DEFAULT_CONFIG, **overrides: Any) -> Settings:

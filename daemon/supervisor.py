@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -20,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import structlog
+
+from daemon import sdnotify
 
 log = structlog.get_logger("nightshift.supervisor")
 EXIT_INTERRUPTED = 3  # jobs/child.py: stopped on request, checkpoint saved
@@ -58,7 +59,7 @@ class NightChild:
         cmd = [sys.executable, "-m", "jobs.child", "--night", self.night, "--deadline", repr(self.deadline)]
         if self.plan_only:
             cmd.append("--plan-only")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        env = {**sdnotify.child_environ(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
         env.setdefault("NIGHTSHIFT_LOG_FORMAT", "console" if self.log_stream.isatty() else "json")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -1,0 +1,69 @@
+"""`nightshift status`: what an operator asks first, read from the ledger (no torch)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from daemon.report import table
+from daemon.settings import Settings
+from jobs.ledger import Ledger
+from jobs.registry import Registry
+
+
+def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:
+    now = now or datetime.now(UTC)
+    zone = s.window.zone()
+    w = s.window.window_at(now)
+    nxt = s.window.next_window(now)
+    ledger = Ledger(Path(s.state_dir) / "ledger.sqlite")
+    try:
+        runs = []
+        for r in ledger.last_runs(10):
+            summ = json.loads(r["summary"]) if r["summary"] else {}
+            runs.append({
+                "run_id": r["id"], "night": r["night"], "status": r["status"], "version": r["version"],
+                "started": datetime.fromtimestamp(r["started_at"], zone).isoformat(timespec="seconds"),
+                "seconds": round(r["ended_at"] - r["started_at"], 1) if r["ended_at"] else None,
+                "trained_samples": summ.get("trained_samples"), "attempts": r["attempt"], "error": r["error"],
+            })
+        backlog = ledger.backlog()
+        current = Registry(Path(s.state_dir)).current_version()
+        row = ledger.version(current) if current else None
+        manifest = json.loads(row["manifest"]) if row and row["manifest"] else {}
+        return {
+            "window": s.window.describe(),
+            "window_open": w is not None,
+            "tonight_done": ledger.night_done(w.night) if w else None,
+            "next_window_start": nxt.start.astimezone(zone).isoformat(timespec="minutes"),
+            "runs": runs,
+            "backlog": {"samples": backlog[0], "tokens": backlog[1]},
+            "samples": ledger.sample_counts(),
+            "in_service": None if row is None else {
+                "version": current, "name": row["name"], "path": row["path"],
+                "promoted": datetime.fromtimestamp(row["promoted_at"], zone).isoformat(timespec="seconds")
+                if row["promoted_at"] else None,
+                "base_model": manifest.get("base_model", {}).get("path"),
+            },
+        }
+    finally:
+        ledger.close()
+
+
+def render(info: dict[str, Any]) -> str:
+    svc = info["in_service"]
+    head = table([
+        ("window", info["window"] + (" (open now)" if info["window_open"] else "")),
+        ("next window", info["next_window_start"]),
+        ("adapter in service", f"{svc['name']} (promoted {svc['promoted']})" if svc else "none yet"),
+        ("backlog", f"{info['backlog']['samples']:,} samples, {info['backlog']['tokens']:,} tokens"),
+        ("samples", ", ".join(f"{k} {v:,}" for k, v in sorted(info["samples"].items())) or "none"),
+    ])
+    cols = ("night", "status", "version", "trained_samples", "seconds", "started", "error")
+    rows = [[str(r[c] if r[c] is not None else "—") for c in cols] for r in info["runs"]]
+    widths = [max(len(c), *(len(x[i]) for x in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(cols))]
+    lines += ["  ".join(x[i][:80].ljust(widths[i]) for i in range(len(cols))) for x in rows]
+    return head + "\n\nlast runs:\n" + ("\n".join("  " + line for line in lines) if rows else "  none yet")

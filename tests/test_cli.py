@@ -1,0 +1,144 @@
+"""The command line as a newcomer and an operator use it: real subprocesses."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs.ledger import Ledger
+from tests.conftest import REPO, alpaca, write_jsonl
+
+pytestmark = pytest.mark.slow
+
+
+def nightshift(*args, cwd=REPO, env=None, timeout=240):
+    return subprocess.run(
+        [sys.executable, "-m", "daemon", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def config(tmp_path, tiny_model, **train):
+    inbox = tmp_path / "inbox"
+    inbox.mkdir(exist_ok=True)
+    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in train.items())
+    p = tmp_path / "nightshift.toml"
+    p.write_text(f"""
+state_dir = "{tmp_path / "state"}"
+[model]
+path = "{tiny_model}"
+name = "tiny"
+[[sources]]
+name = "inbox"
+inbox = "{inbox}"
+settle_seconds = 0
+[plan]
+prior_tokens_per_second = 2000
+prior_overhead_seconds = 0
+heldout_share = 0
+[train]
+backend = "hf"
+lora_rank = 4
+max_seq_length = 128
+gradient_checkpointing = false
+{extra}""")
+    return p, inbox
+
+
+def test_once_on_the_embedded_default_runs_a_whole_night(tmp_path):
+    """The README's first command, in a copy of the repo's config and sample data."""
+    work = tmp_path / "work"
+    (work / "config").mkdir(parents=True)
+    for p in (REPO / "config").rglob("*"):
+        if p.is_file():
+            dest = work / p.relative_to(REPO)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(p.read_bytes())
+    t0 = time.time()
+    r = nightshift("once", cwd=work, env={"PYTHONPATH": str(REPO)})
+    elapsed = time.time() - t0
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"outcome\s+succeeded", r.stdout)
+    assert re.search(r"version\s+tiny-v0001 \(promoted", r.stdout)
+    assert (work / "state" / "current" / "adapter_model.safetensors").exists()
+    assert (work / "state" / "models" / "tiny-llama" / "tokenizer.json").exists()
+    # logs are JSON lines (stderr is not a TTY here) and every line of the run carries its run id
+    lines = [json.loads(x) for x in r.stderr.splitlines() if x.startswith("{")]
+    run_lines = [x for x in lines if x.get("logger", "").startswith("nightshift.") and x["event"] == "plan"]
+    assert run_lines and all("run_id" in x for x in run_lines)
+    assert elapsed < 120, f"the demo night took {elapsed:.0f} s (budget: 2 minutes on 2 cores)"
+
+
+def test_plan_prints_and_trains_nothing(tmp_path, tiny_model):
+    cfg, inbox = config(tmp_path, tiny_model)
+    write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(10)])
+    r = nightshift("--config", str(cfg), "plan", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = json.loads(r.stdout)
+    assert len(plan["train_ids"]) == 10 and "prior" in plan["basis"]
+    led = Ledger(tmp_path / "state" / "ledger.sqlite")
+    assert led.sample_counts() == {"pending": 10} and led.versions() == [] and led.last_runs() == []
+
+
+def test_check_config_reports_every_problem(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\npath = "/nonexistent"\n[train]\nlora_rank = -1\nfoo = 1\n')
+    r = nightshift("check-config", str(bad))
+    assert r.returncode == 2
+    assert "[train] lora_rank" in r.stderr and "[train] foo: unknown key" in r.stderr
+    r = nightshift("check-config", "config/nightshift.toml")
+    assert r.returncode == 0, r.stderr
+
+
+def test_kill_9_mid_training_then_rerun_loses_nothing_and_trains_nothing_twice(tmp_path, tiny_model):
+    cfg, inbox = config(tmp_path, tiny_model, epochs=100, batch_size=4, checkpoint_every_seconds=0.5)
+    write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(24)])
+    state = tmp_path / "state"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "daemon", "--config", str(cfg), "once"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pids: list[int] = []
+
+    def read_logs():
+        for line in proc.stderr:
+            if '"child_started"' in line:
+                pids.append(json.loads(line)["pid"])
+
+    threading.Thread(target=read_logs, daemon=True).start()
+    deadline = time.time() + 180
+    while not (pids and list(state.glob("checkpoints/*/latest/state.json"))):
+        assert time.time() < deadline and proc.poll() is None, "no checkpoint appeared"
+        time.sleep(0.05)
+    time.sleep(0.3)  # let it train past the checkpoint: that work is lost with the kill
+    os.kill(pids[0], signal.SIGKILL)
+    proc.kill()
+    proc.wait()
+    led = Ledger(state / "ledger.sqlite")
+    assert led.sample_counts() == {"pending": 24}
+    assert not (state / "current").exists()
+    assert not list((state / "adapters").glob("tiny-v*"))
+
+    r = nightshift("--config", str(cfg), "once")
+    assert r.returncode == 0, r.stderr[-3000:]
+    manifest = json.loads((state / "current" / "manifest.json").read_text())
+    assert manifest["training"]["resumed_from_step"] > 0
+    assert manifest["training"]["steps"] == 100 * 6  # every batch exactly once over both processes
+    assert led.sample_counts() == {"trained": 24}
+    assert [v["name"] for v in led.versions()] == ["tiny-v0001"]
+    assert not list((state / "adapters").glob(".tmp-*"))
+    assert len(led.last_runs()) == 1

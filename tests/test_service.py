@@ -1,0 +1,237 @@
+"""`nightshift run` as systemd runs it: a real subprocess, a window seconds away, NOTIFY_SOCKET."""
+
+import datetime as dt
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from jobs.ledger import Ledger
+from tests.conftest import REPO, alpaca, write_jsonl
+
+pytestmark = pytest.mark.slow
+
+
+class Notify:
+    """A unix datagram socket standing in for systemd's NOTIFY_SOCKET."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.2)
+        self.messages: list[str] = []
+        self._stop = False
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        while not self._stop:
+            try:
+                self.messages.append(self.sock.recv(4096).decode())
+            except TimeoutError:
+                continue
+
+    def close(self):
+        self._stop = True
+        self.thread.join()
+        self.sock.close()
+
+    def having(self, prefix):
+        return [m for m in self.messages if m.startswith(prefix)]
+
+
+def write_config(tmp_path, tiny_model, *, opens_in=3, lasts=300, **train):
+    now = dt.datetime.now(dt.UTC)
+    start = (now + dt.timedelta(seconds=opens_in)).strftime("%H:%M:%S")
+    end = (now + dt.timedelta(seconds=opens_in + lasts)).strftime("%H:%M:%S")
+    inbox = tmp_path / "inbox"
+    inbox.mkdir(exist_ok=True)
+    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in train.items())
+    cfg = tmp_path / "n.toml"
+    cfg.write_text(f"""
+state_dir = "{tmp_path / "state"}"
+[model]
+path = "{tiny_model}"
+name = "tiny"
+[[sources]]
+name = "inbox"
+inbox = "{inbox}"
+settle_seconds = 0
+[plan]
+prior_tokens_per_second = 2000
+prior_overhead_seconds = 0
+heldout_share = 0
+[train]
+backend = "hf"
+lora_rank = 4
+max_seq_length = 128
+gradient_checkpointing = false
+{extra}
+[window]
+start = "{start}"
+end = "{end}"
+timezone = "UTC"
+save_margin_minutes = 0.1
+min_run_minutes = 0.1
+[metrics]
+port = 0
+[daemon]
+stop_grace_seconds = 30
+retry_backoff_seconds = 1
+""")
+    return cfg, inbox
+
+
+def start(cfg, notify=None, watchdog_usec=None):
+    env = {**os.environ}
+    if notify:
+        env["NOTIFY_SOCKET"] = notify.path
+    if watchdog_usec:
+        env["WATCHDOG_USEC"] = str(watchdog_usec)
+    return subprocess.Popen(
+        [sys.executable, "-m", "daemon", "--config", str(cfg), "run"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def child_pids(proc):
+    """Collect the night children's pids from the daemon's JSON log lines."""
+    pids = []
+
+    def read():
+        for line in proc.stderr:
+            if '"child_started"' in line:
+                pids.append(json.loads(line)["pid"])
+
+    threading.Thread(target=read, daemon=True).start()
+    return pids
+
+
+def wait_for(cond, timeout, what, proc=None):
+    end = time.time() + timeout
+    while not cond():
+        assert time.time() < end, f"timed out waiting for {what}"
+        if proc is not None:
+            assert proc.poll() is None, f"the daemon exited ({proc.returncode}) while waiting for {what}"
+        time.sleep(0.1)
+
+
+def runs(state):
+    led = Ledger(state / "ledger.sqlite")
+    try:
+        return [dict(r) for r in led.db.execute("SELECT * FROM runs ORDER BY started_at")]
+    finally:
+        led.close()
+
+
+def counts(state):
+    led = Ledger(state / "ledger.sqlite")
+    try:
+        return led.sample_counts()
+    finally:
+        led.close()
+
+
+def test_one_night_in_the_window_with_systemd_notify_and_no_rerun_after_restart(tmp_path, tiny_model):
+    cfg, inbox = write_config(tmp_path, tiny_model)
+    write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(30)])
+    state = tmp_path / "state"
+    notify = Notify(tmp_path / "notify.sock")
+    proc = start(cfg, notify, watchdog_usec=1_000_000)
+    try:
+        wait_for(lambda: notify.having("READY=1"), 60, "READY=1", proc)
+        assert any("waiting for window" in m for m in notify.having("STATUS="))
+        assert not (state / "ledger.sqlite").exists() or not runs(state)  # nothing before the window opens
+        wait_for(lambda: any(r["status"] == "succeeded" for r in runs(state)), 120, "a succeeded run", proc)
+        wait_for(lambda: any("next" in m for m in notify.having("STATUS=waiting")[1:]), 30, "waiting again", proc)
+        time.sleep(2)
+        assert len(runs(state)) == 1  # exactly one run in the window
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    statuses = notify.having("STATUS=")
+    assert any(m.startswith("STATUS=training v0001:") for m in statuses), statuses
+    assert len(notify.having("WATCHDOG=1")) >= 3
+    assert notify.having("STOPPING=1")
+    assert (state / "current").resolve().name == "tiny-v0001"
+
+    # a restart inside the same window after the completed run does not run it again
+    proc = start(cfg, notify)
+    try:
+        wait_for(lambda: len(notify.having("READY=1")) == 2, 60, "second READY=1", proc)
+        time.sleep(3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        notify.close()
+    assert len(runs(state)) == 1
+
+
+def test_sigterm_mid_training_saves_a_checkpoint_and_the_restart_resumes(tmp_path, tiny_model):
+    cfg, inbox = write_config(tmp_path, tiny_model, opens_in=1, epochs=30, batch_size=4, checkpoint_every_seconds=600)
+    write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(24)])
+    state = tmp_path / "state"
+    proc = start(cfg)
+    try:
+        wait_for(lambda: list(state.glob("checkpoints/*/before.json")), 120, "training to start", proc)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)  # as `systemctl stop` does
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    [run] = runs(state)
+    assert run["status"] == "running"  # open: the next start resumes it
+    assert list(state.glob("checkpoints/*/latest/state.json")), "no checkpoint saved on SIGTERM"
+    assert counts(state) == {"pending": 24}
+
+    proc = start(cfg)
+    try:
+        wait_for(lambda: runs(state)[0]["status"] == "succeeded", 240, "the resumed run to finish", proc)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    manifest = json.loads((state / "current" / "manifest.json").read_text())
+    assert manifest["training"]["resumed_from_step"] > 0 and manifest["training"]["steps"] == 30 * 6
+    assert counts(state) == {"trained": 24} and len(runs(state)) == 1
+
+
+def test_kill_9_of_daemon_and_child_then_restart_trains_nothing_twice(tmp_path, tiny_model):
+    cfg, inbox = write_config(tmp_path, tiny_model, opens_in=1, epochs=30, batch_size=4, checkpoint_every_seconds=0.5)
+    write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(24)])
+    state = tmp_path / "state"
+    proc = start(cfg)
+    pids = child_pids(proc)
+    try:
+        wait_for(lambda: pids and list(state.glob("checkpoints/*/latest/state.json")), 120, "a checkpoint", proc)
+        time.sleep(0.3)
+        os.kill(pids[0], signal.SIGKILL)  # systemd's SIGKILL reaches the whole cgroup: both die
+        proc.kill()
+        proc.wait()
+    finally:
+        proc.kill()
+    assert counts(state) == {"pending": 24}
+
+    proc = start(cfg)
+    try:
+        wait_for(lambda: runs(state)[0]["status"] == "succeeded", 240, "the resumed run to finish", proc)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    manifest = json.loads((state / "current" / "manifest.json").read_text())
+    assert manifest["training"]["resumed_from_step"] > 0 and manifest["training"]["steps"] == 30 * 6
+    assert counts(state) == {"trained": 24} and len(runs(state)) == 1
