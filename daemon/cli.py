@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import report
+from daemon.adapters_cli import add_commands as add_adapter_commands
 from daemon.settings import DEFAULT_CONFIG, ConfigError, Settings, check_paths, load_settings
 from daemon.supervisor import NightChild, wait_interruptibly
 from jobs import logs
@@ -54,7 +55,13 @@ def cmd_once(args: argparse.Namespace, s: Settings) -> int:
     now = dt.datetime.now().astimezone()
     deadline = parse_until(args.until, window_seconds(s), now)
     night = f"manual-{now.date().isoformat()}"
-    out = run_child(s, night=night, deadline=deadline - s.window.save_margin.total_seconds(), plan_only=False)
+
+    def show_plan(ev: dict[str, Any]) -> None:
+        if ev.get("event") == "plan":
+            print("plan:\n" + report.plan_table(ev["plan"]) + "\n", flush=True)
+
+    out = run_child(s, night=night, deadline=deadline - s.window.save_margin.total_seconds(), plan_only=False,
+                    on_event=show_plan)
     if out.summary is None or out.summary["outcome"] == "failed":
         # one attempt for a manual night: close it (a killed `once` leaves it open, and a rerun resumes)
         error = (out.summary or {}).get("error") or f"the night's process died ({out.describe_exit()})"
@@ -65,7 +72,7 @@ def cmd_once(args: argparse.Namespace, s: Settings) -> int:
         print(f"nightshift once: the night's process failed ({out.describe_exit()}); last lines:", file=sys.stderr)
         print("\n".join(out.tail[-15:]), file=sys.stderr)
         return 1
-    print(report.summary_table(out.summary))
+    print("night:\n" + report.summary_table(out.summary))
     return {"failed": 1, "interrupted": 3}.get(out.summary["outcome"], 0)
 
 
@@ -126,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-config", help="report every problem of a config file")
     p.add_argument("file", type=Path, nargs="?")
     p.set_defaults(func=cmd_check_config)
+    add_adapter_commands(sub)
     return ap
 
 

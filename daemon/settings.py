@@ -22,6 +22,7 @@ from pydantic_settings import (
 
 from daemon.metrics import MetricsConfig
 from daemon.window import WindowConfig
+from jobs.adapters import RegistryConfig
 from jobs.budget import PlanConfig
 from jobs.evaluate import EvalConfig
 from jobs.hotswap import HotswapConfig
@@ -62,6 +63,7 @@ class Settings(BaseSettings):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     hotswap: HotswapConfig = Field(default_factory=HotswapConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
     window: WindowConfig = Field(default_factory=WindowConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     log: LogConfig = Field(default_factory=LogConfig)

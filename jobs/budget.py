@@ -4,6 +4,14 @@ capacity (tokens) = (deadline - now - overheads) x tokens/s x safety / epochs, w
 tokens/s and overheads (load + evaluate + publish) are the median of the last runs
 measured for this exact (model, backend, device, training config) key. With no
 history the configured conservative prior is used, and the plan says so.
+
+Replay (against forgetting): `replay_share` of the night's training tokens are samples
+already trained on earlier nights, mixed in with the new ones. New samples get
+(1 - replay_share) of the capacity; replay tokens then top the night up to the share
+(replay = new x share / (1 - share)), so a small night gets a small replay and the
+total still fits the capacity. Replay is chosen by a hash of (seed, sample hash):
+deterministic for a run, independent of the pool's order, and a sample's rank does not
+change when the pool grows. A night with no new sample trains nothing (no replay-only nights).
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -30,14 +39,18 @@ class PlanConfig(BaseModel):
     safety_factor: float = Field(0.9, gt=0, le=1, description="plan for this share of the estimated capacity")
     max_samples: int | None = Field(None, ge=1)
     heldout_share: float = Field(0.05, ge=0, lt=1, description="share of new samples kept out for evaluation")
+    # 0.1: one token in ten revisits earlier nights' data, a common rehearsal ratio for continual
+    # fine-tuning; it costs 10% of the night's capacity. 0 turns replay off.
+    replay_share: float = Field(0.1, ge=0, le=0.9, description="share of the night's training tokens "
+                                "drawn from samples trained on earlier nights (against forgetting)")
 
 
 @dataclass
 class Plan:
     key: str
-    train_ids: list[int]
+    train_ids: list[int]  # new samples, in training order
     heldout_ids: list[int]
-    train_tokens: int
+    train_tokens: int  # every token trained once per epoch: new + replay
     deferred_samples: int
     deferred_tokens: int
     tokens_per_second: float
@@ -48,9 +61,25 @@ class Plan:
     basis: str  # where the figures come from, in words
     measured: bool
     extra: dict[str, Any] = field(default_factory=dict)
+    replay_ids: list[int] = field(default_factory=list)  # earlier nights' samples trained again
+    replay_tokens: int = 0  # of train_tokens
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def roles(self) -> list[tuple[int, str]]:
+        """(sample id, role) in training order: replay spread evenly among the new samples, so an
+        early stop still trained some of it and no batch is all old data; then held-out."""
+        out: list[tuple[int, str]] = []
+        n, r = len(self.train_ids), len(self.replay_ids)
+        j = 0
+        for i, sid in enumerate(self.train_ids):
+            while j < r and (j + 1) * n <= (i + 1) * r:  # replay j goes after new sample j * n / r
+                out.append((self.replay_ids[j], "replay"))
+                j += 1
+            out.append((sid, "train"))
+        out += [(sid, "replay") for sid in self.replay_ids[j:]]
+        return out + [(sid, "heldout") for sid in self.heldout_ids]
 
 
 def throughput_key(parts: dict[str, Any]) -> str:
@@ -79,11 +108,31 @@ def estimate(history: list[Any], cfg: PlanConfig) -> tuple[float, float, str, bo
     return tps, overhead, f"measured: median of {len(rows)} ({', '.join(origins)}): {tps:,.0f} tok/s", True
 
 
+def replay_rank(seed: str, sample_hash: str) -> str:
+    return hashlib.sha256(f"{seed}:{sample_hash}".encode()).hexdigest()
+
+
+def choose_replay(pool: Sequence[SampleRow], budget_tokens: float, seed: str) -> list[SampleRow]:
+    """Samples of the pool in seeded-hash order, each taken if it still fits the budget."""
+    out: list[SampleRow] = []
+    tokens = 0
+    for s in sorted(pool, key=lambda s: replay_rank(seed, s.hash)):
+        if tokens + s.n_tokens <= budget_tokens:
+            out.append(s)
+            tokens += s.n_tokens
+        if budget_tokens - tokens < 1:
+            break
+    return sorted(out, key=lambda s: s.id)
+
+
 def make_plan(pending: list[SampleRow], *, now: float, deadline: float, history: list[Any], cfg: PlanConfig,
-              epochs: int, key: str) -> Plan:
+              epochs: int, key: str, replay_pool: Sequence[SampleRow] = (), seed: str = "") -> Plan:
+    """`replay_pool`: samples trained on earlier nights (ledger.replay_pool()); `seed`: the run."""
     tps, overhead, basis, measured = estimate(history, cfg)
     available = max(0.0, deadline - now - overhead)
-    capacity = available * tps * cfg.safety_factor / max(1, epochs)  # real tokens we may plan
+    total_capacity = available * tps * cfg.safety_factor / max(1, epochs)  # real tokens we may plan
+    share = cfg.replay_share if replay_pool else 0.0
+    capacity = total_capacity * (1 - share)  # what the new samples may take
     train: list[int] = []
     heldout: list[int] = []
     tokens = 0
@@ -101,10 +150,14 @@ def make_plan(pending: list[SampleRow], *, now: float, deadline: float, history:
         train.append(s.id)
         tokens += s.n_tokens
     rest = pending[cut:]
+    replay_budget = min(tokens * share / (1 - share), total_capacity - tokens) if train and share else 0.0
+    replay = choose_replay(replay_pool, replay_budget, seed) if replay_budget >= 1 else []
+    replay_tokens = sum(s.n_tokens for s in replay)
+    total = tokens + replay_tokens
     return Plan(
-        key=key, train_ids=train, heldout_ids=heldout, train_tokens=tokens,
+        key=key, train_ids=train, heldout_ids=heldout, train_tokens=total,
         deferred_samples=len(rest), deferred_tokens=sum(s.n_tokens for s in rest),
         tokens_per_second=tps, overhead_seconds=overhead, available_seconds=available,
-        predicted_train_seconds=tokens * max(1, epochs) / tps, epochs=max(1, epochs),
-        basis=basis, measured=measured,
+        predicted_train_seconds=total * max(1, epochs) / tps, epochs=max(1, epochs),
+        basis=basis, measured=measured, replay_ids=[s.id for s in replay], replay_tokens=replay_tokens,
     )

@@ -1,46 +1,115 @@
-"""Evaluate: token-weighted loss on held-out new samples and on a fixed regression set,
-for the adapter in service (or the bare base) and for the candidate; then the gate.
+"""Evaluate: token-weighted loss, perplexity and next-token accuracy on held-out new samples
+and on a fixed regression set, for the adapter in service (or the bare base) and for the
+candidate; then the gate: configurable rules, each recorded with its numbers (manifest, log).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jobs.batching import IGNORE_INDEX, TokenizedSample, padded_batches
 from jobs.formats import RecordError, normalise
 from jobs.render import tokenize_record
 from jobs.sources import read_records
 
+EvalSet = Literal["heldout", "regression"]
+Metric = Literal["loss", "perplexity", "accuracy"]
+HIGHER_IS_BETTER = {"accuracy"}  # loss and perplexity: lower is better
+
+
+class GateRule(BaseModel):
+    """[[eval.gate]]: one check the candidate must pass against the adapter in service (same data).
+
+    ```toml
+    [[eval.gate]]
+    data = "heldout"          # heldout (new samples kept out of training) | regression (the fixed set)
+    metric = "accuracy"       # loss | perplexity | accuracy (next-token, on trained-on tokens)
+    max_worse = 0.01          # may drop by at most 0.01 (absolute)
+    ```
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    data: EvalSet
+    metric: Metric = "loss"
+    max_worse_pct: float | None = Field(
+        None, ge=-100, description="may get worse by at most this % of the value before; negative: must improve")
+    max_worse: float | None = Field(None, description="may get worse by at most this much, in the metric's units")
+    limit: float | None = Field(None, description="bound on the candidate: loss/perplexity <= limit, accuracy >= limit")
+    required: bool = Field(False, description="fail (not skip) when this data set is empty or missing")
+
+    @model_validator(mode="after")
+    def _has_a_threshold(self) -> GateRule:
+        if self.max_worse_pct is None and self.max_worse is None and self.limit is None:
+            raise ValueError("give at least one of max_worse_pct, max_worse, limit")
+        return self
+
+    @property
+    def name(self) -> str:
+        return f"{self.data}.{self.metric}"
+
+    def describe(self) -> str:
+        parts = []
+        if self.max_worse_pct is not None:
+            parts.append(f"worse by <= {self.max_worse_pct:g}%")
+        if self.max_worse is not None:
+            parts.append(f"worse by <= {self.max_worse:g}")
+        if self.limit is not None:
+            parts.append(f"{'>=' if self.metric in HIGHER_IS_BETTER else '<='} {self.limit:g}")
+        return ", ".join(parts)
+
 
 class EvalConfig(BaseModel):
-    """[eval]"""
+    """[eval]: what is measured and what the candidate must pass to be promoted.
+
+    The two `max_*_increase_pct` keys are shorthands for loss rules (kept from the first
+    version of the config); `[[eval.gate]]` rules are checked in addition. Set a shorthand
+    to nothing (env: empty) to drop it.
+    """
 
     model_config = ConfigDict(extra="forbid")
     regression_set: Path | None = None  # a JSONL/JSON/CSV/Parquet file of records that must not get worse
-    max_regression_increase_pct: float = Field(2.0, ge=0, description="regression loss may rise at most this")
+    max_regression_increase_pct: float | None = Field(
+        2.0, ge=0, description="regression loss may rise at most this (None: not gated)")
     max_heldout_increase_pct: float | None = Field(
         None, ge=0, description="held-out loss may rise at most this (None: not gated)")
+    gate: list[GateRule] = Field(default_factory=list, description="further checks, all must pass")
     max_eval_samples: int = Field(512, ge=1, description="cap per set, to bound evaluation time")
     max_tokens_per_batch: int = Field(8192, ge=16)
+
+    def rules(self) -> list[GateRule]:
+        shorthand = [GateRule(data=d, metric="loss", max_worse_pct=pct)
+                     for d, pct in (("regression", self.max_regression_increase_pct),
+                                    ("heldout", self.max_heldout_increase_pct)) if pct is not None]
+        return shorthand + list(self.gate)
 
 
 @dataclass(frozen=True)
 class GateCheck:
-    metric: str
-    before: float
-    after: float
-    limit_pct: float
+    """One rule's numbers and verdict, as written to the manifest and the log."""
+
+    name: str  # "<data>.<metric>"
+    before: float | None
+    after: float | None
+    change: float | None  # after - before (positive: the metric went up)
+    change_pct: float | None
+    rule: str
     passed: bool
+    skipped: str | None = None  # why the rule had no data (then passed unless required)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
-def eval_loss(model: Any, samples: Sequence[TokenizedSample], *, pad_id: int, device: str,
-              max_tokens_per_batch: int) -> float | None:
-    """Mean loss per trained-on token (the same weighting as training)."""
+def eval_metrics(model: Any, samples: Sequence[TokenizedSample], *, pad_id: int, device: str,
+                 max_tokens_per_batch: int) -> dict[str, float] | None:
+    """Token-weighted loss (the same weighting as training) and next-token accuracy, over the
+    tokens the model is trained on; None when there is nothing to measure."""
     import torch
 
     from jobs.train import to_device
@@ -49,18 +118,39 @@ def eval_loss(model: Any, samples: Sequence[TokenizedSample], *, pad_id: int, de
         return None
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    total, count, correct, logits_ok = 0.0, 0, 0, True
     with torch.no_grad():
         for b in padded_batches(samples, batch_size=64, max_tokens_per_batch=max_tokens_per_batch, pad_id=pad_id):
             n = sum(1 for row in b.labels for x in row[1:] if x != IGNORE_INDEX)  # HF shifts labels by one
             if n == 0:
                 continue
-            out = model(**to_device(b, device))
+            t = to_device(b, device)
+            out = model(**t)
             total += float(out.loss) * n
             count += n
+            labels = t["labels"][:, 1:]
+            logits = getattr(out, "logits", None)
+            if logits is None or logits.shape[:2] != t["labels"].shape:  # fused-loss kernels may drop them
+                logits_ok = False
+                continue
+            hits = (logits[:, :-1].argmax(-1) == labels) & (labels != IGNORE_INDEX)
+            correct += int(hits.sum())
     if was_training:
         model.train()
-    return total / count if count else None
+    if not count:
+        return None
+    loss = total / count
+    out_metrics = {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
+    if logits_ok:
+        out_metrics["accuracy"] = correct / count
+    return out_metrics
+
+
+def eval_loss(model: Any, samples: Sequence[TokenizedSample], *, pad_id: int, device: str,
+              max_tokens_per_batch: int) -> float | None:
+    """Mean loss per trained-on token (the same weighting as training)."""
+    m = eval_metrics(model, samples, pad_id=pad_id, device=device, max_tokens_per_batch=max_tokens_per_batch)
+    return None if m is None else m["loss"]
 
 
 def load_regression_set(path: Path, tokenizer: Any, *, max_seq_length: int, limit: int,
@@ -83,13 +173,42 @@ def load_regression_set(path: Path, tokenizer: Any, *, max_seq_length: int, limi
     return out
 
 
-def gate(losses: dict[str, float | None], cfg: EvalConfig) -> tuple[bool, list[GateCheck]]:
-    """Promote only if no gated loss rose by more than its limit. No data for a metric: not gated."""
+def gate(losses: dict[str, float | None], cfg: EvalConfig,
+         metrics: dict[str, dict[str, float] | None] | None = None) -> tuple[bool, list[GateCheck]]:
+    """Promote only if every rule passes. `metrics` maps "<data>_<before|after>" to
+    {"loss", "accuracy", "perplexity"}; without it, the losses alone ("<data>_<before|after>")
+    are used. A rule whose data is missing is skipped (recorded as such) unless `required`."""
     checks = []
-    for metric, limit in (("regression", cfg.max_regression_increase_pct),
-                          ("heldout", cfg.max_heldout_increase_pct)):
-        before, after = losses.get(f"{metric}_before"), losses.get(f"{metric}_after")
-        if limit is None or before is None or after is None:
+    for rule in cfg.rules():
+        before, after = (_value(rule, when, losses, metrics) for when in ("before", "after"))
+        if before is None or after is None:
+            checks.append(GateCheck(rule.name, before, after, None, None, rule.describe(), not rule.required,
+                                    skipped=f"no {rule.data} {rule.metric} measured"))
             continue
-        checks.append(GateCheck(metric, before, after, limit, after <= before * (1 + limit / 100)))
+        checks.append(_check(rule, before, after))
     return all(c.passed for c in checks), checks
+
+
+def _value(rule: GateRule, when: str, losses: dict[str, float | None],
+           metrics: dict[str, dict[str, float] | None] | None) -> float | None:
+    key = f"{rule.data}_{when}"
+    measured = (metrics or {}).get(key)
+    if measured:
+        return measured.get(rule.metric)
+    loss = losses.get(key)
+    if loss is None or rule.metric == "accuracy":
+        return None
+    return loss if rule.metric == "loss" else math.exp(min(loss, 700.0))
+
+
+def _check(rule: GateRule, before: float, after: float) -> GateCheck:
+    worse = (before - after) if rule.metric in HIGHER_IS_BETTER else (after - before)  # > 0: got worse
+    ok = True
+    if rule.max_worse_pct is not None:
+        ok &= worse <= abs(before) * rule.max_worse_pct / 100
+    if rule.max_worse is not None:
+        ok &= worse <= rule.max_worse
+    if rule.limit is not None:
+        ok &= after >= rule.limit if rule.metric in HIGHER_IS_BETTER else after <= rule.limit
+    change_pct = (after - before) / abs(before) * 100 if before else None
+    return GateCheck(rule.name, before, after, after - before, change_pct, rule.describe(), bool(ok))

@@ -54,7 +54,19 @@ CREATE TABLE IF NOT EXISTS versions (
 CREATE TABLE IF NOT EXISTS events (
   id INTEGER PRIMARY KEY, at REAL NOT NULL, kind TEXT NOT NULL, run_id TEXT, version INTEGER,
   detail TEXT);
+CREATE TABLE IF NOT EXISTS promotions (
+  id INTEGER PRIMARY KEY, at REAL NOT NULL, version INTEGER NOT NULL, action TEXT NOT NULL,
+  from_version INTEGER, run_id TEXT);
+CREATE TABLE IF NOT EXISTS pins (version INTEGER PRIMARY KEY, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS hotswaps (
+  id INTEGER PRIMARY KEY, at REAL NOT NULL, version INTEGER NOT NULL, trigger TEXT NOT NULL, run_id TEXT,
+  target TEXT NOT NULL, kind TEXT NOT NULL, ok INTEGER NOT NULL, attempts INTEGER, seconds REAL, error TEXT,
+  detail TEXT);
+CREATE INDEX IF NOT EXISTS hotswaps_by_version ON hotswaps (version, at);
 """
+
+# Version statuses: training -> promoted | rejected | failed; any kept one -> pruned (files deleted,
+# the row and its manifest stay: names are never reused). Promotion actions: night | promote | rollback.
 
 # Run statuses. 'running' means a child owns it (or died owning it: resumable).
 FINAL_RUN_STATUSES = ("succeeded", "rejected", "failed", "skipped")
@@ -147,6 +159,12 @@ class Ledger:
         ).fetchall()
         skip = set(exclude)
         return [_sample(r) for r in rows if r["id"] not in skip]
+
+    def replay_pool(self) -> list[SampleRow]:
+        """Every sample trained on an earlier night, without its record (ids, hashes and sizes are
+        all the plan needs; the chosen ones are loaded by id)."""
+        rows = self.db.execute("SELECT id, hash, n_tokens, source FROM samples WHERE status='trained' ORDER BY id")
+        return [SampleRow(int(r["id"]), r["hash"], {}, int(r["n_tokens"]), r["source"]) for r in rows]
 
     def trained(self, limit: int | None = None) -> list[SampleRow]:
         q = "SELECT id, hash, record, n_tokens, source FROM samples WHERE status='trained' ORDER BY id"
@@ -303,6 +321,47 @@ class Ledger:
             (status, path, json.dumps(manifest) if manifest else None, promoted, self.clock(), version),
         )
 
+    # ---- promotions, pins, prune, hot-swaps (the adapters commands) --------------------------
+    def record_promotion(self, conn: sqlite3.Connection, version: int, *, action: str,
+                         from_version: int | None, run_id: str | None = None) -> None:
+        """Every move of `current`, in order: rollback walks this history (promoted_at alone cannot:
+        it keeps only the last time a version was promoted)."""
+        conn.execute(
+            "INSERT INTO promotions (at, version, action, from_version, run_id) VALUES (?,?,?,?,?)",
+            (self.clock(), version, action, from_version, run_id),
+        )
+
+    def promotions(self) -> list[sqlite3.Row]:
+        return self.db.execute("SELECT * FROM promotions ORDER BY id").fetchall()
+
+    def set_pinned(self, version: int, pinned: bool) -> None:
+        if pinned:
+            self.db.execute("INSERT OR IGNORE INTO pins (version, at) VALUES (?,?)", (version, self.clock()))
+        else:
+            self.db.execute("DELETE FROM pins WHERE version=?", (version,))
+
+    def pinned(self) -> set[int]:
+        return {int(r[0]) for r in self.db.execute("SELECT version FROM pins")}
+
+    def mark_pruned(self, conn: sqlite3.Connection, version: int) -> None:
+        conn.execute("UPDATE versions SET status='pruned' WHERE version=?", (version,))
+
+    def record_hotswap(self, version: int, outcome: dict[str, Any], *, trigger: str,
+                       run_id: str | None = None) -> None:
+        """One target's outcome (TargetOutcome.as_dict()) for one announcement of a version."""
+        self.db.execute(
+            "INSERT INTO hotswaps (at, version, trigger, run_id, target, kind, ok, attempts, seconds, error, detail)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (self.clock(), version, trigger, run_id, outcome["target"], outcome["kind"], int(bool(outcome["ok"])),
+             outcome.get("attempts"), outcome.get("seconds"), outcome.get("error"),
+             json.dumps(outcome.get("detail") or {}, default=str)),
+        )
+
+    def hotswaps(self, version: int | None = None) -> list[sqlite3.Row]:
+        if version is None:
+            return self.db.execute("SELECT * FROM hotswaps ORDER BY id").fetchall()
+        return self.db.execute("SELECT * FROM hotswaps WHERE version=? ORDER BY id", (version,)).fetchall()
+
     def add_event(self, kind: str, *, run_id: str | None = None, version: int | None = None,
                   detail: dict[str, Any] | None = None) -> None:
         self.db.execute(
@@ -314,6 +373,34 @@ class Ledger:
         if kind:
             return self.db.execute("SELECT * FROM events WHERE kind=? ORDER BY id", (kind,)).fetchall()
         return self.db.execute("SELECT * FROM events ORDER BY id").fetchall()
+
+
+class NightOutcomes:
+    """What the supervisor (daemon or `once`) records about a night beyond the child's own writes."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def failures(self, night: str) -> int:
+        q = "SELECT COUNT(*) FROM events WHERE kind='attempt_failed' AND json_extract(detail, '$.night')=?"
+        return int(self.ledger.db.execute(q, (night,)).fetchone()[0])
+
+    def attempt_failed(self, night: str, error: str, tail: list[str]) -> None:
+        """A child that died without reporting (signal, segfault, CUDA abort): keep why."""
+        run = self.ledger.open_run(night)
+        self.ledger.add_event("attempt_failed", run_id=run["id"] if run else None,
+                              detail={"night": night, "error": error, "tail": tail[-20:]})
+
+    def close(self, night: str, status: str, error: str, deadline: float | None = None) -> str:
+        """Close tonight's open run (or record one) as failed/skipped, so the night counts as done."""
+        run = self.ledger.open_run(night)
+        if run is None:
+            run_id = f"{night}-{status}-{int(self.ledger.clock())}"
+            self.ledger.start_run(run_id, night, deadline or self.ledger.clock())
+        else:
+            run_id = run["id"]
+        self.ledger.finish_run(run_id, status, error=error)
+        return run_id
 
 
 def _sample(r: sqlite3.Row) -> SampleRow:

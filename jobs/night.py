@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from jobs import budget
 from jobs.budget import PlanConfig
 from jobs.evaluate import EvalConfig
+from jobs.hotswap import HotswapConfig
 from jobs.ledger import Ledger
 from jobs.locking import StateLock
 from jobs.pull import Quarantine, pull
@@ -58,6 +59,7 @@ class NightConfig(BaseModel):
     plan: PlanConfig = Field(default_factory=PlanConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    hotswap: HotswapConfig = Field(default_factory=HotswapConfig)  # no targets: nothing announced
 
 
 @dataclass
@@ -176,10 +178,12 @@ def run_night(cfg: NightConfig, *, night: str, deadline: float, emit: Emit, stop
         _run(n, model_path, open_run, plan_only, stop, resolve_backend(cfg.train), device_name(),
              load_tokenizer(model_path))
     except Exception as e:
+        # The run stays open: its supervisor retries (resuming from the last checkpoint) or
+        # closes it as failed once the attempts or the window are used up.
         n.s["outcome"], n.s["error"] = "failed", f"{type(e).__name__}: {e}"
         log.exception("run_failed", error=n.s["error"])
         if not plan_only:
-            ledger.finish_run(n.run_id, "failed", summary=n.s, error=n.s["error"])
+            ledger.add_event("attempt_failed", run_id=n.run_id, detail={"night": night, "error": n.s["error"]})
     finally:
         n.s["ended_at"] = clock()
         n.s["backlog_samples"], n.s["backlog_tokens"] = ledger.backlog()
@@ -210,11 +214,11 @@ def _run(n: Night, model_path: Path, open_run: Any, plan_only: bool, stop: threa
         else:
             p = budget.make_plan(ledger.pending(order=cfg.plan.order), now=n.clock(), deadline=n.deadline,
                                  history=ledger.throughput_history(key, cfg.plan.history_runs), cfg=cfg.plan,
-                                 epochs=cfg.train.epochs, key=key)
+                                 epochs=cfg.train.epochs, key=key, replay_pool=ledger.replay_pool(), seed=n.run_id)
             version = ledger.next_version()
             plan_d = {**p.to_dict(), "version": version, "parent_version": parent, "backend": backend,
                       "device": device}
-            roles = [(i, "train") for i in p.train_ids] + [(i, "heldout") for i in p.heldout_ids]
+            roles = p.roles()  # new samples with replay mixed in, then held-out
             if not plan_only and p.train_ids:
                 ledger.save_plan(n.run_id, plan_d, roles, version, version_name(cfg.model.name, version), parent)
         n.emit({"event": "plan", "plan": plan_d})

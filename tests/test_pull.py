@@ -62,7 +62,7 @@ def test_a_file_is_read_once_and_duplicates_are_kept_once(env):
 
 
 def test_json_array_parquet_and_csv(env):
-    inbox, ledger, do_pull, _ = env
+    inbox, _ledger, do_pull, _ = env
     (inbox / "a.json").write_text(json.dumps([alpaca(1), {"prompt": "P?", "completion": "C."}]))
     datasets.Dataset.from_list([alpaca(2), alpaca(3)]).to_parquet(str(inbox / "b.parquet"))
     (inbox / "c.csv").write_text("instruction,input,output\nSay hi,,hi\nAdd,1 2,3\n")
@@ -71,7 +71,7 @@ def test_json_array_parquet_and_csv(env):
 
 
 def test_a_file_that_is_not_what_its_extension_says(env):
-    inbox, ledger, do_pull, quarantined = env
+    inbox, _ledger, do_pull, quarantined = env
     (inbox / "fake.parquet").write_text("this is not parquet")
     (inbox / "obj.json").write_text(json.dumps({"instruction": "x", "output": "y"}))
     (inbox / "broken.json").write_text("[{")
@@ -82,7 +82,7 @@ def test_a_file_that_is_not_what_its_extension_says(env):
 
 
 def test_field_map_and_processed_dir(env):
-    inbox, ledger, do_pull, _ = env
+    inbox, _ledger, do_pull, _ = env
     write_jsonl(inbox / "faq.jsonl", [{"q": "Why?", "a": "Because."}])
     res = do_pull(field_map={"q": "prompt", "a": "completion"}, move_processed=True)
     assert res.ingested["s"] == 1

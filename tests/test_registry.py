@@ -29,7 +29,7 @@ def test_promote_swaps_current_and_verify_catches_corruption(tmp_path):
     assert reg.current() == v1.resolve() and reg.current_version() == 1
     assert not os.path.isabs(os.readlink(reg.current_link))  # relative: the state dir can move
     (v2 / "adapter_model.safetensors").write_bytes(b"tw")  # truncated
-    with pytest.raises(IntegrityError, match="adapter_model.safetensors"):
+    with pytest.raises(IntegrityError, match=r"adapter_model\.safetensors"):
         reg.promote(v2)
     assert reg.current_version() == 1  # the one in service stays
 

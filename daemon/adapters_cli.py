@@ -1,0 +1,292 @@
+"""`nightshift adapters ...` and `nightshift hotswap`: the operator's hands on published versions.
+
+Wired into daemon/cli.py by `add_commands(subparsers)`. Each handler takes (args, settings)
+like the other commands. Imports no torch (jobs.adapters, jobs.registry, jobs.ledger and
+jobs.hotswap do not), so these stay instant and safe to run next to a night: every change
+takes the state directory's lock, the one the night's publish takes.
+
+Exit codes: 0 done; 1 refused (integrity, unknown version, nothing to roll back to, lock busy);
+4 `current` moved but at least one hot-swap target failed (the move stands; see the ledger).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from jobs.adapters import AdapterError, Adapters, RegistryConfig, VersionInfo, diff
+from jobs.hotswap import HotswapConfig, TargetOutcome
+from jobs.locking import LockTimeout
+from jobs.registry import IntegrityError
+
+EXIT_REFUSED = 1
+EXIT_HOTSWAP_FAILED = 4
+
+
+def add_commands(sub: Any) -> None:
+    """Register `adapters` (with its sub-commands) and `hotswap` on the CLI's subparsers."""
+    ap = sub.add_parser("adapters", help="list, inspect, promote, roll back, pin and prune adapter versions")
+    asub = ap.add_subparsers(dest="adapters_cmd", required=True)
+    p = asub.add_parser("list", help="every version: outcome, metrics, which is in service, pinned")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_list)
+    p = asub.add_parser("show", help="print a version's manifest")
+    p.add_argument("version", help="3, v0003, <name>-v0003 or current")
+    p.add_argument("--json", action="store_true", help="the manifest only")
+    p.set_defaults(func=cmd_show)
+    p = asub.add_parser("diff", help="compare two versions' configs and figures (flattened key paths)")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_diff)
+    p = asub.add_parser("promote", help="verify a kept version, put it in service, notify the hot-swap targets")
+    p.add_argument("version")
+    p.set_defaults(func=cmd_promote)
+    p = asub.add_parser("rollback", help="back to the version in service before the current one; notify targets")
+    p.set_defaults(func=cmd_rollback)
+    p = asub.add_parser("pin", help="keep a version whatever the retention says")
+    p.add_argument("version")
+    p.set_defaults(func=cmd_pin)
+    p = asub.add_parser("unpin", help="let retention decide again")
+    p.add_argument("version")
+    p.set_defaults(func=cmd_unpin)
+    p = asub.add_parser(
+        "prune",
+        help="apply retention: keep the last [registry] keep_promoted promoted, pinned ones and the one in service",
+    )
+    p.add_argument("--dry-run", action="store_true", help="say what would go; delete nothing")
+    p.set_defaults(func=cmd_prune)
+    p = sub.add_parser("hotswap", help="send the adapter in service to every [hotswap] target again")
+    p.add_argument("--version", help="send this kept version instead (it is NOT put in service)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_hotswap)
+
+
+def open_adapters(s: Any) -> Adapters:
+    """Settings -> Adapters; [hotswap] / [registry] default to nothing configured / defaults."""
+    return Adapters(
+        s.state_dir,
+        hotswap=getattr(s, "hotswap", None) or HotswapConfig(),
+        cfg=getattr(s, "registry", None) or RegistryConfig(),
+    )
+
+
+def _guarded(fn: Callable[[argparse.Namespace, Adapters], int]) -> Callable[[argparse.Namespace, Any], int]:
+    """(args, Adapters) -> the CLI's (args, settings) handler. Operator errors become one clear
+    line on stderr and exit 1; the one in service stays."""
+
+    @functools.wraps(fn)
+    def run(args: argparse.Namespace, s: Any) -> int:
+        ad = open_adapters(s)
+        try:
+            return int(fn(args, ad))
+        except IntegrityError as e:
+            cur = ad.registry.current()
+            print(f"refused: {e}; {cur.name if cur else 'nothing'} stays in service", file=sys.stderr)
+        except (AdapterError, LockTimeout) as e:
+            print(f"refused: {e}", file=sys.stderr)
+        finally:
+            ad.close()
+        return EXIT_REFUSED
+
+    return run
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+def _when(ts: float | None) -> str:
+    return "—" if ts is None else dt.datetime.fromtimestamp(ts).astimezone().strftime("%Y-%m-%d %H:%M")
+
+
+def _fig(x: Any) -> str:
+    return "—" if x is None else f"{x:.4f}" if isinstance(x, float) else str(x)
+
+
+def _row(i: VersionInfo) -> dict[str, Any]:
+    m = i.manifest
+    gate = m.get("gate") or {}
+    losses = m.get("losses") or {}
+    return {
+        "version": i.version,
+        "name": i.name,
+        "status": i.status,
+        "in_service": i.in_service,
+        "pinned": i.pinned,
+        "gate": None if not gate else ("passed" if gate.get("passed") else "failed"),
+        "heldout_loss": losses.get("heldout_after"),
+        "regression_loss": losses.get("regression_after"),
+        "heldout_accuracy": ((m.get("metrics") or {}).get("heldout_after") or {}).get("accuracy"),
+        "samples": (m.get("data") or {}).get("samples"),
+        "parent": i.parent,
+        "created_at": i.created_at,
+        "promoted_at": i.promoted_at,
+        "path": str(i.path) if i.on_disk else None,
+    }
+
+
+@_guarded
+def cmd_list(args: argparse.Namespace, ad: Adapters) -> int:
+    rows = [_row(i) for i in ad.versions()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no versions yet")
+        return 0
+    head = (
+        "",
+        "VERSION",
+        "STATUS",
+        "GATE",
+        "HELDOUT",
+        "REGRESSION",
+        "HELD-ACC",
+        "SAMPLES",
+        "CREATED",
+        "LAST PROMOTED",
+        "PIN",
+    )
+    table = [head] + [
+        (
+            "*" if r["in_service"] else "",
+            r["name"],
+            r["status"],
+            r["gate"] or "—",
+            _fig(r["heldout_loss"]),
+            _fig(r["regression_loss"]),
+            _fig(r["heldout_accuracy"]),
+            _fig(r["samples"]),
+            _when(r["created_at"]),
+            _when(r["promoted_at"]),
+            "pinned" if r["pinned"] else "",
+        )
+        for r in rows
+    ]
+    widths = [max(len(row[c]) for row in table) for c in range(len(head))]
+    for row in table:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    print("\n* in service (the `current` link); HELDOUT/REGRESSION: loss after training; HELD-ACC: next-token accuracy")
+    return 0
+
+
+@_guarded
+def cmd_show(args: argparse.Namespace, ad: Adapters) -> int:
+    i = ad.get(args.version)
+    if not args.json:
+        state = [i.status] + (["IN SERVICE"] if i.in_service else []) + (["pinned"] if i.pinned else [])
+        print(f"# {i.name}: {', '.join(state)}; {i.path if i.on_disk else 'files deleted (pruned)'}")
+    print(json.dumps(i.manifest, indent=2, sort_keys=True, default=str))
+    return 0
+
+
+@_guarded
+def cmd_diff(args: argparse.Namespace, ad: Adapters) -> int:
+    a, b = ad.get(args.a), ad.get(args.b)
+    rows = diff(a.manifest, b.manifest)
+    if args.json:
+        print(json.dumps([{"key": k, a.name: va, b.name: vb} for k, va, vb in rows], indent=2, default=str))
+        return 0
+    print(f"# {a.name} -> {b.name}: {len(rows)} difference(s) (file hashes left out)")
+    width = max((len(k) for k, _, _ in rows), default=0)
+    for k, va, vb in rows:
+        delta = ""
+        if isinstance(va, int | float) and isinstance(vb, int | float) and not isinstance(va, bool) and va:
+            delta = f"  ({vb - va:+.4g}, {(vb - va) / abs(va) * 100:+.1f}%)"
+        print(f"  {k.ljust(width)}  {_short(va)} -> {_short(vb)}{delta}")
+    return 0
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v, default=str) if not isinstance(v, str) else v
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ---- changing what is in service ----------------------------------------------------------------
+
+
+def _announce_and_report(ad: Adapters, info: VersionInfo, trigger: str) -> int:
+    outcomes = ad.announce(info.version, trigger=trigger, only_if_current=True)[1]
+    if outcomes is None:
+        print("  hot-swap: skipped, `current` moved on meanwhile (whoever moved it announces)")
+        return 0
+    _print_outcomes(outcomes, ad.hotswap_cfg)
+    return EXIT_HOTSWAP_FAILED if any(not o.ok for o in outcomes) else 0
+
+
+def _print_outcomes(outcomes: list[TargetOutcome], cfg: HotswapConfig) -> None:
+    if not cfg.targets:
+        print("  hot-swap: no [hotswap] targets configured")
+    for o in outcomes:
+        line = f"  hot-swap {o.target} ({o.kind}): " + ("ok" if o.ok else f"FAILED: {o.error}")
+        print(line + f" [{o.attempts} attempt(s), {o.seconds:.1f} s]", file=sys.stdout if o.ok else sys.stderr)
+    if cfg.newest_name_file is not None:
+        print(f"  newest name file: {cfg.newest_name_file}")
+
+
+@_guarded
+def cmd_promote(args: argparse.Namespace, ad: Adapters) -> int:
+    info, previous = ad.promote(args.version)
+    print(f"{info.name} is in service (was {_vname(ad, previous)}); integrity verified")
+    return _announce_and_report(ad, info, "promote")
+
+
+@_guarded
+def cmd_rollback(args: argparse.Namespace, ad: Adapters) -> int:
+    info, previous = ad.rollback()
+    print(f"rolled back: {info.name} is in service (was {_vname(ad, previous)}); integrity verified")
+    return _announce_and_report(ad, info, "rollback")
+
+
+def _vname(ad: Adapters, v: int | None) -> str:
+    if v is None:
+        return "nothing"
+    row = ad.ledger.version(v)
+    return row["name"] if row is not None else f"v{v:04d}"
+
+
+@_guarded
+def cmd_pin(args: argparse.Namespace, ad: Adapters) -> int:
+    print(f"{ad.set_pinned(args.version, True).name} pinned: prune keeps it")
+    return 0
+
+
+@_guarded
+def cmd_unpin(args: argparse.Namespace, ad: Adapters) -> int:
+    print(f"{ad.set_pinned(args.version, False).name} unpinned")
+    return 0
+
+
+@_guarded
+def cmd_prune(args: argparse.Namespace, ad: Adapters) -> int:
+    res = ad.prune(dry_run=args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"{verb}: {', '.join(res.deleted) or 'nothing'}")
+    for name, why in sorted(res.kept.items()):
+        print(f"  kept {name}: {why}")
+    for name in res.left_alone:
+        print(f"  left alone {name}: being written or not in the ledger")
+    return 0
+
+
+@_guarded
+def cmd_hotswap(args: argparse.Namespace, ad: Adapters) -> int:
+    info, outcomes = ad.announce(args.version, trigger="resend")
+    if args.json:
+        print(
+            json.dumps(
+                {"version": info.version, "name": info.name, "outcomes": [o.as_dict() for o in outcomes]},
+                indent=2,
+                default=str,
+            )
+        )
+    else:
+        note = "" if info.in_service else " (NOT the version in service)"
+        print(f"sent {info.name}{note}; integrity verified")
+        _print_outcomes(outcomes, ad.hotswap_cfg)
+    return EXIT_HOTSWAP_FAILED if any(not o.ok for o in outcomes) else 0

@@ -1,0 +1,376 @@
+"""Operator actions on published adapter versions: list, show, diff, promote, rollback, pin, prune,
+and announcing a version to the hot-swap targets (shared with the night).
+
+Imports no torch: the daemon's CLI runs these. Two locks in the state directory:
+- `lock` (the one the night's publish takes) around every change of the registry or of `current`,
+  held for file operations only (seconds), so a running night is never kept waiting long;
+- `hotswap.lock` around announcing (network, retries: up to minutes). Whoever announces checks,
+  under it, that the version is still the one in service, so announcements never cross: the last
+  one the targets hear is the version behind `current`.
+Locks are always taken in that order and `lock` is never requested while `hotswap.lock` is held.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+from pydantic import BaseModel, ConfigDict, Field
+
+from jobs.hotswap import AdapterRef, HotswapConfig, TargetOutcome, notify_all
+from jobs.ledger import Ledger
+from jobs.locking import StateLock
+from jobs.registry import TMP_PREFIX, Registry, parse_version
+
+log = structlog.get_logger("nightshift.adapters")
+Notify = Callable[[HotswapConfig, AdapterRef], list[TargetOutcome]]
+KEPT_STATUSES = ("promoted", "rejected")  # published and on disk
+
+
+class RegistryConfig(BaseModel):
+    """[registry]: retention of published versions and how long commands wait for the lock."""
+
+    model_config = ConfigDict(extra="forbid")
+    keep_promoted: int = Field(
+        5,
+        ge=1,
+        description="prune keeps this many most recently promoted versions (plus pinned ones and the one in service)",
+    )
+    lock_timeout_seconds: float = Field(
+        120.0, gt=0, description="how long a command waits for a running night's publish or another command"
+    )
+
+
+class AdapterError(RuntimeError):
+    """An operator request that cannot be done as asked; the message says why and what stays."""
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    version: int
+    name: str
+    status: str  # training | promoted | rejected | failed | pruned
+    parent: int | None
+    path: Path
+    in_service: bool
+    pinned: bool
+    created_at: float
+    promoted_at: float | None
+    manifest: dict[str, Any]
+
+    @property
+    def on_disk(self) -> bool:
+        return self.path.is_dir()
+
+
+@dataclass
+class PruneResult:
+    deleted: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)  # name -> why
+    left_alone: list[str] = field(default_factory=list)  # not ours to judge: .tmp-*, unknown dirs
+
+
+class Adapters:
+    """The registry and the ledger together, for one state directory."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        hotswap: HotswapConfig | None = None,
+        cfg: RegistryConfig | None = None,
+        clock: Callable[[], float] = time.time,
+        notify: Notify = notify_all,
+    ) -> None:
+        self.state_dir = Path(state_dir)
+        self.registry = Registry(self.state_dir)
+        self.ledger = Ledger(self.state_dir / "ledger.sqlite", clock=clock)
+        self.hotswap_cfg = hotswap or HotswapConfig()
+        self.cfg = cfg or RegistryConfig()
+        self.notify = notify
+
+    def close(self) -> None:
+        self.ledger.close()
+
+    @contextmanager
+    def lock(self, what: str) -> Iterator[None]:
+        with StateLock(self.state_dir / "lock", timeout=self.cfg.lock_timeout_seconds, what=what):
+            yield
+
+    # ---- reading --------------------------------------------------------------------------------
+    def versions(self) -> list[VersionInfo]:
+        current = self.registry.current()
+        pinned = self.ledger.pinned()
+        out = []
+        for r in self.ledger.versions():
+            path = self.registry.adapters / r["name"]
+            out.append(
+                VersionInfo(
+                    version=int(r["version"]),
+                    name=r["name"],
+                    status=r["status"],
+                    parent=None if r["parent"] is None else int(r["parent"]),
+                    path=path,
+                    in_service=current is not None and current == path.resolve(),
+                    pinned=int(r["version"]) in pinned,
+                    created_at=float(r["created_at"]),
+                    promoted_at=r["promoted_at"],
+                    manifest=_manifest(path, r["manifest"]),
+                )
+            )
+        return out
+
+    def get(self, ref: str | int) -> VersionInfo:
+        v = self.resolve(ref)
+        for info in self.versions():
+            if info.version == v:
+                return info
+        raise AdapterError(f"no version {ref!r} in the ledger")
+
+    def resolve(self, ref: str | int) -> int:
+        """3, "3", "v3", "v0003", "tiny-v0003" or "current" -> 3."""
+        s = str(ref).strip()
+        if s == "current":
+            v = self.registry.current_version()
+            if v is None:
+                raise AdapterError("no version is in service (`current` is not set)")
+            return v
+        digits = s.lstrip("v") if s.lstrip("v").isdigit() else None
+        v = int(digits) if digits is not None else parse_version(s)
+        if v is None:
+            raise AdapterError(f"{ref!r} is not a version (give 3, v0003 or <name>-v0003)")
+        return v
+
+    def service_history(self) -> list[int]:
+        """The versions that were put in service, as a stack: a promotion pushes, a rollback pops
+        back to its target. The top is normally `current`; rollback goes to the one below it."""
+        rows = self.ledger.promotions()
+        first_at = float(rows[0]["at"]) if rows else float("inf")
+        stack = [
+            int(r["version"])
+            for r in sorted(self.ledger.versions(), key=lambda r: r["promoted_at"] or 0)
+            if r["promoted_at"] is not None and r["promoted_at"] < first_at
+        ]  # promoted before this log
+        for r in rows:
+            v = int(r["version"])
+            if r["action"] == "rollback":
+                while stack and stack[-1] != v:
+                    stack.pop()
+                if not stack:
+                    stack.append(v)
+            elif not stack or stack[-1] != v:
+                stack.append(v)
+        return stack
+
+    # ---- changing what is in service ----------------------------------------------------------
+    def promote(self, ref: str | int) -> tuple[VersionInfo, int | None]:
+        """Verify, then move `current` to the version (atomically) and record it. Returns the version
+        and the one it replaced. IntegrityError: refused, the one in service stays."""
+        with self.lock("promote"):
+            return self._promote(self.get(ref), "promote")
+
+    def rollback(self) -> tuple[VersionInfo, int | None]:
+        """Back to the version in service before the current one (one command)."""
+        with self.lock("rollback"):
+            return self._promote(self.rollback_target(), "rollback")
+
+    def rollback_target(self) -> VersionInfo:
+        current = self.registry.current_version()
+        kept = {i.version: i for i in self.versions() if i.status in KEPT_STATUSES and i.on_disk}
+        for v in reversed(self.service_history()):
+            if v != current and v in kept:
+                return kept[v]
+        raise AdapterError(
+            "no earlier promoted version is kept to roll back to"
+            + (f" ({kept[current].name} stays in service)" if current in kept else "")
+        )
+
+    def _promote(self, info: VersionInfo, action: str) -> tuple[VersionInfo, int | None]:
+        previous = self.registry.current_version()
+        if info.status not in KEPT_STATUSES or not info.on_disk:
+            raise AdapterError(
+                f"{info.name} cannot be promoted: it is {info.status}" + ("" if info.on_disk else " and not on disk")
+            )
+        if previous == info.version:
+            raise AdapterError(f"{info.name} is already in service (`nightshift hotswap` re-sends it)")
+        self.registry.verify(info.path)
+        with self.ledger.tx() as c:
+            self.ledger.set_version(c, info.version, status="promoted", promoted=True)
+            self.ledger.record_promotion(c, info.version, action=action, from_version=previous)
+            self.registry.promote(info.path)  # inside the transaction: a failure records nothing
+        self.ledger.add_event(action, version=info.version, detail={"from_version": previous})
+        log.info(action, version=info.name, from_version=previous)
+        return self.get(info.version), previous
+
+    def set_pinned(self, ref: str | int, pinned: bool) -> VersionInfo:
+        with self.lock("pin" if pinned else "unpin"):
+            info = self.get(ref)
+            if pinned and info.status == "pruned":
+                raise AdapterError(f"{info.name} was pruned: its files are gone")
+            self.ledger.set_pinned(info.version, pinned)
+            self.ledger.add_event("pinned" if pinned else "unpinned", version=info.version)
+        return self.get(info.version)
+
+    # ---- retention ------------------------------------------------------------------------------
+    def prune(self, *, dry_run: bool = False) -> PruneResult:
+        """Keep the last `keep_promoted` promoted versions, pinned ones, the one in service, versions
+        being trained and their parents; delete the other published ones (marked 'pruned' in the
+        ledger: their names are never reused). `.tmp-*` directories and directories the ledger does
+        not know are never touched here."""
+        res = PruneResult()
+        with self.lock("prune"):
+            infos = self.versions()
+            keep: dict[int, str] = {}
+            current = self.registry.current_version()
+            if current is not None:
+                keep[current] = "in service"
+            for i in infos:
+                if i.status == "training":
+                    keep.setdefault(i.version, "being trained")
+                    if i.parent is not None:
+                        keep.setdefault(i.parent, f"parent of {i.name}, being trained")
+                elif i.pinned:
+                    keep.setdefault(i.version, "pinned")
+            recent = sorted(
+                (i for i in infos if i.promoted_at is not None and i.status == "promoted"),
+                key=lambda i: i.promoted_at or 0,
+                reverse=True,
+            )[: self.cfg.keep_promoted]
+            for i in recent:
+                keep.setdefault(i.version, f"among the last {self.cfg.keep_promoted} promoted")
+            known = {i.name for i in infos}
+            res.left_alone = sorted(
+                p.name for p in self.registry.adapters.iterdir() if p.name.startswith(TMP_PREFIX) or p.name not in known
+            )
+            for i in infos:
+                if i.version in keep:
+                    res.kept[i.name] = keep[i.version]
+                elif i.status in KEPT_STATUSES or (i.status == "failed" and i.on_disk):
+                    res.deleted.append(i.name)
+                    if not dry_run:
+                        self._delete(i)
+        if res.deleted and not dry_run:
+            log.info("pruned", deleted=res.deleted, kept=res.kept)
+        return res
+
+    def _delete(self, info: VersionInfo) -> None:
+        """Unpublish with one rename (to a .tmp- name nothing serves), record, then delete."""
+        gone = None
+        if info.on_disk:
+            gone = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}pruned-{info.name}-", dir=self.registry.adapters))
+            os.rename(info.path, gone / info.name)
+        with self.ledger.tx() as c:
+            self.ledger.mark_pruned(c, info.version)
+        self.ledger.add_event("pruned", version=info.version, detail={"status_before": info.status})
+        if gone is not None:
+            shutil.rmtree(gone, ignore_errors=True)
+
+    # ---- hot-swap -------------------------------------------------------------------------------
+    def announce(
+        self, ref: str | int | None = None, *, trigger: str, only_if_current: bool = False
+    ) -> tuple[VersionInfo, list[TargetOutcome] | None]:
+        """Send a version (default: the one in service) to every target. None: skipped because
+        `only_if_current` and it is no longer in service."""
+        info = self.get("current" if ref is None else ref)
+        if info.status == "pruned" or not info.on_disk:
+            raise AdapterError(f"{info.name} is not on disk ({info.status})")
+        outcomes = announce(
+            self.registry,
+            self.ledger,
+            self.hotswap_cfg,
+            info.version,
+            info.path,
+            trigger=trigger,
+            notify=self.notify,
+            only_if_current=only_if_current,
+            lock_timeout=self.cfg.lock_timeout_seconds,
+        )
+        return info, outcomes
+
+
+def announce(
+    registry: Registry,
+    ledger: Ledger,
+    cfg: HotswapConfig,
+    version: int,
+    path: Path,
+    *,
+    trigger: str,
+    run_id: str | None = None,
+    notify: Notify = notify_all,
+    only_if_current: bool = True,
+    on_outcome: Callable[[dict[str, Any]], None] = lambda _: None,
+    lock_timeout: float = 600.0,
+) -> list[TargetOutcome] | None:
+    """Verify the version, then notify every target and record each outcome (ledger, log, callback).
+
+    None when `only_if_current` and `current` moved on meanwhile: whoever moved it announces.
+    IntegrityError when the files do not match the manifest: nothing is sent.
+    """
+    with StateLock(registry.state_dir / "hotswap.lock", timeout=lock_timeout, what=f"hotswap ({trigger})"):
+        if only_if_current and registry.current() != Path(path).resolve():
+            log.warning("hotswap.skipped", version=version, reason="no longer the version in service")
+            return None
+        manifest = registry.verify(path)
+        ref = AdapterRef(
+            version=version,
+            name=Path(path).name,
+            path=Path(path).resolve(),
+            base_model=str((manifest.get("base_model") or {}).get("path", "")),
+            manifest=manifest,
+        )
+        outcomes = notify(cfg, ref)
+        for o in outcomes:
+            d = o.as_dict()
+            ledger.record_hotswap(version, d, trigger=trigger, run_id=run_id)
+            on_outcome(d)
+    return outcomes
+
+
+def diff(a: dict[str, Any], b: dict[str, Any], *, ignore: tuple[str, ...] = ("files",)) -> list[tuple[str, Any, Any]]:
+    """(key path, value in a, value in b) for every flattened key whose values differ."""
+    fa, fb = flatten(a, ignore), flatten(b, ignore)
+    missing = object()
+    rows = []
+    for k in sorted(set(fa) | set(fb)):
+        va, vb = fa.get(k, missing), fb.get(k, missing)
+        if va != vb:
+            rows.append((k, None if va is missing else va, None if vb is missing else vb))
+    return rows
+
+
+def flatten(d: Any, ignore: tuple[str, ...] = (), prefix: str = "") -> dict[str, Any]:
+    """{"config": {"train": {"lora_rank": 4}}} -> {"config.train.lora_rank": 4}; lists stay values,
+    except lists of dicts (gate checks), flattened by index."""
+    out: dict[str, Any] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            if not prefix and k in ignore:
+                continue
+            out.update(flatten(v, ignore, f"{prefix}{k}."))
+    elif isinstance(d, list) and d and all(isinstance(x, dict) for x in d):
+        for i, v in enumerate(d):
+            out.update(flatten(v, ignore, f"{prefix}{i}."))
+    else:
+        out[prefix[:-1]] = d
+    return out
+
+
+def _manifest(path: Path, stored: str | None) -> dict[str, Any]:
+    """The manifest on disk, else the copy the ledger keeps (a pruned version still has one)."""
+    try:
+        return json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError):
+        try:
+            return json.loads(stored) if stored else {}
+        except ValueError:
+            return {}

@@ -1,0 +1,111 @@
+"""Replay in the plan: a share of the night's training tokens from earlier nights' samples,
+accounted in the capacity, chosen deterministically, stored with role 'replay' and never re-marked."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from jobs.budget import PlanConfig, make_plan
+from jobs.ledger import Ledger, SampleRow
+
+
+def rows(ids: range, tokens: int) -> list[SampleRow]:
+    return [SampleRow(i, f"{i * 2654435761 % 2**32:08x}" + "0" * 56, {}, tokens, "s") for i in ids]
+
+
+NEW = rows(range(1, 201), 100)  # 200 pending samples of 100 tokens
+POOL = rows(range(1001, 1501), 50)  # 500 earlier samples of 50 tokens
+
+
+def plan(pending=NEW, pool=POOL, *, share=0.2, deadline=100.0, epochs=1, seed="run-a"):
+    # 100 tok/s, no overhead, safety 1: capacity = deadline x 100 / epochs tokens
+    cfg = PlanConfig(
+        prior_tokens_per_second=100, prior_overhead_seconds=0, safety_factor=1, heldout_share=0, replay_share=share
+    )
+    return make_plan(
+        list(pending),
+        now=0,
+        deadline=deadline,
+        history=[],
+        cfg=cfg,
+        epochs=epochs,
+        key="k",
+        replay_pool=list(pool),
+        seed=seed,
+    )
+
+
+def test_default_share_is_documented_and_bounded():
+    assert PlanConfig().replay_share == 0.1
+    with pytest.raises(ValueError):
+        PlanConfig(replay_share=1.0)
+
+
+def test_a_full_night_gives_the_share_of_its_capacity_to_replay():
+    p = plan()  # capacity 10,000 tokens: 8,000 new + 2,000 replay
+    assert len(p.train_ids) == 80 and p.deferred_samples == 120
+    assert len(p.replay_ids) == 40 and p.replay_tokens == 2000
+    assert p.train_tokens == 10_000 and p.replay_tokens / p.train_tokens == pytest.approx(0.2)
+    assert p.predicted_train_seconds == 100.0 <= p.available_seconds
+    assert set(p.replay_ids) <= {s.id for s in POOL} and not set(p.replay_ids) & set(p.train_ids)
+
+
+def test_epochs_divide_the_capacity_for_replay_too():
+    p = plan(epochs=2)  # 5,000 tokens per epoch
+    assert p.train_tokens == 5000 and p.replay_tokens == 1000 and p.predicted_train_seconds == 100.0
+
+
+def test_a_small_night_gets_a_small_replay():
+    p = plan(NEW[:10], share=0.1, deadline=1e6)  # 1,000 new tokens: replay <= 111 tokens
+    assert len(p.train_ids) == 10 and p.replay_tokens == 100 and len(p.replay_ids) == 2
+    assert p.replay_tokens / p.train_tokens <= 0.1
+
+
+def test_no_pool_no_share_or_nothing_new_means_no_replay():
+    assert plan(pool=[]).replay_ids == [] and len(plan(pool=[]).train_ids) == 100  # the whole capacity is new
+    assert plan(share=0).replay_ids == []
+    empty = plan(pending=[])
+    assert empty.train_ids == [] and empty.replay_ids == [] and empty.train_tokens == 0  # no replay-only night
+
+
+def test_selection_is_deterministic_per_run_and_independent_of_pool_order():
+    a, b = plan(seed="run-a"), plan(seed="run-a")
+    shuffled = list(POOL)
+    random.Random(1).shuffle(shuffled)
+    assert a.replay_ids == b.replay_ids == plan(pool=shuffled, seed="run-a").replay_ids
+    assert a.replay_ids != plan(seed="run-b").replay_ids  # another night replays other samples
+    assert a.replay_ids == sorted(a.replay_ids)
+
+
+def test_roles_spread_replay_among_new_samples_then_heldout():
+    p = plan()
+    p.heldout_ids = [999]
+    roles = p.roles()
+    assert [sid for sid, r in roles if r == "train"] == p.train_ids  # new samples keep the plan order
+    assert [sid for sid, r in roles if r == "replay"] == p.replay_ids
+    assert roles[-1] == (999, "heldout") and len(roles) == 80 + 40 + 1
+    first_half = [r for _, r in roles[:60]]
+    assert first_half.count("replay") == 20  # 2 new : 1 replay all along, not bunched at one end
+    assert plan(pool=[]).roles() == [(i, "train") for i in range(1, 101)]
+
+
+def test_ledger_pool_roles_and_replayed_samples_stay_in_their_version(tmp_path: Path):
+    led = Ledger(tmp_path / "ledger.sqlite")
+    with led.tx() as c:
+        for i in range(6):
+            led.add_sample(c, hash=f"{i:064x}", source="s", file_id=1, line=i, record={"text": f"t{i}"}, n_tokens=10)
+        led.mark_trained(c, [1, 2, 3], version=1)
+    pool = led.replay_pool()
+    assert [s.id for s in pool] == [1, 2, 3] and all(s.record == {} and s.n_tokens == 10 for s in pool)
+    led.start_run("r2", "n2", 0)
+    roles = [(4, "train"), (1, "replay"), (5, "train"), (6, "heldout")]
+    led.save_plan("r2", {}, roles, 2, "tiny-v0002", 1)
+    assert led.run_samples("r2") == roles
+    with led.tx() as c:  # what the night does at publish: new ones only; replay is already 'trained'
+        led.mark_trained(c, [4, 5], version=2)
+        led.mark_trained(c, [1], version=2)  # even if it were passed, a trained sample is never re-marked
+    versions = dict(led.db.execute("SELECT id, version FROM samples WHERE status='trained'").fetchall())
+    assert versions == {1: 1, 2: 1, 3: 1, 4: 2, 5: 2}
