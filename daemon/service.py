@@ -9,6 +9,7 @@ start inside an unfinished window starts (or resumes) the night at once.
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import threading
@@ -26,8 +27,10 @@ from daemon.scheduler import WakeScheduler
 from daemon.settings import Settings
 from daemon.supervisor import ChildOutcome, NightChild, wait_interruptibly
 from daemon.window import Window
+from jobs.gpu import free_vram_gb
 from jobs.ledger import Ledger, NightOutcomes
 from jobs.locking import LockTimeout, StateLock
+from jobs.registry import Registry
 
 log = structlog.get_logger("nightshift.service")
 
@@ -60,6 +63,7 @@ class Service:
         self.ledger = Ledger(self.state / "ledger.sqlite")
         self.outcomes = NightOutcomes(self.ledger)
         self.retry_at: dict[str, datetime] = {}
+        self.waiting_reason: dict[str, str] = {}
         interval = sdnotify.watchdog_interval(environ=environ)
         self.tick = min(interval, 30.0) if interval else 30.0
         self._last_status = ""
@@ -131,12 +135,19 @@ class Service:
         if now > latest_start:
             reason = (f"too late to start: less than {self.s.window.min_run_minutes:g} min of the window left "
                       "to train")
+            if window.night in self.waiting_reason:
+                reason = f"{self.waiting_reason.pop(window.night)} until the latest start; {reason}"
             self._close_night(window, "skipped", reason)
             return False
         return True
 
-    def _close_night(self, window: Window, status: str, reason: str) -> None:
-        self.outcomes.close(window.night, status, reason, deadline=window.end.timestamp())
+    def _close_night(self, window: Window, status: str, reason: str, *, count: bool = True) -> None:
+        """`count`: also a run in the metrics (not when its failed attempts were already counted)."""
+        run_id = self.outcomes.close(window.night, status, reason, deadline=window.end.timestamp())
+        row = self.ledger.run(run_id)
+        if count:
+            self.metrics.on_summary({"run_id": run_id, "outcome": status, "error": reason,
+                                     "started_at": row["started_at"], "ended_at": row["ended_at"]})
         log.warning("night_closed", night=window.night, status=status, reason=reason)
 
     # ---- one night ---------------------------------------------------------------------------
@@ -144,6 +155,12 @@ class Service:
         problem = self._preflight()
         if problem:
             self._close_night(window, "skipped", problem)
+            return
+        waiting = self._gpu_wait(window)
+        if waiting:  # retried until the latest start; then _due closes the night with this reason
+            self.waiting_reason[window.night] = waiting
+            self.retry_at[window.night] = self.clock() + timedelta(seconds=self.s.gpu.preflight_retry_seconds)
+            self.status(f"night {window.night}: waiting: {waiting}")
             return
         deadline = window.deadline(self.s.window.save_margin)
         zone = self.s.window.zone()
@@ -169,6 +186,7 @@ class Service:
             stop_at_deadline.cancel()
         self.metrics.on_child_exit()
         self._after(window, out)
+        self._refresh_metrics()
 
     def _after(self, window: Window, out: ChildOutcome) -> None:
         outcome = out.summary["outcome"] if out.summary else None
@@ -184,11 +202,12 @@ class Service:
         error = (out.summary or {}).get("error") or f"the night's process died ({out.describe_exit()})"
         if out.summary is None:
             self.outcomes.attempt_failed(window.night, error, out.tail)
+            self.metrics.on_summary({"outcome": "failed", "error": error, "ended_at": self.clock().timestamp()})
         failures = self.outcomes.failures(window.night)
         log.error("night_attempt_failed", night=window.night, failures=failures, error=error,
                   tail=out.tail[-10:])
         if failures >= self.s.daemon.max_attempts:
-            self._close_night(window, "failed", f"{failures} attempts failed; last: {error}")
+            self._close_night(window, "failed", f"{failures} attempts failed; last: {error}", count=False)
             return
         delay = self.s.daemon.retry_backoff_seconds * 2 ** (failures - 1)
         self.retry_at[window.night] = self.clock() + timedelta(seconds=delay)
@@ -201,6 +220,27 @@ class Service:
             return f"only {free_gb:.1f} GB free in {self.state} (need {self.s.daemon.min_free_disk_gb:g} GB)"
         return None
 
+    def _gpu_wait(self, window: Window) -> str | None:
+        """Not enough free VRAM yet (an inference server may hold some at night): retry later."""
+        need = self.s.gpu.min_free_vram_gb
+        if need <= 0:
+            return None
+        free = free_vram_gb(self.s.gpu.device)
+        if free is None:
+            return f"no GPU visible (need {need:g} GB free VRAM)"
+        if free >= need:
+            return None
+        return f"only {free:.1f} GB of GPU memory free (need {need:g} GB)"
+
+    def _refresh_metrics(self) -> None:
+        self._refresh_metrics()
+        version = Registry(self.state).current_version()
+        row = self.ledger.version(version) if version else None
+        if row is not None:
+            manifest = json.loads(row["manifest"] or "{}")
+            self.metrics.set_adapter_in_service(version, row["name"],
+                                                manifest.get("base_model", {}).get("path", ""))
+
     def _restore_metrics(self) -> None:
         runs = self.ledger.last_runs(50)
         finished = [r for r in runs if r["ended_at"]]
@@ -208,4 +248,4 @@ class Service:
         last = finished[0] if finished else None
         self.metrics.restore(last_success=success, last_run=last["ended_at"] if last else None,
                              last_outcome=last["status"] if last else None)
-        self.metrics.set_backlog(*self.ledger.backlog())
+        self._refresh_metrics()

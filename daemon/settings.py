@@ -25,6 +25,7 @@ from daemon.window import WindowConfig
 from jobs.adapters import RegistryConfig
 from jobs.budget import PlanConfig
 from jobs.evaluate import EvalConfig
+from jobs.gpu import GpuConfig
 from jobs.hotswap import HotswapConfig
 from jobs.night import ModelConfig, NightConfig
 from jobs.sources import SourceConfig
@@ -62,6 +63,7 @@ class Settings(BaseSettings):
     plan: PlanConfig = Field(default_factory=PlanConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    gpu: GpuConfig = Field(default_factory=GpuConfig)
     hotswap: HotswapConfig = Field(default_factory=HotswapConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     window: WindowConfig = Field(default_factory=WindowConfig)

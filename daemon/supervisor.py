@@ -86,7 +86,7 @@ class NightChild:
                 self.summary = ev["summary"]
             try:
                 self.on_event(ev)
-            except Exception:
+            except Exception:  # a metrics bug must not kill the supervisor
                 log.exception("event_handler_failed", event=ev.get("event"))
 
     def _read_logs(self) -> None:

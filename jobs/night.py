@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from jobs import budget
 from jobs.budget import PlanConfig
 from jobs.evaluate import EvalConfig
+from jobs.gpu import GpuConfig, GpuSampler, torch_device_uuid, torch_peak_memory
 from jobs.hotswap import HotswapConfig
 from jobs.ledger import Ledger
 from jobs.locking import StateLock
@@ -60,6 +61,7 @@ class NightConfig(BaseModel):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     hotswap: HotswapConfig = Field(default_factory=HotswapConfig)  # no targets: nothing announced
+    gpu: GpuConfig = Field(default_factory=GpuConfig)
 
 
 @dataclass
@@ -75,6 +77,13 @@ class Night:
     deadline: float
     run_id: str = ""
     s: dict[str, Any] = field(default_factory=dict)
+    gpu: GpuSampler | None = None
+
+    def stop_gpu(self) -> None:
+        """Close the GPU telemetry of the run: the summary gets power, energy and peak memory."""
+        if self.gpu is not None:
+            self.s["gpu"] = self.gpu.stop()
+            self.gpu = None
 
     @contextmanager
     def phase(self, name: str):
@@ -174,6 +183,11 @@ def run_night(cfg: NightConfig, *, night: str, deadline: float, emit: Emit, stop
             ledger.start_run(n.run_id, night, deadline)
     structlog.contextvars.bind_contextvars(run_id=n.run_id)
     n.s = empty_summary(n.run_id, night, deadline, clock(), str(model_path))
+    if cfg.gpu.enabled and not plan_only:
+        n.gpu = GpuSampler(emit, hz=cfg.gpu.sample_hz, device=torch_device_uuid() or cfg.gpu.device,
+                           peak_memory=torch_peak_memory)
+        if not n.gpu.start():
+            n.gpu = None  # no GPU here: the GPU figures stay absent
     try:
         _run(n, model_path, open_run, plan_only, stop, resolve_backend(cfg.train), device_name(),
              load_tokenizer(model_path))
@@ -185,6 +199,7 @@ def run_night(cfg: NightConfig, *, night: str, deadline: float, emit: Emit, stop
         if not plan_only:
             ledger.add_event("attempt_failed", run_id=n.run_id, detail={"night": night, "error": n.s["error"]})
     finally:
+        n.stop_gpu()
         n.s["ended_at"] = clock()
         n.s["backlog_samples"], n.s["backlog_tokens"] = ledger.backlog()
         ledger.close()

@@ -21,6 +21,7 @@ import structlog
 
 from jobs import evaluate
 from jobs.adapters import announce
+from jobs.gpu import energy_fields
 from jobs.locking import StateLock
 from jobs.night import Night, code_version, data_fingerprint, remove_checkpoints
 from jobs.registry import version_name
@@ -109,6 +110,7 @@ def train_evaluate_publish(n: Night, model_path: Path, plan: dict[str, Any], rol
     s["gate"] = {"passed": passed, "checks": [c.as_dict() for c in checks]}
     log.info("gate", passed=passed, checks=s["gate"]["checks"])
 
+    n.stop_gpu()  # the version's energy: load, train and evaluate
     with n.phase("publish"), StateLock(state / "lock", what="publish"):
         registry.clean_stale()
         in_service = registry.current_version()
@@ -128,6 +130,7 @@ def train_evaluate_publish(n: Night, model_path: Path, plan: dict[str, Any], rol
             "version": version, "name": name, "parent_version": parent, "run_id": n.run_id, "night": n.night,
             "created_at": time.time(), "code_version": code_version(),
             "base_model": {"path": str(model_path), "fingerprint": fingerprint},
+            "energy": {**energy_fields(s["gpu"], result.tokens), "gpu": s["gpu"]},
             "data": {"fingerprint": data_fingerprint([x.hash for x in samples]), "samples": len(samples),
                      "tokens": result.tokens, "heldout_samples": len(heldout_ids),
                      "replay_samples": len(replay_rows), "replay_tokens": sum(x.n_tokens for x in replay_rows),

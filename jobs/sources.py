@@ -122,7 +122,7 @@ def _read_with_datasets(path: Path, suffix: str, cache_dir: Path) -> Iterator[Ra
     except json.JSONDecodeError as e:
         yield RawRecord(None, None, RecordError("invalid_json", f"invalid JSON: {e}"))
         return
-    except Exception as e:
+    except Exception as e:  # any reader failure means the file is not what it claims
         yield RawRecord(None, None, RecordError("bad_file", f"cannot read as {suffix[1:]}: {type(e).__name__}: {e}"))
         return
     for n, rec in enumerate(rows, start=1):
