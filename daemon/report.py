@@ -20,8 +20,10 @@ def table(rows: list[tuple[str, str]]) -> str:
 
 def plan_table(p: dict[str, Any]) -> str:
     return table([
-        ("samples to train", _num(len(p["train_ids"]))),
-        ("tokens to train", _num(p["train_tokens"])),
+        ("new samples to train", _num(len(p["train_ids"]))),
+        ("replayed from earlier nights", f"{_num(len(p.get('replay_ids', [])))} samples, "
+                                         f"{_num(p.get('replay_tokens', 0))} tokens"),
+        ("tokens to train (per epoch)", _num(p["train_tokens"])),
         ("held out for evaluation", _num(len(p["heldout_ids"]))),
         ("deferred to a later night", f"{_num(p['deferred_samples'])} samples, {_num(p['deferred_tokens'])} tokens"),
         ("epochs", str(p["epochs"])),
@@ -40,7 +42,9 @@ def summary_table(s: dict[str, Any]) -> str:
     losses = s["losses"]
     version = s["version_name"] or "—"
     if s["outcome"] in ("succeeded", "rejected"):
-        version += " (promoted: now in service)" if s["promoted"] else " (kept, NOT promoted: gate failed)"
+        held_back = (s.get("gate") or {}).get("held_back")
+        why = f"held back: {held_back}" if held_back else "gate failed"
+        version += " (promoted: now in service)" if s["promoted"] else f" (kept, NOT promoted: {why})"
     predicted, actual = s["predicted_train_seconds"], s["actual_train_seconds"]
     ratio = f" (actual/predicted {actual / predicted:.2f})" if predicted and actual else ""
     rows = [
@@ -51,6 +55,7 @@ def summary_table(s: dict[str, Any]) -> str:
         ("quarantined", _num(quarantined) + (f" ({by_reason})" if by_reason else "")),
         ("trained", f"{_num(s['trained_samples'])} samples, {_num(s['trained_tokens'])} tokens, "
                     f"{_num(s['steps'])} steps"),
+        ("replayed", _num(s.get("replay_samples"))),
         ("held out", _num(s.get("heldout_samples"))),
         ("deferred", _num(s["deferred_samples"])),
         ("backlog now", f"{_num(s['backlog_samples'])} samples, {_num(s['backlog_tokens'])} tokens"),
