@@ -91,8 +91,10 @@ class Service:
         w = self.s.window
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._request_stop())
-        server = serve(self.s.metrics, self.registry)
         self._restore_metrics()
+        now = self.clock()
+        self.metrics.set_window(w.window_at(now) is not None, w.next_window(now).start.timestamp())
+        server = serve(self.s.metrics, self.registry)
         sched = WakeScheduler(w, lambda _win: self.wake.set(), clock=self.clock)
         sched.start()
         sdnotify.ready(f"waiting for window {w.describe()}", environ=self.environ)
@@ -233,7 +235,8 @@ class Service:
         return f"only {free:.1f} GB of GPU memory free (need {need:g} GB)"
 
     def _refresh_metrics(self) -> None:
-        self._refresh_metrics()
+        """Backlog and adapter in service from the ledger (at start and after each night)."""
+        self.metrics.set_backlog(*self.ledger.backlog())
         version = Registry(self.state).current_version()
         row = self.ledger.version(version) if version else None
         if row is not None:

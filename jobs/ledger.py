@@ -272,6 +272,11 @@ class Ledger:
             if status in ("failed", "skipped"):
                 c.execute("UPDATE versions SET status='failed' WHERE run_id=? AND status='training'", (run_id,))
 
+    def store_summary(self, run_id: str, summary: dict[str, Any]) -> None:
+        """The final summary (end time, backlog after the run) of a closed run."""
+        self.db.execute("UPDATE runs SET summary=? WHERE id=? AND status != 'running'",
+                        (json.dumps(summary, default=str), run_id))
+
     def record_phase(self, run_id: str, phase: str, started_at: float, seconds: float) -> None:
         self.db.execute(
             "INSERT OR REPLACE INTO phases (run_id, phase, started_at, seconds) VALUES (?,?,?,?)",

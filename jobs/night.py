@@ -202,6 +202,8 @@ def run_night(cfg: NightConfig, *, night: str, deadline: float, emit: Emit, stop
         n.stop_gpu()
         n.s["ended_at"] = clock()
         n.s["backlog_samples"], n.s["backlog_tokens"] = ledger.backlog()
+        if not plan_only:
+            ledger.store_summary(n.run_id, n.s)
         ledger.close()
     return n.s
 
