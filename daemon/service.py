@@ -112,7 +112,9 @@ class Service:
                 self.status(f"waiting for window {w.describe()}; next {nxt.start.astimezone(w.zone()):%a %H:%M}"
                             if window is None or self.ledger.night_done(window.night)
                             else f"night {window.night}: retry at {self.retry_at[window.night]:%H:%M:%S}")
-                self.wake.wait(self.tick)
+                retry = self.retry_at.get(window.night) if window else None
+                until_retry = (retry - self.clock()).total_seconds() if retry else self.tick
+                self.wake.wait(max(0.05, min(self.tick, until_retry)))
                 self.wake.clear()
         finally:
             sdnotify.stopping("stopping", environ=self.environ)

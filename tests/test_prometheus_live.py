@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -51,21 +50,6 @@ class LiveNight:
     metrics_text: str
     stderr: list[str] = field(default_factory=list)
     scraped_closed_window: bool = False  # Prometheus' first scrape came before the window opened
-
-
-def drain(proc: subprocess.Popen[str], lines: list[str]) -> threading.Event:
-    """Keep reading the daemon's stderr (a full pipe would block it); set the event on `metrics_serving`."""
-    serving = threading.Event()
-
-    def read() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-            if '"metrics_serving"' in line:
-                serving.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    return serving
 
 
 def metrics_url(lines: list[str]) -> str:
@@ -108,13 +92,12 @@ def live_night(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> It
     records.insert(5, '{"instruction": "cut off')  # planted: one line that is not JSON
     write_jsonl(inbox / "a.jsonl", records)
     state = tmp / "state"
-    lines: list[str] = []
     with ExitStack() as stack:
         proc = start(cfg)
         stack.callback(proc.wait, 10)
         stack.callback(proc.kill)
-        serving = drain(proc, lines)
-        wait_for(serving.is_set, 60, "the metrics_serving log line", proc)
+        lines = proc.lines  # start() drains the daemon's stderr
+        wait_for(lambda: any('"metrics_serving"' in x for x in lines), 60, "the metrics_serving log line", proc)
         url = metrics_url(lines)
         prom, scraped_closed_window = None, False
         if PROMETHEUS is not None:

@@ -90,32 +90,27 @@ retry_backoff_seconds = 1
 
 
 def start(cfg, notify=None, watchdog_usec=None):
+    """The daemon as a subprocess; its log lines are drained into `proc.lines` (a full pipe would block it)."""
     env = {**os.environ}
     if notify:
         env["NOTIFY_SOCKET"] = notify.path
     if watchdog_usec:
         env["WATCHDOG_USEC"] = str(watchdog_usec)
-    return subprocess.Popen(
-        [sys.executable, "-m", "daemon", "--config", str(cfg), "run"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = subprocess.Popen([sys.executable, "-m", "daemon", "--config", str(cfg), "run"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc.lines = []
+
+    def drain():
+        for line in proc.stderr:
+            proc.lines.append(line)
+
+    threading.Thread(target=drain, daemon=True).start()
+    return proc
 
 
 def child_pids(proc):
-    """Collect the night children's pids from the daemon's JSON log lines."""
-    pids = []
-
-    def read():
-        for line in proc.stderr:
-            if '"child_started"' in line:
-                pids.append(json.loads(line)["pid"])
-
-    threading.Thread(target=read, daemon=True).start()
-    return pids
+    """The night children's pids, from the daemon's JSON log lines."""
+    return [json.loads(line)["pid"] for line in list(proc.lines) if '"child_started"' in line]
 
 
 def wait_for(cond, timeout, what, proc=None):
@@ -214,11 +209,11 @@ def test_kill_9_of_daemon_and_child_then_restart_trains_nothing_twice(tmp_path, 
     write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(24)])
     state = tmp_path / "state"
     proc = start(cfg)
-    pids = child_pids(proc)
     try:
-        wait_for(lambda: pids and list(state.glob("checkpoints/*/latest/state.json")), 120, "a checkpoint", proc)
+        wait_for(lambda: child_pids(proc) and list(state.glob("checkpoints/*/latest/state.json")), 120,
+                 "a checkpoint", proc)
         time.sleep(0.3)
-        os.kill(pids[0], signal.SIGKILL)  # systemd's SIGKILL reaches the whole cgroup: both die
+        os.kill(child_pids(proc)[0], signal.SIGKILL)  # systemd's SIGKILL reaches the whole cgroup: both die
         proc.kill()
         proc.wait()
     finally:
@@ -235,3 +230,49 @@ def test_kill_9_of_daemon_and_child_then_restart_trains_nothing_twice(tmp_path, 
     manifest = json.loads((state / "current" / "manifest.json").read_text())
     assert manifest["training"]["resumed_from_step"] > 0 and manifest["training"]["steps"] == 30 * 6
     assert counts(state) == {"trained": 24} and len(runs(state)) == 1
+
+
+def test_a_crashed_child_is_recorded_and_retried_in_the_window(tmp_path, tiny_model):
+    """kill -9 of the night's process only: the daemon lives on, records why, retries, resumes."""
+    cfg, inbox = write_config(tmp_path, tiny_model, opens_in=1, epochs=30, batch_size=4,
+                              checkpoint_every_seconds=0.5)
+    write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(24)])
+    state = tmp_path / "state"
+    proc = start(cfg)
+    try:
+        wait_for(lambda: child_pids(proc) and list(state.glob("checkpoints/*/latest/state.json")), 120,
+                 "a checkpoint", proc)
+        os.kill(child_pids(proc)[0], signal.SIGKILL)
+        wait_for(lambda: runs(state)[0]["status"] == "succeeded", 240, "the retried run to finish", proc)
+        assert len(child_pids(proc)) == 2  # a second child, started by the daemon after the backoff
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    led = Ledger(state / "ledger.sqlite")
+    [failure] = [json.loads(e["detail"]) for e in led.events("attempt_failed")]
+    assert "SIGKILL" in failure["error"] and failure["tail"]  # exit status and the last log lines
+    assert counts(state) == {"trained": 24} and len(runs(state)) == 1
+
+
+def test_a_night_that_keeps_failing_is_closed_after_max_attempts_and_the_daemon_lives(tmp_path, tiny_model):
+    cfg, inbox = write_config(tmp_path, tiny_model, opens_in=1)
+    write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(5)])
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    cfg.write_text(cfg.read_text().replace(str(tiny_model), str(broken)) + "max_attempts = 2\n")
+    state = tmp_path / "state"
+    proc = start(cfg)
+    try:
+        wait_for(lambda: (state / "ledger.sqlite").exists() and runs(state)
+                 and runs(state)[-1]["status"] == "failed", 180, "the night to be closed as failed", proc)
+        time.sleep(1)
+        assert proc.poll() is None  # the daemon lives on
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    [run] = runs(state)
+    assert run["status"] == "failed" and "2 attempts failed" in run["error"]
+    assert not (state / "current").exists()
