@@ -19,10 +19,11 @@ from typing import Any
 
 import structlog
 
+from jobs.files import sha256_file
 from jobs.formats import RecordError, normalise
 from jobs.ledger import Ledger
 from jobs.render import OverlongPolicy, tokenize_record
-from jobs.sources import SourceConfig, new_files, read_records, sha256_file
+from jobs.sources import SourceConfig, new_files, read_records
 
 log = structlog.get_logger("nightshift.pull")
 

@@ -9,7 +9,6 @@ version is promoted or sent to an inference server.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -17,6 +16,8 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from jobs.files import fsync_dir, fsync_tree, sha256_file
 
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
@@ -33,22 +34,6 @@ def version_name(name: str, version: int) -> str:
 def parse_version(dirname: str) -> int | None:
     m = re.fullmatch(r".+-v(\d{4,})", dirname)
     return int(m.group(1)) if m else None
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Registry:
@@ -69,13 +54,10 @@ class Registry:
         final = self.path_of(name, version)
         if final.exists():
             raise FileExistsError(f"{final} exists: version names are never reused")
-        files = {p.name: sha256_of(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
         manifest = {**manifest, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
-        for p in tmp.iterdir():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-        fsync_dir(tmp)
+        fsync_tree(tmp)
         os.rename(tmp, final)
         fsync_dir(self.adapters)
         return final
@@ -90,7 +72,7 @@ class Registry:
             f = Path(path) / fname
             if not f.is_file():
                 raise IntegrityError(f"{path}: {fname} is missing")
-            if sha256_of(f) != digest:
+            if sha256_file(f) != digest:
                 raise IntegrityError(f"{path}: {fname} does not match its sha256 in the manifest "
                                      "(truncated or altered)")
         if not manifest.get("files"):

@@ -8,7 +8,6 @@ whole). Nothing in the inbox is ever deleted.
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import time
 from collections.abc import Iterator
@@ -43,14 +42,6 @@ class RawRecord:
     record: Any | None  # the decoded record, or None when it could not be decoded
     error: RecordError | None = None
     raw: str | None = None  # what to keep in quarantine when the record could not be decoded
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def new_files(cfg: SourceConfig, *, now: float | None = None) -> list[Path]:

@@ -15,6 +15,8 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from jobs.files import fsync_tree
+
 # A template whose renderings of a conversation's prefixes are string prefixes of the
 # whole: assistant spans can then be found by rendering prefixes (see jobs/render.py).
 CHAT_TEMPLATE = (
@@ -99,9 +101,7 @@ def build_tiny_llama(out_dir: Path, corpus_files: Iterable[Path], *, seed: int =
         )
         model = LlamaForCausalLM(cfg)
         model.save_pretrained(tmp)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+        fsync_tree(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.rename(tmp, out_dir)

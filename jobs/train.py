@@ -22,6 +22,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
 from jobs.batching import Batch, TokenizedSample, padded_batches
+from jobs.files import fsync_tree
 from jobs.render import OverlongPolicy
 
 log = structlog.get_logger("nightshift.train")
@@ -186,25 +187,13 @@ def save_checkpoint(ckpt_root: Path, model: Any, optimizer: Any, scheduler: Any,
     model.save_pretrained(str(tmp))
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
     (tmp / "state.json").write_text(json.dumps(state))
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     latest, previous = ckpt_root / "latest", ckpt_root / "previous"
     shutil.rmtree(previous, ignore_errors=True)
     if latest.exists():
         os.rename(latest, previous)
     os.rename(tmp, latest)
     shutil.rmtree(previous, ignore_errors=True)
-
-
-def _fsync_tree(root: Path) -> None:
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---- the loop -----------------------------------------------------------------------------------

@@ -80,3 +80,33 @@ def run(cfg: Any, *, night: str = "2026-11-21", seconds: float = 3600, stop: thr
 def copy_samples(inbox: Path) -> None:
     for p in SAMPLE_INBOX.iterdir():
         shutil.copy(p, inbox / p.name)
+
+
+def toml_config(tmp_path: Path, tiny_model: Path, *, more: str = "", **train: Any) -> tuple[Path, Path]:
+    """A config file for CLI/daemon subprocess tests: tiny model, an empty inbox, `[train]` overrides,
+    and `more` TOML appended after it (e.g. `[window]`). Returns (config path, inbox)."""
+    inbox = tmp_path / "inbox"
+    inbox.mkdir(exist_ok=True)
+    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in train.items())
+    cfg = tmp_path / "nightshift.toml"
+    cfg.write_text(f"""
+state_dir = "{tmp_path / "state"}"
+[model]
+path = "{tiny_model}"
+name = "tiny"
+[[sources]]
+name = "inbox"
+inbox = "{inbox}"
+settle_seconds = 0
+[plan]
+prior_tokens_per_second = 2000
+prior_overhead_seconds = 0
+heldout_share = 0
+[train]
+backend = "hf"
+lora_rank = 4
+max_seq_length = 128
+gradient_checkpointing = false
+{extra}
+{more}""")
+    return cfg, inbox

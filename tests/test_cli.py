@@ -12,7 +12,7 @@ import time
 import pytest
 
 from jobs.ledger import Ledger
-from tests.conftest import REPO, alpaca, write_jsonl
+from tests.conftest import REPO, alpaca, toml_config, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -29,30 +29,7 @@ def nightshift(*args, cwd=REPO, env=None, timeout=240):
 
 
 def config(tmp_path, tiny_model, **train):
-    inbox = tmp_path / "inbox"
-    inbox.mkdir(exist_ok=True)
-    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in train.items())
-    p = tmp_path / "nightshift.toml"
-    p.write_text(f"""
-state_dir = "{tmp_path / "state"}"
-[model]
-path = "{tiny_model}"
-name = "tiny"
-[[sources]]
-name = "inbox"
-inbox = "{inbox}"
-settle_seconds = 0
-[plan]
-prior_tokens_per_second = 2000
-prior_overhead_seconds = 0
-heldout_share = 0
-[train]
-backend = "hf"
-lora_rank = 4
-max_seq_length = 128
-gradient_checkpointing = false
-{extra}""")
-    return p, inbox
+    return toml_config(tmp_path, tiny_model, **train)
 
 
 def test_once_on_the_embedded_default_runs_a_whole_night(tmp_path):

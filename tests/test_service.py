@@ -13,7 +13,7 @@ import time
 import pytest
 
 from jobs.ledger import Ledger
-from tests.conftest import REPO, alpaca, write_jsonl
+from tests.conftest import REPO, alpaca, toml_config, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -48,32 +48,11 @@ class Notify:
 
 
 def write_config(tmp_path, tiny_model, *, opens_in=3, lasts=300, **train):
+    """A window opening `opens_in` seconds from now and lasting `lasts` seconds (UTC wall clock)."""
     now = dt.datetime.now(dt.UTC)
     start = (now + dt.timedelta(seconds=opens_in)).strftime("%H:%M:%S")
     end = (now + dt.timedelta(seconds=opens_in + lasts)).strftime("%H:%M:%S")
-    inbox = tmp_path / "inbox"
-    inbox.mkdir(exist_ok=True)
-    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in train.items())
-    cfg = tmp_path / "n.toml"
-    cfg.write_text(f"""
-state_dir = "{tmp_path / "state"}"
-[model]
-path = "{tiny_model}"
-name = "tiny"
-[[sources]]
-name = "inbox"
-inbox = "{inbox}"
-settle_seconds = 0
-[plan]
-prior_tokens_per_second = 2000
-prior_overhead_seconds = 0
-heldout_share = 0
-[train]
-backend = "hf"
-lora_rank = 4
-max_seq_length = 128
-gradient_checkpointing = false
-{extra}
+    return toml_config(tmp_path, tiny_model, **train, more=f"""
 [window]
 start = "{start}"
 end = "{end}"
@@ -86,7 +65,6 @@ port = 0
 stop_grace_seconds = 30
 retry_backoff_seconds = 1
 """)
-    return cfg, inbox
 
 
 def start(cfg, notify=None, watchdog_usec=None):
