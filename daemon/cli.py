@@ -6,6 +6,7 @@ import argparse
 import datetime as dt
 import json
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 from daemon import report
 from daemon.adapters_cli import add_commands as add_adapter_commands
 from daemon.settings import DEFAULT_CONFIG, ConfigError, Settings, check_paths, load_settings
-from daemon.supervisor import NightChild, wait_interruptibly
+from daemon.supervisor import NightChild, child_env, wait_interruptibly
 from jobs import logs
 from jobs.ledger import Ledger, NightOutcomes
 
@@ -114,6 +115,19 @@ def cmd_status(args: argparse.Namespace, s: Settings) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace, s: Settings) -> int:
+    """Our own GPU path, measured in a child process and recorded for the planner."""
+    out = args.out or Path(s.state_dir) / "calibrate"
+    cmd = [sys.executable, "-m", "jobs.calibrate", "--out", str(out), "--seconds", str(args.seconds)]
+    return subprocess.run(cmd, input=s.night_config().model_dump_json(), text=True, env=child_env()).returncode
+
+
+def cmd_bench(args: argparse.Namespace, s: Settings) -> int:
+    """The side-by-side benchmark (jobs/bench.py) in a child process; arguments pass through."""
+    cmd = [sys.executable, "-m", "jobs.bench", "bench", *args.bench_args]
+    return subprocess.run(cmd, env=child_env()).returncode
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="nightshift", description=__doc__)
     ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="TOML file (default: %(default)s)")
@@ -133,12 +147,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-config", help="report every problem of a config file")
     p.add_argument("file", type=Path, nargs="?")
     p.set_defaults(func=cmd_check_config)
+    p = sub.add_parser("calibrate", help="measure our training path on this GPU and record it for the planner")
+    p.add_argument("--out", type=Path, help="where the measurement's JSON goes (default: <state_dir>/calibrate)")
+    p.add_argument("--seconds", type=float, default=30.0, help="timed seconds per length profile")
+    p.set_defaults(func=cmd_calibrate)
+    p = sub.add_parser("bench", help="GPU benchmark: baseline, Unsloth, Unsloth+TRL and ours, side by side "
+                       "(its own options follow: `nightshift bench --help`)", add_help=False)
+    p.set_defaults(func=cmd_bench)
     add_adapter_commands(sub)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.cmd == "bench":
+        args.bench_args = extra  # the benchmark has its own options (jobs/bench.py)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.cmd == "check-config" and args.file is not None:
         args.config = args.file
     try:

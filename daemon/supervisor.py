@@ -26,6 +26,12 @@ log = structlog.get_logger("nightshift.supervisor")
 EXIT_INTERRUPTED = 3  # jobs/child.py: stopped on request, checkpoint saved
 
 
+def child_env() -> dict[str, str]:
+    """The environment of every torch child: offline (nothing from a hub), no systemd variables."""
+    return {**sdnotify.child_environ(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
 @dataclass
 class ChildOutcome:
     returncode: int
@@ -59,8 +65,7 @@ class NightChild:
         cmd = [sys.executable, "-m", "jobs.child", "--night", self.night, "--deadline", repr(self.deadline)]
         if self.plan_only:
             cmd.append("--plan-only")
-        env = {**sdnotify.child_environ(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-               "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+        env = child_env()
         env.setdefault("NIGHTSHIFT_LOG_FORMAT", "console" if self.log_stream.isatty() else "json")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      env=env, start_new_session=True)  # our SIGINT is not its SIGINT

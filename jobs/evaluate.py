@@ -112,7 +112,7 @@ def eval_metrics(model: Any, samples: Sequence[TokenizedSample], *, pad_id: int,
     tokens the model is trained on; None when there is nothing to measure."""
     import torch
 
-    from jobs.train import to_device
+    from jobs.fastpath import model_inputs
 
     if not samples:
         return None
@@ -124,7 +124,7 @@ def eval_metrics(model: Any, samples: Sequence[TokenizedSample], *, pad_id: int,
             n = sum(1 for row in b.labels for x in row[1:] if x != IGNORE_INDEX)  # HF shifts labels by one
             if n == 0:
                 continue
-            t = to_device(b, device)
+            t = model_inputs(b, device)
             out = model(**t)
             total += float(out.loss) * n
             count += n

@@ -302,6 +302,13 @@ class Ledger:
             "SELECT * FROM throughput WHERE key=? ORDER BY at DESC LIMIT ?", (key, n)
         ).fetchall()
 
+    def calibration(self, key: str) -> dict[str, Any] | None:
+        """The step shape (tokens per step, checkpointing) `nightshift calibrate` measured for this key."""
+        r = self.db.execute(
+            "SELECT detail FROM throughput WHERE key=? AND origin='calibrate' ORDER BY at DESC LIMIT 1", (key,)
+        ).fetchone()
+        return json.loads(r[0]) if r else None
+
     # ---- versions ----------------------------------------------------------------------------
     def next_version(self) -> int:
         r = self.db.execute("SELECT COALESCE(MAX(version), 0) FROM versions").fetchone()

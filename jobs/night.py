@@ -151,7 +151,8 @@ def throughput_parts(cfg: NightConfig, fingerprint: str, backend: str, device: s
     t = cfg.train
     return {"model": fingerprint, "backend": backend, "device": device, "rank": t.lora_rank,
             "targets": t.target_modules, "batch_size": t.batch_size, "max_tokens": t.max_tokens_per_batch,
-            "max_seq": t.max_seq_length, "grad_ckpt": t.gradient_checkpointing, "4bit": t.load_in_4bit}
+            "max_seq": t.max_seq_length, "grad_ckpt": t.gradient_checkpointing, "4bit": t.load_in_4bit,
+            "batching": t.batching, "tokens_per_step": t.tokens_per_step, "max_vram_gb": cfg.gpu.max_vram_gb}
 
 
 def code_version() -> str:

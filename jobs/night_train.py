@@ -26,7 +26,7 @@ from jobs.locking import StateLock
 from jobs.night import Night, code_version, data_fingerprint, remove_checkpoints
 from jobs.registry import version_name
 from jobs.render import tokenize_record
-from jobs.train import latest_checkpoint, load_for_training, train
+from jobs.train import latest_checkpoint, load_for_training, resolve_step, train
 
 log = structlog.get_logger("nightshift.night")
 
@@ -46,7 +46,9 @@ def train_evaluate_publish(n: Night, model_path: Path, plan: dict[str, Any], rol
     resume = latest_checkpoint(ckpt_root)
     parent_path = registry.path_of(cfg.model.name, parent) if parent else None
     with n.phase("load"):
-        loaded = load_for_training(model_path, cfg.train, adapter=resume or parent_path)
+        shape = resolve_step(cfg.train, ledger.calibration(key))
+        loaded = load_for_training(model_path, cfg.train, adapter=resume or parent_path, shape=shape,
+                                   cache_dir=state / "models")
         tok = loaded.tokenizer
         train_ids = [sid for sid, role in roles if role in ("train", "replay")]  # plan order: replay mixed in
         replay_ids = {sid for sid, role in roles if role == "replay"}  # trained again, never re-marked
@@ -86,7 +88,7 @@ def train_evaluate_publish(n: Night, model_path: Path, plan: dict[str, Any], rol
 
     with n.phase("train"):
         result = train(loaded, train_set, cfg.train, ckpt_root=ckpt_root, deadline=n.deadline, stop=stop,
-                       clock=n.clock, on_progress=progress, resume=resume)
+                       clock=n.clock, on_progress=progress, resume=resume, shape=shape, on_event=n.emit)
     new_ids = [i for i in result.trained_ids if i not in replay_ids]
     replayed = [i for i in result.trained_ids if i in replay_ids]
     s.update(trained_samples=len(new_ids), replay_samples=len(replayed), trained_tokens=result.tokens,
@@ -138,7 +140,7 @@ def train_evaluate_publish(n: Night, model_path: Path, plan: dict[str, Any], rol
             "training": {"backend": backend, "device": device, "steps": result.steps,
                          "tokens_per_second": s["tokens_per_second"], "seconds": result.seconds,
                          "stopped": result.stopped, "resumed_from_step": result.resumed_from_step,
-                         **loaded.info},
+                         **result.detail, **loaded.info},
             "losses": s["losses"], "metrics": s["metrics"], "gate": s["gate"], "promoted": passed,
             "phase_seconds": s["phase_seconds"], "plan": {k: plan[k] for k in (
                 "predicted_train_seconds", "tokens_per_second", "basis", "train_tokens", "deferred_samples")},

@@ -42,11 +42,18 @@ class TrainConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(5, ge=0)
     epochs: int = Field(1, ge=1)
-    batch_size: int = Field(8, ge=1, description="samples per step at most")
+    batching: Literal["packed", "padded"] = Field(
+        "packed", description="packed: samples concatenated into one row per step (positions reset, no attention "
+        "across samples); padded: rows padded to the longest sample")
+    tokens_per_step: int | Literal["auto"] = Field(
+        "auto", description="packed: real tokens per step; auto: what `nightshift calibrate` measured fits "
+        "under [gpu] max_vram_gb, else max_tokens_per_batch")
+    batch_size: int = Field(8, ge=1, description="padded: samples per step at most")
     max_tokens_per_batch: int = Field(16384, ge=16, description="padded tokens per step at most")
     max_seq_length: int = Field(2048, ge=16)
     overlong: OverlongPolicy = "reject"
-    gradient_checkpointing: bool = True
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        "auto", description="recompute activations to save memory; auto: calibrate's choice, else on")
     checkpoint_every_seconds: float = Field(600.0, gt=0)
     seed: int = 0
 
@@ -97,13 +104,44 @@ def load_tokenizer(model_path: Path) -> Any:
     return tok
 
 
-def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | None) -> Loaded:
+@dataclass(frozen=True)
+class StepShape:
+    """How big a step is and whether activations are recomputed: chosen once per run."""
+
+    tokens_per_step: int
+    gradient_checkpointing: bool
+    basis: str
+
+
+def resolve_step(cfg: TrainConfig, calibrated: dict[str, Any] | None) -> StepShape:
+    """Config values win; "auto" takes what calibrate measured under the VRAM cap, else safe defaults."""
+    cal = calibrated or {}
+    tokens = cfg.tokens_per_step
+    basis = "config"
+    if tokens == "auto":
+        tokens, basis = (int(cal["tokens_per_step"]), "calibrated") if cal.get("tokens_per_step") else (
+            cfg.max_tokens_per_batch, "max_tokens_per_batch (not calibrated)")
+    gc = cfg.gradient_checkpointing
+    if gc == "auto":
+        gc = bool(cal["gradient_checkpointing"]) if "gradient_checkpointing" in cal else True
+    return StepShape(max(int(tokens), cfg.max_seq_length), bool(gc), basis)
+
+
+def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | None, shape: StepShape,
+                      cache_dir: Path | None = None) -> Loaded:
     """Base model + LoRA: from `adapter` (the one in service, or a checkpoint) or a fresh one."""
     backend = resolve_backend(cfg)
     if backend == "unsloth":
-        from jobs.train_unsloth import load_unsloth  # GPU-only stack, imported only here
+        from jobs.train_unsloth import LoraSpec, load_unsloth  # GPU-only stack, imported only here
 
-        return load_unsloth(model_path, cfg, adapter=adapter)
+        model, tok, info = load_unsloth(
+            model_path, lora=LoraSpec.from_train_config(cfg), gradient_checkpointing=shape.gradient_checkpointing,
+            max_seq_length=max(cfg.max_seq_length, shape.tokens_per_step if cfg.batching == "packed" else 0),
+            parent_adapter=adapter, cache_dir=cache_dir)
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        log.info("model_loaded", device=device_name(), **info)
+        return Loaded(model, tok, "unsloth", "cuda", info)
     import torch
     from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
@@ -122,8 +160,8 @@ def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | Non
         kwargs["device_map"] = {"": 0}
     model = AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)
     if quantized:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
-    elif cfg.gradient_checkpointing:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=shape.gradient_checkpointing)
+    elif shape.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     if cuda and not quantized:
@@ -142,29 +180,24 @@ def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | Non
     return Loaded(model, load_tokenizer(model_path), "hf", "cuda" if cuda else "cpu", info)
 
 
-def plan_batches(samples: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: int) -> list[Batch]:
-    """The whole run's batch sequence, deterministic from (samples, seed): a resume replays it."""
+def plan_batches(samples: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: int,
+                 tokens_per_step: int) -> list[Batch]:
+    """The whole run's batch sequence, deterministic from (samples, seed, step shape): a resume replays it."""
     import random
+
+    from jobs.packing import packed_batches
 
     out: list[Batch] = []
     for epoch in range(cfg.epochs):
         order = list(samples)
         if epoch:  # first epoch in plan order (oldest first); later epochs shuffled
             random.Random(cfg.seed + epoch).shuffle(order)
-        out.extend(padded_batches(order, batch_size=cfg.batch_size,
-                                  max_tokens_per_batch=cfg.max_tokens_per_batch, pad_id=pad_id))
+        if cfg.batching == "packed":
+            out.extend(packed_batches(order, tokens_per_step=tokens_per_step))
+        else:
+            out.extend(padded_batches(order, batch_size=cfg.batch_size,
+                                      max_tokens_per_batch=cfg.max_tokens_per_batch, pad_id=pad_id))
     return out
-
-
-def to_device(batch: Batch, device: str) -> dict[str, Any]:
-    import torch
-
-    t = {"input_ids": torch.tensor(batch.input_ids), "labels": torch.tensor(batch.labels)}
-    if batch.attention_mask is not None:
-        t["attention_mask"] = torch.tensor(batch.attention_mask)
-    if batch.position_ids is not None:
-        t["position_ids"] = torch.tensor(batch.position_ids)
-    return {k: v.to(device) for k, v in t.items()}
 
 
 # ---- checkpoints --------------------------------------------------------------------------------
@@ -202,19 +235,30 @@ def train(
     loaded: Loaded, samples: Sequence[TokenizedSample], cfg: TrainConfig, *, ckpt_root: Path, deadline: float,
     stop: threading.Event, clock: Callable[[], float] = time.time,
     on_progress: Callable[[dict[str, Any]], None] = lambda _: None, resume: Path | None = None,
-    save_seconds: float = 5.0, batches: list[Batch] | None = None,
+    save_seconds: float = 5.0, shape: StepShape | None = None,
+    on_event: Callable[[dict[str, Any]], None] = lambda _: None,
 ) -> TrainResult:
     import torch
 
+    from jobs.fastpath import train_step
+
     model, device = loaded.model, loaded.device
-    pad_id = loaded.tokenizer.pad_token_id
-    batches = batches if batches is not None else plan_batches(samples, cfg, pad_id)
+    shape = shape or resolve_step(cfg, None)
+    batches = plan_batches(samples, cfg, loaded.tokenizer.pad_token_id, shape.tokens_per_step)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                   fused=device == "cuda")
     warm = max(1, cfg.warmup_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
-    state = {"next_batch": 0, "steps": 0, "tokens": 0, "seconds": 0.0, "loss_sum": 0.0, "loss_n": 0}
+    state = {"next_batch": 0, "steps": 0, "tokens": 0, "seconds": 0.0, "loss_sum": 0.0, "loss_n": 0,
+             "halved": False}
+
+    def step_event(ev: dict[str, Any]) -> None:
+        if ev.get("event") == "oom_split":  # from now on every step runs as two halves (also after a resume)
+            state["halved"] = True
+            log.warning("cuda_out_of_memory_step_halved", **{k: v for k, v in ev.items() if k != "event"})
+        on_event(ev)
+
     if resume is not None:
         state = json.loads((resume / "state.json").read_text())
         opt = torch.load(resume / "optimizer.pt", map_location=device, weights_only=False)
@@ -239,15 +283,9 @@ def train(
         if step_ema is not None and now + 1.5 * step_ema + save_seconds > deadline:
             stopped = "deadline"
             break
-        t0 = time.perf_counter()
-        out = model(**to_device(batches[i], device))
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss = float(out.loss.detach())
-        dt = time.perf_counter() - t0
+        st = train_step(model, batches[i], optimizer, device=device, scheduler=scheduler, params=params,
+                        on_event=step_event, halve=bool(state.get("halved")))
+        loss, dt = st.loss, st.seconds
         step_ema = dt if step_ema is None else 0.8 * step_ema + 0.2 * dt
         state["next_batch"] = i + 1
         state["steps"] += 1
@@ -273,7 +311,9 @@ def train(
         trained_ids=consumed, tokens=int(state["tokens"]), seconds=float(state["seconds"]),
         steps=int(state["steps"]), mean_loss=state["loss_sum"] / state["loss_n"] if state["loss_n"] else None,
         stopped=stopped, resumed_from_step=resumed_from,
-        detail={"batches": len(batches), "batches_done": int(state["next_batch"])},
+        detail={"batches": len(batches), "batches_done": int(state["next_batch"]), "halved": state["halved"],
+                "tokens_per_step": shape.tokens_per_step, "gradient_checkpointing": shape.gradient_checkpointing,
+                "step_shape_basis": shape.basis, "batching": cfg.batching},
     )
 
 

@@ -55,6 +55,7 @@ def night_env(tmp_path: Path, tiny_model: Path):
             "sources": [{"name": "inbox", "inbox": inbox, "settle_seconds": 0}],
             "plan": {"prior_tokens_per_second": 2000, "prior_overhead_seconds": 0, "heldout_share": 0.1},
             "train": {"backend": "hf", "lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3, "batch_size": 8,
+                      "batching": "padded",
                       "max_tokens_per_batch": 2048, "max_seq_length": 128, "gradient_checkpointing": False,
                       "checkpoint_every_seconds": 600},
         }
@@ -104,6 +105,7 @@ prior_overhead_seconds = 0
 heldout_share = 0
 [train]
 backend = "hf"
+batching = "padded"
 lora_rank = 4
 max_seq_length = 128
 gradient_checkpointing = false

@@ -150,3 +150,15 @@ def test_nothing_new_is_a_skipped_night(night_env):
     _, make = night_env
     s = run(make())
     assert s["outcome"] == "skipped" and "no new samples" in s["error"]
+
+
+def test_a_packed_night_trains_every_sample_in_fewer_fuller_steps(night_env):
+    inbox, make = night_env
+    write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(40)])
+    cfg = make(plan={"heldout_share": 0}, train={"batching": "packed", "tokens_per_step": 256})
+    s = run(cfg)
+    assert s["outcome"] == "succeeded" and s["trained_samples"] == 40
+    manifest = json.loads((cfg.state_dir / "current" / "manifest.json").read_text())
+    t = manifest["training"]
+    assert t["batching"] == "packed" and t["tokens_per_step"] == 256 and t["step_shape_basis"] == "config"
+    assert s["steps"] == t["batches"] < 40 / 8  # fewer steps than 8-sample padded batches would take

@@ -1,0 +1,155 @@
+"""The training step of the fast path: Batch -> tensors -> forward/backward/step, nothing hidden.
+
+Why a module: packed batches need three things a plain `model(**batch)` gets wrong.
+- `use_cache=False`: in transformers 5 a model called with a KV cache (the default) skips the
+  block-diagonal mask that reset `position_ids` would give, and samples attend to each other.
+- `packed_seq_lengths` (Unsloth models only): the segment lengths as a CPU int32 tensor, so
+  Unsloth's varlen attention gets its `cu_seqlens` without a device-to-host sync per step.
+- a CUDA out-of-memory is caught, the batch split in two (same samples, same order) and retried
+  once, and the event reported; a second failure is raised.
+
+The lead's loop (jobs/train.py) can call `model_inputs` alone; `train_steps` is the same loop
+for the bench and calibration.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from jobs.batching import Batch
+from jobs.packing import is_packed, segment_lengths, split_in_two
+
+UNSLOTH_FLAG = "_nightshift_unsloth"  # set on models that jobs.train_unsloth loaded
+
+
+def is_unsloth(model: Any) -> bool:
+    return bool(getattr(model, UNSLOTH_FLAG, False))
+
+
+def model_inputs(batch: Batch, device: Any, *, unsloth: bool = False) -> dict[str, Any]:
+    """Tensors for `model(**inputs)`; pinned + non-blocking copies on CUDA."""
+    import torch
+
+    cuda = str(device).startswith("cuda")
+
+    def t(x: list[list[int]]) -> Any:
+        v = torch.tensor(x, dtype=torch.long)
+        return v.pin_memory().to(device, non_blocking=True) if cuda else v.to(device)
+
+    out: dict[str, Any] = {"input_ids": t(batch.input_ids), "labels": t(batch.labels), "use_cache": False}
+    if batch.attention_mask is not None:
+        out["attention_mask"] = t(batch.attention_mask)
+    if batch.position_ids is not None:
+        out["position_ids"] = t(batch.position_ids)
+    if unsloth and is_packed(batch):
+        out["packed_seq_lengths"] = torch.tensor(segment_lengths(batch.position_ids[0]), dtype=torch.int32)
+    return out
+
+
+class _Halve(Exception):
+    """Asked to run the step as two halves (the run already hit an out-of-memory)."""
+
+
+@dataclass
+class StepStat:
+    tokens: int  # real (non-padding) tokens
+    seconds: float  # wall time of the step, device synchronised
+    loss: float
+    split: bool = False  # retried as two halves after an out-of-memory
+
+
+def _one(model: Any, batch: Batch, device: Any, unsloth: bool, scale: float) -> float:
+    out = model(**model_inputs(batch, device, unsloth=unsloth))
+    (out.loss * scale).backward()
+    return float(out.loss.detach())
+
+
+def train_step(
+    model: Any,
+    batch: Batch,
+    optimizer: Any,
+    *,
+    device: Any = "cuda",
+    max_grad_norm: float | None = 1.0,
+    scheduler: Any = None,
+    params: list[Any] | None = None,
+    on_event: Callable[[dict[str, Any]], None] = lambda _: None,
+    halve: bool = False,
+) -> StepStat:
+    """One optimizer step over one batch; on CUDA OOM, the batch in two halves (gradients accumulated)."""
+    import torch
+
+    unsloth = is_unsloth(model)
+    cuda = str(device).startswith("cuda")
+    t0 = time.perf_counter()
+    split = False
+    try:
+        if halve and is_packed(batch) and len(batch.sample_ids) > 1:
+            raise _Halve
+        loss = _one(model, batch, device, unsloth, 1.0)
+    except (torch.OutOfMemoryError, _Halve) as e:
+        if not is_packed(batch) or len(batch.sample_ids) < 2:
+            raise
+        optimizer.zero_grad(set_to_none=True)
+        halves = split_in_two(batch)
+        if isinstance(e, torch.OutOfMemoryError):
+            torch.cuda.empty_cache()
+            on_event({"event": "oom_split", "tokens": batch.real_tokens, "halves": [h.real_tokens for h in halves]})
+        split = True
+        loss = 0.0
+        for h in halves:  # token-weighted, so the step equals the whole batch's step
+            w = h.real_tokens / batch.real_tokens
+            loss += w * _one(model, h, device, unsloth, w)
+    if max_grad_norm:
+        ps = params if params is not None else [p for p in model.parameters() if p.requires_grad]
+        torch.nn.utils.clip_grad_norm_(ps, max_grad_norm)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+    return StepStat(batch.real_tokens, time.perf_counter() - t0, loss, split)
+
+
+def train_steps(
+    model: Any,
+    batches: Iterable[Batch],
+    optimizer: Any,
+    *,
+    device: Any = "cuda",
+    max_grad_norm: float | None = 1.0,
+    scheduler: Any = None,
+    on_step: Callable[[StepStat], bool | None] = lambda _: None,
+    on_event: Callable[[dict[str, Any]], None] = lambda _: None,
+) -> list[StepStat]:
+    """Plain loop; `on_step` returning True stops it (deadline, timed window)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.train()
+    stats: list[StepStat] = []
+    for b in batches:
+        st = train_step(
+            model,
+            b,
+            optimizer,
+            device=device,
+            max_grad_norm=max_grad_norm,
+            scheduler=scheduler,
+            params=params,
+            on_event=on_event,
+        )
+        stats.append(st)
+        if on_step(st):
+            break
+    return stats
+
+
+def make_optimizer(model: Any, *, lr: float = 2e-4, weight_decay: float = 0.0) -> Any:
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = bool(params) and params[0].is_cuda
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)

@@ -1,0 +1,248 @@
+"""Packed (padding-free) batches cut to a token budget, and the budget chosen from measured memory.
+
+Why: with short samples a padded batch of N samples wastes the GPU on padding and on tiny
+steps. Packing concatenates samples into one row of about `tokens_per_step` tokens, with
+`position_ids` restarting at 0 for every sample. Attention backends then keep samples apart:
+transformers 5 turns reset position ids (with `attention_mask=None`) into a block-diagonal
+causal mask, and Unsloth turns them into varlen (cu_seqlens) attention. The label of each
+sample's first token is IGNORE_INDEX, so no token is predicted from the previous sample.
+
+The token budget per step is the knob that trades speed for memory: activation memory grows
+about linearly with tokens per step, so one or two probe steps give a line, and the budget is
+the largest multiple of `multiple` tokens whose predicted peak stays under `[gpu] max_vram_gb`.
+Everything here is pure Python (no torch), so it is tested on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from jobs.batching import IGNORE_INDEX, Batch, TokenizedSample
+
+GB = 1e9  # decimal gigabytes, as `[gpu] max_vram_gb` and nvidia-smi's "GB" readings
+
+
+def packed_batches(samples: Sequence[TokenizedSample], *, tokens_per_step: int) -> Iterator[Batch]:
+    """One row of at most `tokens_per_step` real tokens per batch, samples kept in order.
+
+    In order (next-fit, no reordering) so a resumed run replays exactly the same batches.
+    A sample longer than the budget gets a batch of its own (callers cap samples at
+    max_seq_length, and the budget is never chosen below it).
+    """
+    if tokens_per_step < 1:
+        raise ValueError("tokens_per_step must be >= 1")
+    group: list[TokenizedSample] = []
+    used = 0
+    for s in samples:
+        if s.n_tokens == 0:
+            continue
+        if group and used + s.n_tokens > tokens_per_step:
+            yield pack(group)
+            group, used = [], 0
+        group.append(s)
+        used += s.n_tokens
+    if group:
+        yield pack(group)
+
+
+def pack(group: Sequence[TokenizedSample]) -> Batch:
+    """Concatenate samples into one row; positions restart per sample, first labels masked."""
+    ids: list[int] = []
+    labels: list[int] = []
+    pos: list[int] = []
+    for s in group:
+        ids.extend(s.input_ids)
+        labels.append(IGNORE_INDEX)  # never predict a sample's first token from the previous sample
+        labels.extend(s.labels[1:])
+        pos.extend(range(s.n_tokens))
+    return Batch(
+        input_ids=[ids],
+        labels=[labels],
+        attention_mask=None,
+        position_ids=[pos],
+        sample_ids=[s.sample_id for s in group],
+        real_tokens=len(ids),
+    )
+
+
+def segment_lengths(position_ids: Sequence[int]) -> list[int]:
+    """Sample lengths of one packed row, read back from where the positions restart at 0."""
+    lengths: list[int] = []
+    for p in position_ids:
+        if p == 0 or not lengths:
+            lengths.append(1)
+        else:
+            lengths[-1] += 1
+    return lengths
+
+
+def is_packed(batch: Batch) -> bool:
+    return batch.attention_mask is None and batch.position_ids is not None and len(batch.input_ids) == 1
+
+
+def unpack(batch: Batch) -> list[TokenizedSample]:
+    """The samples of a packed batch, back (first labels stay IGNORE_INDEX: they are never used)."""
+    if not is_packed(batch):
+        raise ValueError("not a packed batch")
+    out: list[TokenizedSample] = []
+    start = 0
+    lengths = segment_lengths(batch.position_ids[0])  # type: ignore[index]
+    for sid, n in zip(batch.sample_ids, lengths, strict=True):
+        out.append(TokenizedSample(sid, batch.input_ids[0][start : start + n], batch.labels[0][start : start + n]))
+        start += n
+    return out
+
+
+def split_in_two(batch: Batch) -> list[Batch]:
+    """Halve a packed batch (same samples, same order): the retry after a CUDA out-of-memory."""
+    group = unpack(batch)
+    if len(group) < 2:
+        return [batch]
+    half = max(1, batch.real_tokens // 2)
+    first: list[TokenizedSample] = []
+    used = 0
+    for s in group:
+        if first and used + s.n_tokens > half:
+            break
+        first.append(s)
+        used += s.n_tokens
+    rest = group[len(first) :]
+    return [pack(first), pack(rest)] if rest else [pack(first)]
+
+
+# ---- the token budget per step, from measured memory ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryProbe:
+    """One measured step: its real tokens and the process's peak GPU memory (bytes) during it."""
+
+    tokens: int
+    peak_bytes: float
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """peak(tokens) = static_bytes + bytes_per_token * tokens (activations grow ~linearly)."""
+
+    static_bytes: float
+    bytes_per_token: float
+
+    def peak(self, tokens: int) -> float:
+        return self.static_bytes + self.bytes_per_token * tokens
+
+
+def fit_memory(probes: Sequence[MemoryProbe], *, static_bytes: float | None = None) -> MemoryModel:
+    """A line through the probes: two or more give slope and intercept; one needs `static_bytes`
+    (the memory held before the step: weights, optimizer state, CUDA context)."""
+    if not probes:
+        raise ValueError("need at least one probe")
+    if len({p.tokens for p in probes}) >= 2:
+        n = len(probes)
+        mx = sum(p.tokens for p in probes) / n
+        my = sum(p.peak_bytes for p in probes) / n
+        sxx = sum((p.tokens - mx) ** 2 for p in probes)
+        slope = sum((p.tokens - mx) * (p.peak_bytes - my) for p in probes) / sxx
+        slope = max(slope, 1.0)
+        return MemoryModel(static_bytes=my - slope * mx, bytes_per_token=slope)
+    if static_bytes is None:
+        raise ValueError("one probe size needs static_bytes")
+    p = max(probes, key=lambda q: q.peak_bytes)
+    return MemoryModel(static_bytes=static_bytes, bytes_per_token=max(1.0, (p.peak_bytes - static_bytes) / p.tokens))
+
+
+def conservative_memory_model(probes: Sequence[MemoryProbe], *, static_bytes: float, at_tokens: int) -> MemoryModel:
+    """Of the line through the probes and the line through (0, static) and the largest probe, the one
+    that predicts more memory at `at_tokens`. Two probes of similar size give a noisy slope (seen on a
+    32B: probes at 1,144 and 1,429 tokens predicted 67 GB for a step that took 83 GB); the line from
+    the static memory never underestimates the slope, since activations only add to it."""
+    biggest = max(probes, key=lambda p: p.tokens)
+    one = fit_memory([biggest], static_bytes=static_bytes)
+    if len({p.tokens for p in probes}) < 2:
+        return one
+    two = fit_memory(probes)
+    return max((one, two), key=lambda m: m.peak(max(at_tokens, biggest.tokens)))
+
+
+def second_probe_tokens(
+    first: MemoryProbe,
+    *,
+    static_bytes: float,
+    max_vram_gb: float,
+    want: int,
+    headroom_gb: float = 3.0,
+    margin: float = 0.8,
+) -> int:
+    """Size of the second probe step: `want`, or less where the line through (0, static) and the first
+    probe says `want` would not fit (a probe must not break the limit it is there to respect)."""
+    est = fit_memory([first], static_bytes=static_bytes)
+    fit = ((max_vram_gb - headroom_gb) * GB - est.static_bytes) / est.bytes_per_token
+    return max(1, min(want, int(margin * fit)))
+
+
+def choose_token_budget(
+    model: MemoryModel,
+    *,
+    max_vram_gb: float,
+    min_tokens: int,
+    max_tokens: int,
+    headroom_gb: float = 2.0,
+    multiple: int = 256,
+) -> int | None:
+    """Largest budget (a multiple of `multiple`, within [min_tokens, max_tokens]) whose predicted
+    peak stays `headroom_gb` under `max_vram_gb`; None when not even `min_tokens` fits.
+
+    `min_tokens` is normally max_seq_length: a step must hold the longest sample. The headroom
+    covers the CUDA context (~0.5 GB, not seen by torch's counters) and allocator slack.
+    """
+    limit = (max_vram_gb - headroom_gb) * GB
+    fit = int((limit - model.static_bytes) // model.bytes_per_token)
+    fit = min(fit, max_tokens)
+    budget = (fit // multiple) * multiple
+    if budget < min_tokens:
+        return min_tokens if fit >= min_tokens else None
+    return budget
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    tokens_per_step: int
+    gradient_checkpointing: bool
+    predicted_peak_bytes: float
+    reason: str
+
+
+def plan_step(
+    *,
+    no_ckpt: MemoryModel | None,
+    ckpt: MemoryModel | None,
+    max_vram_gb: float,
+    min_tokens: int,
+    max_tokens: int,
+    prefer_no_ckpt_from: int,
+    headroom_gb: float = 2.0,
+    multiple: int = 256,
+) -> StepPlan:
+    """Gradient checkpointing off when memory allows a useful budget without it.
+
+    Checkpointing recomputes the forward (~30 % slower), so it is only worth it when the
+    budget without it would drop under `prefer_no_ckpt_from` tokens (steps too small to keep
+    the GPU busy), or when not even `min_tokens` fits without it.
+    """
+    kw = {
+        "max_vram_gb": max_vram_gb,
+        "min_tokens": min_tokens,
+        "max_tokens": max_tokens,
+        "headroom_gb": headroom_gb,
+        "multiple": multiple,
+    }
+    if no_ckpt is not None:
+        b = choose_token_budget(no_ckpt, **kw)
+        if b is not None and (b >= prefer_no_ckpt_from or ckpt is None):
+            return StepPlan(b, False, no_ckpt.peak(b), f"no checkpointing fits {b} tokens/step")
+    if ckpt is not None:
+        b = choose_token_budget(ckpt, **kw)
+        if b is not None:
+            return StepPlan(b, True, ckpt.peak(b), f"checkpointing on: {b} tokens/step")
+    raise ValueError(f"not even {min_tokens} tokens per step fit under max_vram_gb={max_vram_gb}")

@@ -1,0 +1,307 @@
+"""The `unsloth` backend: a 4-bit base through Unsloth's FastLanguageModel, LoRA on top.
+
+Why these pieces:
+- The quantised base is cached on disk (`<cache_dir>/bases/<key>/`): night one quantises the
+  bf16 checkpoint and saves the NF4 result; later nights load the pre-quantised copy, which is
+  ~1/3 of the bytes and skips quantisation (the "fast start" of issue 6).
+- torch.compile / Triton / Unsloth's generated sources persist under `<cache_dir>/compile/`
+  (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, UNSLOTH_COMPILE_LOCATION, UNSLOTH_MEGA_CACHE_DIR),
+  set before `import unsloth`, so the second night skips the compile work of the first.
+- Continuing from the adapter in service: the parent's LoRA shape (rank, alpha, targets) wins
+  over the configured one, its weights are loaded into Unsloth's own LoRA layers (so the fast
+  LoRA kernels stay in use) and every key must match.
+- Mixture-of-experts bases: Unsloth adds PEFT `target_parameters` for fused expert weights
+  (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) when gate/up/down are targeted; the
+  trainable count is recorded so "experts got no adapters" cannot pass unnoticed.
+
+`unsloth` and `bitsandbytes` are imported inside functions only: this module imports on a CPU box.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraSpec:
+    r: int = 16
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] | str = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    seed: int = 3407
+
+    @classmethod
+    def from_train_config(cls, cfg: Any) -> LoraSpec:
+        """From jobs.train.TrainConfig ([train] lora_rank, lora_alpha, lora_dropout, target_modules, seed)."""
+        return cls(
+            r=cfg.lora_rank,
+            alpha=cfg.lora_alpha,
+            dropout=cfg.lora_dropout,
+            target_modules=cfg.target_modules,
+            seed=cfg.seed,
+        )
+
+    def modules(self) -> list[str]:
+        """ "all-linear" means every projection of attention and MLP (experts included), not the router."""
+        tm = self.target_modules
+        return list(DEFAULT_TARGETS) if tm == "all-linear" else list(tm if isinstance(tm, list) else [tm])
+
+
+def setup_caches(cache_dir: Path | str | None) -> dict[str, str]:
+    """Point every compile cache into the state directory (call before importing unsloth/torch work).
+
+    Directories are 0700: Unsloth's mega-cache refuses (fails closed on) group/other-writable ones.
+    """
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "UNSLOTH_DISABLE_STATISTICS": "1",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    }
+    if cache_dir is not None:
+        root = Path(cache_dir) / "compile"
+        dirs = {
+            "TORCHINDUCTOR_CACHE_DIR": root / "inductor",
+            "TRITON_CACHE_DIR": root / "triton",
+            "UNSLOTH_COMPILE_LOCATION": root / "unsloth_compiled_cache",
+            "UNSLOTH_MEGA_CACHE_DIR": root / "mega",
+        }
+        for k, d in dirs.items():
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(d, 0o700)
+            env[k] = str(d)
+        env["UNSLOTH_MEGA_CACHE"] = "1"
+    for k, v in env.items():
+        if k == "PYTORCH_CUDA_ALLOC_CONF":
+            os.environ.setdefault(k, v)
+        else:
+            os.environ[k] = v
+    return env
+
+
+def base_cache_key(model_path: Path) -> str:
+    """Same source checkpoint (config + weight file names/sizes/mtimes) and same stack -> same key."""
+    import importlib.metadata as md
+
+    h = hashlib.sha256()
+    h.update((model_path / "config.json").read_bytes())
+    for f in sorted(model_path.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    for pkg in ("unsloth", "bitsandbytes", "transformers"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            h.update(f"{pkg}={md.version(pkg)}".encode())
+    return h.hexdigest()[:16]
+
+
+def is_prequantized(model_path: Path) -> bool:
+    cfg = json.loads((model_path / "config.json").read_text())
+    return bool(cfg.get("quantization_config"))
+
+
+def enable_varlen_attention() -> str:
+    """Give Unsloth's packed attention a varlen kernel where it would fall back to one SDPA per sample.
+
+    Unsloth 2026.10.9 uses torch's varlen flash path only when `torch.nn.attention.varlen.varlen_attn`
+    takes both `window_size` (torch 2.11) and `enable_gqa` (2.12). On torch 2.11 it therefore runs
+    packed rows as one SDPA call per sample (forward and backward) plus a gather/scatter of every
+    segment: with ~60 alpaca-sized samples per 8k-token step that costs ~40 % of the step. The aten
+    flash kernels it would use are in torch 2.11 and take grouped K/V heads natively, so this points
+    Unsloth's own lean varlen path (`_LeanFlashVarlen`, the aten flash forward/backward) at them.
+    Returns "native" (nothing to do), "patched" or "unavailable".
+    """
+    import torch
+    from unsloth.utils import attention_dispatch as ad
+
+    if getattr(ad, "_TORCH_VARLEN_ATTN", None) is not None:
+        return "native"
+    lean = getattr(ad, "_LeanFlashVarlen", None)
+    if (
+        lean is None
+        or not torch.cuda.is_available()
+        or not torch.backends.cuda.is_flash_attention_available()
+        or not hasattr(torch.ops.aten, "_flash_attention_forward")
+    ):
+        return "unavailable"
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        window = tuple(window_size)
+        return lean.apply(q, k, v, cu_q, max_q, window == (-1, 0), scale, window[0], window[1])
+
+    ad._TORCH_VARLEN_ATTN = varlen_attn
+    ad._LEAN_VARLEN = True
+    ad._varlen_can_use_cudnn = lambda *a, **k: False
+    return "patched"
+
+
+def load_unsloth(
+    model_path: Path | str,
+    *,
+    lora: LoraSpec,
+    max_seq_length: int = 2048,
+    gradient_checkpointing: bool | str = False,
+    parent_adapter: Path | str | None = None,
+    cache_dir: Path | str | None = None,
+    cache_base: bool = True,
+    varlen: bool = True,
+) -> tuple[Any, Any, dict[str, Any]]:
+    """(model, tokenizer, info). The model is a PEFT model in training mode, LoRA trainable.
+
+    gradient_checkpointing: False (fastest, most memory), True or "unsloth" (Unsloth's offloaded
+    checkpointing). info: load seconds, cache hit, trainable/total parameter counts, LoRA used.
+    """
+    t0 = time.perf_counter()
+    model_path = Path(model_path)
+    setup_caches(cache_dir)
+    import torch
+    import unsloth  # noqa: F401  (patches transformers/peft/trl on import: must come first)
+    from unsloth import FastLanguageModel
+
+    from jobs.fastpath import UNSLOTH_FLAG
+
+    t_import = time.perf_counter() - t0
+    info: dict[str, Any] = {"backend": "unsloth", "import_seconds": round(t_import, 2)}
+    info["packed_attention"] = enable_varlen_attention() if varlen else "unsloth-as-shipped"
+
+    # 1. the base: the cached NF4 copy if there is one
+    load_from, cache_hit, cache_path = model_path, False, None
+    if cache_dir is not None and cache_base and not is_prequantized(model_path):
+        cache_path = Path(cache_dir) / "bases" / base_cache_key(model_path)
+        if (cache_path / "config.json").exists() and (cache_path / "nightshift_base.json").exists():
+            load_from, cache_hit = cache_path, True
+    gc_arg: bool | str = "unsloth" if gradient_checkpointing is True else gradient_checkpointing
+    t1 = time.perf_counter()
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name=str(load_from),
+        max_seq_length=max_seq_length,
+        dtype=torch.bfloat16,
+        load_in_4bit=True,
+        local_files_only=True,
+        use_gradient_checkpointing=gc_arg,
+        fix_tokenizer=False,
+        trust_remote_code=False,
+    )
+    info["base_load_seconds"] = round(time.perf_counter() - t1, 2)
+    info.update(base_loaded_from=str(load_from), base_cache_hit=cache_hit)
+    if cache_path is not None and not cache_hit:
+        t2 = time.perf_counter()
+        try:
+            save_quantized_base(model, tokenizer, model_path, cache_path)
+            info["base_cache_saved_seconds"] = round(time.perf_counter() - t2, 2)
+        except Exception as e:  # a cache is an optimisation: never fail the night for it
+            info["base_cache_error"] = f"{type(e).__name__}: {e}"[:300]
+            shutil.rmtree(cache_path, ignore_errors=True)
+
+    # 2. LoRA: the parent's shape when continuing, else the configured one
+    spec = lora
+    if parent_adapter is not None:
+        pcfg = json.loads((Path(parent_adapter) / "adapter_config.json").read_text())
+        tm = pcfg.get("target_modules") or lora.modules()
+        tm = sorted(tm) if isinstance(tm, list | set) else tm
+        spec = LoraSpec(
+            r=int(pcfg.get("r", lora.r)),
+            alpha=int(pcfg.get("lora_alpha", lora.alpha)),
+            dropout=float(pcfg.get("lora_dropout", lora.dropout)),
+            target_modules=tm,
+            seed=lora.seed,
+        )
+    t3 = time.perf_counter()
+    model = FastLanguageModel.get_peft_model(
+        model,
+        r=spec.r,
+        lora_alpha=spec.alpha,
+        lora_dropout=spec.dropout,
+        target_modules=spec.modules(),
+        bias="none",
+        use_gradient_checkpointing=gc_arg,
+        random_state=spec.seed,
+        max_seq_length=max_seq_length,
+    )
+    if parent_adapter is not None:
+        info["parent_adapter"] = str(parent_adapter)
+        info["parent_keys_loaded"] = load_adapter_weights(model, Path(parent_adapter))
+    info["peft_seconds"] = round(time.perf_counter() - t3, 2)
+    FastLanguageModel.for_training(model, use_gradient_checkpointing=gc_arg)
+    setattr(model, UNSLOTH_FLAG, True)
+    info.update(parameter_counts(model))
+    info["lora"] = asdict(spec)
+    info["target_parameters"] = list(getattr(model.peft_config["default"], "target_parameters", None) or [])
+    info["gradient_checkpointing"] = gc_arg
+    info["max_seq_length"] = max_seq_length
+    info["load_seconds"] = round(time.perf_counter() - t0, 2)
+    return model, tokenizer, info
+
+
+def parameter_counts(model: Any) -> dict[str, Any]:
+    """Trainable / total counts, and how many trainable ones sit in MoE experts (0 on dense models)."""
+    trainable = total = experts = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        if p.__class__.__name__ == "Params4bit":  # packed 2 weights per byte (uint8 storage)
+            n = int(getattr(p, "quant_state", None).shape.numel()) if getattr(p, "quant_state", None) else n * 2
+        total += n
+        if p.requires_grad:
+            trainable += n
+            if ".experts." in name:
+                experts += n
+    return {
+        "trainable_parameters": trainable,
+        "total_parameters": total,
+        "trainable_in_experts": experts,
+        "trainable_percent": round(100.0 * trainable / max(1, total), 4),
+    }
+
+
+def save_quantized_base(model: Any, tokenizer: Any, source: Path, cache_path: Path) -> None:
+    """Write the loaded NF4 base as a pre-quantised checkpoint (temp dir, then rename)."""
+    from transformers import PreTrainedModel
+
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_path.parent / f".tmp-{cache_path.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    # transformers' own save (Unsloth may wrap model.save_pretrained with merge/upload logic)
+    PreTrainedModel.save_pretrained(model, str(tmp), max_shard_size="5GB")
+    tokenizer.save_pretrained(str(tmp))
+    for extra in ("nightshift_random.json",):
+        if (source / extra).exists():
+            shutil.copy2(source / extra, tmp / extra)
+    (tmp / "nightshift_base.json").write_text(json.dumps({"source": str(source), "saved_at": time.time()}))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if cache_path.exists():
+        shutil.rmtree(cache_path)
+    os.rename(tmp, cache_path)
+
+
+def load_adapter_weights(model: Any, adapter_dir: Path) -> int:
+    """Load a saved adapter's LoRA weights into the model's (same-shaped) adapter; all keys must land."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    f = adapter_dir / "adapter_model.safetensors"
+    state = load_file(str(f)) if f.exists() else _load_bin(adapter_dir / "adapter_model.bin")
+    res = set_peft_model_state_dict(model, state, adapter_name="default")
+    unexpected = list(getattr(res, "unexpected_keys", []) or [])
+    if unexpected:
+        raise ValueError(
+            f"parent adapter {adapter_dir} has {len(unexpected)} keys this model lacks, e.g. {unexpected[:3]}"
+        )
+    return len(state)
+
+
+def _load_bin(path: Path) -> dict[str, Any]:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)
