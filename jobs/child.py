@@ -45,14 +45,27 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
+    raw = sys.stdin.read()
+    _import_unsloth_first(json.loads(raw))
     from jobs.night import NightConfig, run_night
 
-    cfg = NightConfig.model_validate_json(sys.stdin.read())
+    cfg = NightConfig.model_validate_json(raw)
     logs.route_transformers_logging()
     summary = run_night(cfg, night=args.night, deadline=args.deadline, emit=emit, stop=stop,
                         plan_only=args.plan_only)
     emit({"event": "result", "summary": summary})
     return {"interrupted": EXIT_INTERRUPTED, "failed": EXIT_FAILED}.get(summary["outcome"], EXIT_OK)
+
+
+def _import_unsloth_first(cfg: dict[str, Any]) -> None:
+    """Unsloth patches transformers when imported, so it must come before anything that imports it."""
+    import importlib.util
+
+    if cfg.get("train", {}).get("backend", "auto") in ("auto", "unsloth") and importlib.util.find_spec("unsloth"):
+        import torch
+
+        if torch.cuda.is_available():
+            import unsloth  # noqa: F401
 
 
 if __name__ == "__main__":

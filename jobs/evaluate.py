@@ -130,7 +130,8 @@ def eval_metrics(model: Any, samples: Sequence[TokenizedSample], *, pad_id: int,
             count += n
             labels = t["labels"][:, 1:]
             logits = getattr(out, "logits", None)
-            if logits is None or logits.shape[:2] != t["labels"].shape:  # fused-loss kernels may drop them
+            # fused-loss kernels may drop them (Unsloth returns a function instead of a tensor)
+            if not isinstance(logits, torch.Tensor) or logits.shape[:2] != t["labels"].shape:
                 logits_ok = False
                 continue
             hits = (logits[:, :-1].argmax(-1) == labels) & (labels != IGNORE_INDEX)
