@@ -55,6 +55,23 @@ def test_once_on_the_embedded_default_runs_a_whole_night(tmp_path):
     assert run_lines and all("run_id" in x for x in run_lines)
     assert elapsed < 120, f"the demo night took {elapsed:.0f} s (budget: 2 minutes on 2 cores)"
 
+    # the operator's view of it
+    r = nightshift("status", "--json", cwd=work, env={"PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["in_service"]["name"] == "tiny-v0001" and info["runs"][0]["status"] == "succeeded"
+    assert info["backlog"] == {"samples": 0, "tokens": 0} and info["next_window_start"]
+    r = nightshift("status", cwd=work, env={"PYTHONPATH": str(REPO)})
+    assert re.search(r"adapter in service\s+tiny-v0001", r.stdout) and "succeeded" in r.stdout
+
+
+def test_the_daemon_process_never_imports_the_training_stack():
+    code = ("import sys, daemon.cli, daemon.service, daemon.status, daemon.adapters_cli; "
+            "print([m for m in ('torch', 'transformers', 'peft', 'datasets', 'unsloth') if m in sys.modules])")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
 
 def test_plan_prints_and_trains_nothing(tmp_path, tiny_model):
     cfg, inbox = config(tmp_path, tiny_model)
