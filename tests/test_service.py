@@ -116,6 +116,20 @@ def counts(state):
         led.close()
 
 
+def restart_resumes_and_trains_every_batch_once(cfg, state, *, batches, samples):
+    """Start the daemon again inside the window: it resumes the open run from its checkpoint."""
+    proc = start(cfg)
+    try:
+        wait_for(lambda: runs(state)[0]["status"] == "succeeded", 240, "the resumed run to finish", proc)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    manifest = json.loads((state / "current" / "manifest.json").read_text())
+    assert manifest["training"]["resumed_from_step"] > 0 and manifest["training"]["steps"] == batches
+    assert counts(state) == {"trained": samples} and len(runs(state)) == 1
+
+
 def test_one_night_in_the_window_with_systemd_notify_and_no_rerun_after_restart(tmp_path, tiny_model):
     cfg, inbox = write_config(tmp_path, tiny_model)
     write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(30)])
@@ -170,16 +184,7 @@ def test_sigterm_mid_training_saves_a_checkpoint_and_the_restart_resumes(tmp_pat
     assert list(state.glob("checkpoints/*/latest/state.json")), "no checkpoint saved on SIGTERM"
     assert counts(state) == {"pending": 24}
 
-    proc = start(cfg)
-    try:
-        wait_for(lambda: runs(state)[0]["status"] == "succeeded", 240, "the resumed run to finish", proc)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    finally:
-        proc.kill()
-    manifest = json.loads((state / "current" / "manifest.json").read_text())
-    assert manifest["training"]["resumed_from_step"] > 0 and manifest["training"]["steps"] == 30 * 6
-    assert counts(state) == {"trained": 24} and len(runs(state)) == 1
+    restart_resumes_and_trains_every_batch_once(cfg, state, batches=30 * 6, samples=24)
 
 
 def test_kill_9_of_daemon_and_child_then_restart_trains_nothing_twice(tmp_path, tiny_model):
@@ -198,16 +203,7 @@ def test_kill_9_of_daemon_and_child_then_restart_trains_nothing_twice(tmp_path, 
         proc.kill()
     assert counts(state) == {"pending": 24}
 
-    proc = start(cfg)
-    try:
-        wait_for(lambda: runs(state)[0]["status"] == "succeeded", 240, "the resumed run to finish", proc)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    finally:
-        proc.kill()
-    manifest = json.loads((state / "current" / "manifest.json").read_text())
-    assert manifest["training"]["resumed_from_step"] > 0 and manifest["training"]["steps"] == 30 * 6
-    assert counts(state) == {"trained": 24} and len(runs(state)) == 1
+    restart_resumes_and_trains_every_batch_once(cfg, state, batches=30 * 6, samples=24)
 
 
 def test_a_crashed_child_is_recorded_and_retried_in_the_window(tmp_path, tiny_model):
