@@ -180,14 +180,9 @@ class Service:
         child = NightChild(self.s.night_config().model_dump_json(), night=window.night,
                            deadline=deadline.timestamp(), on_event=on_event)
         child.start()
-        stop_at_deadline = threading.Timer(max(0.0, (window.end - self.clock()).total_seconds()),
-                                           child.request_stop)
-        stop_at_deadline.daemon = True
-        stop_at_deadline.start()  # a child still busy at the window's end is told to stop and save
-        try:
-            out = wait_interruptibly(child, self.stop, grace=self.s.daemon.stop_grace_seconds, on_tick=self.ping)
-        finally:
-            stop_at_deadline.cancel()
+        # a child still busy at the window's end is told to stop and save, and killed after the grace
+        out = wait_interruptibly(child, self.stop, grace=self.s.daemon.stop_grace_seconds, on_tick=self.ping,
+                                 stop_at=window.end.timestamp(), clock=lambda: self.clock().timestamp())
         self.metrics.on_child_exit()
         self._after(window, out)
         self._refresh_metrics()

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -134,10 +135,12 @@ class NightChild:
 
 
 def wait_interruptibly(child: NightChild, stop: threading.Event, grace: float, poll: float = 0.2,
-                       on_tick: Callable[[], None] = lambda: None) -> ChildOutcome:
-    """Wait for the child; when `stop` is set, stop it gracefully. `on_tick` runs every poll (watchdog)."""
+                       on_tick: Callable[[], None] = lambda: None, stop_at: float | None = None,
+                       clock: Callable[[], float] = time.time) -> ChildOutcome:
+    """Wait for the child. When `stop` is set, or at `stop_at` (the window's end, unix seconds), stop it:
+    SIGTERM, `grace` seconds to checkpoint and save, then SIGKILL. `on_tick` runs every poll (watchdog)."""
     while child.running():
-        if stop.wait(poll):
+        if stop.wait(poll) or (stop_at is not None and clock() >= stop_at):
             return child.stop(grace)
         on_tick()
     return child.wait()

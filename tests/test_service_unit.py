@@ -64,3 +64,33 @@ def test_a_crash_is_retried_with_doubling_backoff_then_closed(make):
     svc._after(window, crash)
     [run] = svc.ledger.runs_of_night(window.night)
     assert run["status"] == "failed" and "3 attempts failed" in run["error"] and "SIGKILL" in run["error"]
+
+
+def test_the_child_is_stopped_at_the_windows_end_with_its_grace():
+    import threading
+
+    from daemon.supervisor import wait_interruptibly
+
+    class FakeChild:
+        def __init__(self):
+            self.stopped_with = None
+
+        def running(self):
+            return self.stopped_with is None
+
+        def stop(self, grace):
+            self.stopped_with = grace
+            return ChildOutcome(3, {"outcome": "interrupted"})
+
+        def wait(self):
+            raise AssertionError("not reached")
+
+    child, now, ticks = FakeChild(), [100.0], []
+
+    def tick():
+        ticks.append(now[0])
+        now[0] += 10
+
+    out = wait_interruptibly(child, threading.Event(), grace=42, poll=0.001, on_tick=tick, stop_at=130.0,
+                             clock=lambda: now[0])
+    assert child.stopped_with == 42 and out.returncode == 3 and ticks == [100.0, 110.0, 120.0]
