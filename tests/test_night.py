@@ -88,7 +88,7 @@ def test_stop_signal_checkpoints_and_the_rerun_resumes_without_retraining(night_
     class StopAfter(list):
         def append(self, ev):
             events.append(ev)
-            if ev.get("event") == "progress" and ev["steps"] >= 5:
+            if ev.get("event") == "progress":  # the first step always reports (then at most once a second)
                 stop.set()
 
     import time
@@ -106,7 +106,7 @@ def test_stop_signal_checkpoints_and_the_rerun_resumes_without_retraining(night_
     assert s2["run_id"] == s1["run_id"] and s2["outcome"] == "succeeded"
     manifest = json.loads((cfg.state_dir / "current" / "manifest.json").read_text())
     done_before = manifest["training"]["resumed_from_step"]
-    assert done_before >= 5
+    assert done_before >= 1
     batches = 3 * 15  # 60 samples / 4 per batch x 3 epochs
     assert s2["steps"] == batches  # every batch exactly once across both attempts
     assert led.sample_counts() == {"trained": 60}
