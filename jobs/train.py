@@ -8,6 +8,7 @@ twice, and stops early enough to save before the deadline.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -244,14 +245,13 @@ def train(
 
     model, device = loaded.model, loaded.device
     shape = shape or resolve_step(cfg, None)
-    batches = plan_batches(samples, cfg, loaded.tokenizer.pad_token_id, shape.tokens_per_step)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                   fused=device == "cuda")
     warm = max(1, cfg.warmup_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
     state = {"next_batch": 0, "steps": 0, "tokens": 0, "seconds": 0.0, "loss_sum": 0.0, "loss_n": 0,
-             "halved": False}
+             "halved": False, "tokens_per_step": shape.tokens_per_step}
 
     def step_event(ev: dict[str, Any]) -> None:
         if ev.get("event") == "oom_split":  # from now on every step runs as two halves (also after a resume)
@@ -264,6 +264,10 @@ def train(
         opt = torch.load(resume / "optimizer.pt", map_location=device, weights_only=False)
         optimizer.load_state_dict(opt["optimizer"])
         scheduler.load_state_dict(opt["scheduler"])
+        # the batch sequence the checkpoint counted in, even if calibrate changed the step shape since
+        shape = dataclasses.replace(shape, tokens_per_step=int(state.get("tokens_per_step", shape.tokens_per_step)))
+    batches = plan_batches(samples, cfg, loaded.tokenizer.pad_token_id, shape.tokens_per_step)
+    if resume is not None:
         log.info("resumed_from_checkpoint", checkpoint=str(resume), next_batch=state["next_batch"],
                  of=len(batches))
     resumed_from = int(state["next_batch"])
