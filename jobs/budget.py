@@ -60,7 +60,6 @@ class Plan:
     epochs: int
     basis: str  # where the figures come from, in words
     measured: bool
-    extra: dict[str, Any] = field(default_factory=dict)
     replay_ids: list[int] = field(default_factory=list)  # earlier nights' samples trained again
     replay_tokens: int = 0  # of train_tokens
 

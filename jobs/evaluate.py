@@ -147,13 +147,6 @@ def eval_metrics(model: Any, samples: Sequence[TokenizedSample], *, pad_id: int,
     return out_metrics
 
 
-def eval_loss(model: Any, samples: Sequence[TokenizedSample], *, pad_id: int, device: str,
-              max_tokens_per_batch: int) -> float | None:
-    """Mean loss per trained-on token (the same weighting as training)."""
-    m = eval_metrics(model, samples, pad_id=pad_id, device=device, max_tokens_per_batch=max_tokens_per_batch)
-    return None if m is None else m["loss"]
-
-
 def load_regression_set(path: Path, tokenizer: Any, *, max_seq_length: int, limit: int,
                         cache_dir: Path) -> list[TokenizedSample]:
     """A fixed file of records; invalid ones are an operator error, reported with file and line."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,24 +152,18 @@ class Ledger:
             (run_id, source, file, line, reason, detail, self.clock()),
         )
 
-    def pending(self, *, order: str = "oldest", exclude: Iterable[int] = ()) -> list[SampleRow]:
-        direction = "ASC" if order == "oldest" else "DESC"
-        rows = self.db.execute(
-            f"SELECT id, hash, record, n_tokens, source FROM samples WHERE status='pending' ORDER BY id {direction}"
-        ).fetchall()
-        skip = set(exclude)
-        return [_sample(r) for r in rows if r["id"] not in skip]
+    def pending(self, *, order: str = "oldest") -> list[SampleRow]:
+        """Samples waiting to be trained, without their records (the plan needs ids, hashes, sizes)."""
+        return self._sizes("pending", "ASC" if order == "oldest" else "DESC")
 
     def replay_pool(self) -> list[SampleRow]:
-        """Every sample trained on an earlier night, without its record (ids, hashes and sizes are
-        all the plan needs; the chosen ones are loaded by id)."""
-        rows = self.db.execute("SELECT id, hash, n_tokens, source FROM samples WHERE status='trained' ORDER BY id")
-        return [SampleRow(int(r["id"]), r["hash"], {}, int(r["n_tokens"]), r["source"]) for r in rows]
+        """Every sample trained on an earlier night, without its record (the chosen ones are loaded by id)."""
+        return self._sizes("trained", "ASC")
 
-    def trained(self, limit: int | None = None) -> list[SampleRow]:
-        q = "SELECT id, hash, record, n_tokens, source FROM samples WHERE status='trained' ORDER BY id"
-        rows = self.db.execute(q + (f" LIMIT {int(limit)}" if limit else "")).fetchall()
-        return [_sample(r) for r in rows]
+    def _sizes(self, status: str, direction: str) -> list[SampleRow]:
+        rows = self.db.execute(
+            f"SELECT id, hash, n_tokens, source FROM samples WHERE status=? ORDER BY id {direction}", (status,))
+        return [SampleRow(int(r["id"]), r["hash"], {}, int(r["n_tokens"]), r["source"]) for r in rows]
 
     def samples_by_id(self, ids: Sequence[int]) -> list[SampleRow]:
         out: dict[int, SampleRow] = {}
@@ -319,11 +313,6 @@ class Ledger:
 
     def versions(self) -> list[sqlite3.Row]:
         return self.db.execute("SELECT * FROM versions ORDER BY version").fetchall()
-
-    def promoted_history(self) -> list[sqlite3.Row]:
-        return self.db.execute(
-            "SELECT * FROM versions WHERE promoted_at IS NOT NULL ORDER BY promoted_at DESC"
-        ).fetchall()
 
     def set_version(self, conn: sqlite3.Connection, version: int, *, status: str, path: str | None = None,
                     manifest: dict[str, Any] | None = None, promoted: bool = False) -> None:

@@ -37,7 +37,6 @@ from jobs.train import TrainConfig
 
 log = structlog.get_logger("nightshift.night")
 Emit = Callable[[dict[str, Any]], None]
-PHASES = ("pull", "plan", "load", "train", "evaluate", "publish", "hotswap")
 
 
 class ModelConfig(BaseModel):

@@ -1,0 +1,68 @@
+"""A CUDA out-of-memory step is retried as two halves, and every later step of the run is halved up front.
+
+CPU stand-in: a wrapper raises torch.OutOfMemoryError for rows longer than a limit.
+"""
+
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from jobs.batching import TokenizedSample  # noqa: E402
+from jobs.fastpath import train_step  # noqa: E402
+from jobs.packing import packed_batches  # noqa: E402
+from jobs.train import Loaded, StepShape, TrainConfig, train  # noqa: E402
+
+
+class OomAbove(torch.nn.Module):
+    def __init__(self, model, limit):
+        super().__init__()
+        self.model, self.limit, self.rows = model, limit, []
+
+    def forward(self, **inputs):
+        n = inputs["input_ids"].shape[1]
+        self.rows.append(n)
+        if n > self.limit:
+            raise torch.OutOfMemoryError("fake: row too long for this card")
+        return self.model(**inputs)
+
+
+def tiny():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1))
+
+
+def samples(n, length=10):
+    return [TokenizedSample(i, [1 + (i + j) % 60 for j in range(length)], [-100] + [1 + (i + j) % 60
+            for j in range(1, length)]) for i in range(n)]
+
+
+def test_an_oom_step_is_retried_as_two_halves():
+    model = OomAbove(tiny(), limit=25)
+    batch = next(packed_batches(samples(4), tokens_per_step=40))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    events = []
+    st = train_step(model, batch, opt, device="cpu", on_event=events.append)
+    assert st.split and st.tokens == 40 and torch.isfinite(torch.tensor(st.loss))
+    assert model.rows == [40, 20, 20] and events[0]["event"] == "oom_split" and events[0]["halves"] == [20, 20]
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # it stepped
+
+
+def test_after_an_oom_every_later_step_of_the_run_is_halved_up_front(tmp_path):
+    from types import SimpleNamespace
+
+    model = OomAbove(tiny(), limit=25)
+    loaded = Loaded(model, SimpleNamespace(pad_token_id=0), "hf", "cpu", {})
+    cfg = TrainConfig(batching="packed", tokens_per_step=40, max_seq_length=16, epochs=1, warmup_steps=0)
+    events = []
+    res = train(loaded, samples(12), cfg, ckpt_root=tmp_path / "ckpt", deadline=time.time() + 600,
+                stop=threading.Event(), shape=StepShape(40, False, "test"), on_event=events.append)
+    assert res.steps == 3 and res.detail["halved"] and len(res.trained_ids) == 12
+    assert model.rows == [40, 20, 20, 20, 20, 20, 20]  # one failed full-size attempt, then halves only
+    assert [e["event"] for e in events] == ["oom_split"]
