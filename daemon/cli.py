@@ -155,7 +155,18 @@ def build_parser() -> argparse.ArgumentParser:
                        "(its own options follow: `nightshift bench --help`)", add_help=False)
     p.set_defaults(func=cmd_bench)
     add_adapter_commands(sub)
+    accept_config_after_the_command(ap)
     return ap
+
+
+def accept_config_after_the_command(parser: argparse.ArgumentParser) -> None:
+    """`nightshift run --config F` (as the systemd unit writes it) as well as `nightshift --config F run`."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                if sub.get_default("func") is not cmd_bench:  # the benchmark passes its arguments through
+                    sub.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML file")
+                accept_config_after_the_command(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

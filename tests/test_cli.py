@@ -135,3 +135,16 @@ def test_kill_9_mid_training_then_rerun_loses_nothing_and_trains_nothing_twice(t
     assert [v["name"] for v in led.versions()] == ["tiny-v0001"]
     assert not list((state / "adapters").glob(".tmp-*"))
     assert len(led.last_runs()) == 1
+
+
+def test_config_is_accepted_after_the_command_as_the_systemd_unit_writes_it():
+    from daemon.cli import build_parser
+
+    unit = (REPO / "deploy" / "systemd" / "nightshift.service").read_text()
+    [exec_start] = [x.split("=", 1)[1].split() for x in unit.splitlines() if x.startswith("ExecStart=")]
+    args, extra = build_parser().parse_known_args(exec_start[1:])
+    assert args.cmd == "run" and str(args.config) == "/etc/nightshift/nightshift.toml" and not extra
+    args, extra = build_parser().parse_known_args(["adapters", "list", "--config", "x.toml"])
+    assert str(args.config) == "x.toml" and not extra
+    args, _ = build_parser().parse_known_args(["--config", "y.toml", "status"])
+    assert str(args.config) == "y.toml"  # before the command still works
