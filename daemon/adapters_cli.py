@@ -1,7 +1,7 @@
 """`nightshift adapters ...` and `nightshift hotswap`: the operator's hands on published versions.
 
 Wired into daemon/cli.py by `add_commands(subparsers)`. Each handler takes (args, settings)
-like the other commands. Imports no torch (jobs.adapters, jobs.registry, jobs.ledger and
+like the other commands. Imports no torch (jobs.store.adapters, jobs.store.registry, jobs.store.ledger and
 jobs.hotswap do not), so these stay instant and safe to run next to a night: every change
 takes the state directory's lock, the one the night's publish takes.
 
@@ -19,10 +19,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from jobs.adapters import AdapterError, Adapters, RegistryConfig, VersionInfo, diff
 from jobs.hotswap import HotswapConfig, TargetOutcome
-from jobs.locking import LockTimeout
-from jobs.registry import IntegrityError
+from jobs.store.adapters import AdapterError, Adapters, RegistryConfig, VersionInfo, diff
+from jobs.store.locking import LockTimeout
+from jobs.store.registry import IntegrityError
 
 EXIT_REFUSED = 1
 EXIT_HOTSWAP_FAILED = 4

@@ -17,7 +17,7 @@ from daemon.adapters_cli import add_commands as add_adapter_commands
 from daemon.settings import DEFAULT_CONFIG, ConfigError, Settings, check_paths, load_settings
 from daemon.supervisor import NightChild, child_env, wait_interruptibly
 from jobs import logs
-from jobs.ledger import Ledger, NightOutcomes
+from jobs.store.ledger import Ledger, NightOutcomes
 
 
 def parse_until(until: str | None, default_seconds: float, now: dt.datetime) -> float:
@@ -118,13 +118,13 @@ def cmd_status(args: argparse.Namespace, s: Settings) -> int:
 def cmd_calibrate(args: argparse.Namespace, s: Settings) -> int:
     """Our own GPU path, measured in a child process and recorded for the planner."""
     out = args.out or Path(s.state_dir) / "calibrate"
-    cmd = [sys.executable, "-m", "jobs.calibrate", "--out", str(out), "--seconds", str(args.seconds)]
+    cmd = [sys.executable, "-m", "jobs.night.calibrate", "--out", str(out), "--seconds", str(args.seconds)]
     return subprocess.run(cmd, input=s.night_config().model_dump_json(), text=True, env=child_env()).returncode
 
 
 def cmd_bench(args: argparse.Namespace, s: Settings) -> int:
     """The side-by-side benchmark (jobs/bench.py) in a child process; arguments pass through."""
-    cmd = [sys.executable, "-m", "jobs.bench", "bench", *args.bench_args]
+    cmd = [sys.executable, "-m", "jobs.bench.cli", "bench", *args.bench_args]
     return subprocess.run(cmd, env=child_env()).returncode
 
 

@@ -28,9 +28,9 @@ from daemon.settings import Settings
 from daemon.supervisor import ChildOutcome, NightChild, wait_interruptibly
 from daemon.window import Window
 from jobs.gpu import free_vram_gb
-from jobs.ledger import Ledger, NightOutcomes
-from jobs.locking import LockTimeout, StateLock
-from jobs.registry import Registry
+from jobs.store.ledger import Ledger, NightOutcomes
+from jobs.store.locking import LockTimeout, StateLock
+from jobs.store.registry import Registry
 
 log = structlog.get_logger("nightshift.service")
 

@@ -22,14 +22,14 @@ from pydantic_settings import (
 
 from daemon.metrics import MetricsConfig
 from daemon.window import WindowConfig
-from jobs.adapters import RegistryConfig
-from jobs.budget import PlanConfig
+from jobs.data.sources import SourceConfig
 from jobs.evaluate import EvalConfig
 from jobs.gpu import GpuConfig
 from jobs.hotswap import HotswapConfig
-from jobs.night import ModelConfig, NightConfig
-from jobs.sources import SourceConfig
-from jobs.train import TrainConfig
+from jobs.night.run import ModelConfig, NightConfig
+from jobs.plan import PlanConfig
+from jobs.store.adapters import RegistryConfig
+from jobs.training.loop import TrainConfig
 
 ENV_PREFIX = "NIGHTSHIFT_"
 DEFAULT_CONFIG = Path("config/nightshift.toml")

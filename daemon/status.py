@@ -9,8 +9,8 @@ from typing import Any
 
 from daemon.report import table
 from daemon.settings import Settings
-from jobs.ledger import Ledger
-from jobs.registry import Registry
+from jobs.store.ledger import Ledger
+from jobs.store.registry import Registry
 
 
 def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:

@@ -63,7 +63,7 @@ class NightChild:
         self._threads: list[threading.Thread] = []
 
     def start(self) -> int:
-        cmd = [sys.executable, "-m", "jobs.child", "--night", self.night, "--deadline", repr(self.deadline)]
+        cmd = [sys.executable, "-m", "jobs.night.child", "--night", self.night, "--deadline", repr(self.deadline)]
         if self.plan_only:
             cmd.append("--plan-only")
         env = child_env()

@@ -13,10 +13,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from jobs.batching import IGNORE_INDEX, TokenizedSample, padded_batches
-from jobs.formats import RecordError, normalise
-from jobs.render import tokenize_record
-from jobs.sources import read_records
+from jobs.data.batching import IGNORE_INDEX, TokenizedSample, padded_batches
+from jobs.data.formats import RecordError, normalise
+from jobs.data.render import tokenize_record
+from jobs.data.sources import read_records
 
 EvalSet = Literal["heldout", "regression"]
 Metric = Literal["loss", "perplexity", "accuracy"]
@@ -112,7 +112,7 @@ def eval_metrics(model: Any, samples: Sequence[TokenizedSample], *, pad_id: int,
     tokens the model is trained on; None when there is nothing to measure."""
     import torch
 
-    from jobs.fastpath import model_inputs
+    from jobs.training.step import model_inputs
 
     if not samples:
         return None

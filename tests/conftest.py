@@ -17,7 +17,7 @@ SAMPLE_INBOX = REPO / "config" / "sample-inbox"
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from jobs.tinymodel import build_tiny_llama
+    from jobs.training.tinymodel import build_tiny_llama
 
     out = tmp_path_factory.mktemp("model") / "tiny-llama"
     return build_tiny_llama(out, sorted(SAMPLE_INBOX.glob("*.json*")))
@@ -25,7 +25,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model: Path) -> Any:
-    from jobs.train import load_tokenizer
+    from jobs.training.loop import load_tokenizer
 
     return load_tokenizer(tiny_model)
 
@@ -43,7 +43,7 @@ def alpaca(i: int, tag: str = "") -> dict[str, str]:
 @pytest.fixture()
 def night_env(tmp_path: Path, tiny_model: Path):
     """A state dir, an empty inbox and a NightConfig factory pointing at them."""
-    from jobs.night import NightConfig
+    from jobs.night.run import NightConfig
 
     inbox = tmp_path / "inbox"
     inbox.mkdir()
@@ -71,7 +71,7 @@ def night_env(tmp_path: Path, tiny_model: Path):
 
 def run(cfg: Any, *, night: str = "2026-11-21", seconds: float = 3600, stop: threading.Event | None = None,
         events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    from jobs.night import run_night
+    from jobs.night.run import run_night
 
     sink = events if events is not None else []
     return run_night(cfg, night=night, deadline=time.time() + seconds, emit=sink.append,

@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 
 from daemon.adapters_cli import EXIT_HOTSWAP_FAILED, EXIT_REFUSED, add_commands
-from jobs.adapters import RegistryConfig
 from jobs.hotswap import HotswapConfig
-from jobs.ledger import Ledger
-from jobs.locking import StateLock
-from jobs.registry import Registry, version_name
+from jobs.store.adapters import RegistryConfig
+from jobs.store.ledger import Ledger
+from jobs.store.locking import StateLock
+from jobs.store.registry import Registry, version_name
 from tests.test_hotswap import Fake
 
 NAME = "tiny"
@@ -471,8 +471,8 @@ def test_nights_hotswap_and_peft_swaps_v1_for_v2_in_place(
 
 
 def test_the_nights_hotswap_phase_records_failures_and_never_raises(tmp_path: Path) -> None:
-    from jobs.night import Night, NightConfig
-    from jobs.night_train import hotswap
+    from jobs.night.run import Night, NightConfig
+    from jobs.night.train_publish import hotswap
 
     state = tmp_path / "state"
     v1 = craft(state, 1)

@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from jobs.architectures import ARCHITECTURES, MARKER, build_random_model, make_config, matmul_params
-from jobs.bench import PROFILES, build_parser, make_samples, sample_lengths, summarise, table
+from jobs.bench.cli import PROFILES, build_parser, make_samples, sample_lengths, summarise, table
+from jobs.training.architectures import ARCHITECTURES, MARKER, build_random_model, make_config, matmul_params
 
 
 @pytest.mark.parametrize("profile", list(PROFILES))

@@ -1,5 +1,5 @@
-from jobs.budget import PlanConfig, estimate, is_heldout, make_plan
-from jobs.ledger import SampleRow
+from jobs.plan import PlanConfig, estimate, is_heldout, make_plan
+from jobs.store.ledger import SampleRow
 
 
 def rows(n, tokens=100):

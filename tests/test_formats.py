@@ -1,6 +1,6 @@
 import pytest
 
-from jobs.formats import RecordError, normalise
+from jobs.data.formats import RecordError, normalise
 
 
 def test_alpaca_with_and_without_input():

@@ -21,14 +21,14 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory):
-    from jobs.architectures import build_random_model
+    from jobs.training.architectures import build_random_model
 
     return build_random_model("small-llama", tmp_path_factory.mktemp("models") / "small-llama")
 
 
 @pytest.fixture(scope="module")
 def loaded(small_model, tmp_path_factory):
-    from jobs.train_unsloth import LoraSpec, load_unsloth
+    from jobs.training.unsloth_backend import LoraSpec, load_unsloth
 
     state = tmp_path_factory.mktemp("state")
     model, tok, info = load_unsloth(
@@ -38,7 +38,7 @@ def loaded(small_model, tmp_path_factory):
 
 
 def _samples(n, vocab, seed=0):
-    from jobs.batching import TokenizedSample
+    from jobs.data.batching import TokenizedSample
 
     rng = random.Random(seed)
     out = []
@@ -60,9 +60,9 @@ def test_trainable_parameters_recorded(loaded):
 def test_packed_equals_alone_through_unsloth(loaded):
     """Unsloth's varlen path: packed loss == token-weighted per-sample losses (bf16 tolerance), and
     the same row without reset positions (cross-sample attention) differs by more than that."""
-    from jobs.batching import IGNORE_INDEX
-    from jobs.fastpath import model_inputs
-    from jobs.packing import pack
+    from jobs.data.batching import IGNORE_INDEX
+    from jobs.training.packing import pack
+    from jobs.training.step import model_inputs
 
     model, _, _, _ = loaded
     samples = _samples(12, 32000, seed=1)
@@ -88,9 +88,9 @@ def test_packed_equals_alone_through_unsloth(loaded):
 
 
 def test_steps_and_parent_adapter_roundtrip(loaded, small_model, tmp_path):
-    from jobs.fastpath import make_optimizer, train_steps
-    from jobs.packing import packed_batches
-    from jobs.train_unsloth import LoraSpec, load_unsloth
+    from jobs.training.packing import packed_batches
+    from jobs.training.step import make_optimizer, train_steps
+    from jobs.training.unsloth_backend import LoraSpec, load_unsloth
 
     model, _, _, state = loaded
     opt = make_optimizer(model, lr=1e-3)
@@ -121,7 +121,7 @@ def test_two_nights_through_the_unsloth_backend(small_model, tmp_path):
     import threading
     import time
 
-    from jobs.night import NightConfig, run_night
+    from jobs.night.run import NightConfig, run_night
     from tests.conftest import SAMPLE_INBOX
 
     inbox = tmp_path / "inbox"

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from jobs.ledger import Ledger
+from jobs.store.ledger import Ledger
 from tests.conftest import alpaca, run, write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -93,7 +93,7 @@ def test_stop_signal_checkpoints_and_the_rerun_resumes_without_retraining(night_
 
     import time
 
-    from jobs.night import run_night
+    from jobs.night.run import run_night
     s1 = run_night(cfg, night="n", deadline=time.time() + 3600, emit=StopAfter().append, stop=stop)
     assert s1["outcome"] == "interrupted"
     assert (cfg.state_dir / "checkpoints" / s1["run_id"] / "latest" / "state.json").exists()

@@ -10,10 +10,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from jobs.batching import TokenizedSample  # noqa: E402
-from jobs.fastpath import train_step  # noqa: E402
-from jobs.packing import packed_batches  # noqa: E402
-from jobs.train import Loaded, StepShape, TrainConfig, train  # noqa: E402
+from jobs.data.batching import TokenizedSample  # noqa: E402
+from jobs.training.loop import Loaded, StepShape, TrainConfig, train  # noqa: E402
+from jobs.training.packing import packed_batches  # noqa: E402
+from jobs.training.step import train_step  # noqa: E402
 
 
 class OomAbove(torch.nn.Module):

@@ -7,9 +7,8 @@ import random
 
 import pytest
 
-from jobs.batching import IGNORE_INDEX, TokenizedSample
-from jobs.fastpath import model_inputs
-from jobs.packing import (
+from jobs.data.batching import IGNORE_INDEX, TokenizedSample
+from jobs.training.packing import (
     GB,
     MemoryModel,
     MemoryProbe,
@@ -25,6 +24,7 @@ from jobs.packing import (
     split_in_two,
     unpack,
 )
+from jobs.training.step import model_inputs
 
 
 def _samples(n: int, *, seed: int = 0, lo: int = 2, hi: int = 40, vocab: int = 200) -> list[TokenizedSample]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from jobs.ledger import Ledger
+from jobs.store.ledger import Ledger
 from tests.conftest import alpaca, write_jsonl
 from tests.prom_server import NO_PROMETHEUS, NO_PROMTOOL, PROMETHEUS, PROMTOOL, PromServer, prometheus_server
 from tests.test_service import runs, start, wait_for, write_config

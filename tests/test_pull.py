@@ -5,9 +5,9 @@ import shutil
 import datasets
 import pytest
 
-from jobs.ledger import Ledger
-from jobs.pull import Quarantine, pull
-from jobs.sources import SourceConfig
+from jobs.data.pull import Quarantine, pull
+from jobs.data.sources import SourceConfig
+from jobs.store.ledger import Ledger
 from tests.conftest import alpaca, write_jsonl
 
 

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from jobs.registry import IntegrityError, Registry
+from jobs.store.registry import IntegrityError, Registry
 
 
 def stage(reg, name="m", content=b"weights"):

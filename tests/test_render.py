@@ -1,8 +1,8 @@
 import pytest
 
-from jobs.batching import IGNORE_INDEX
-from jobs.formats import RecordError
-from jobs.render import tokenize_record
+from jobs.data.batching import IGNORE_INDEX
+from jobs.data.formats import RecordError
+from jobs.data.render import tokenize_record
 
 
 def trained_text(tok, s):

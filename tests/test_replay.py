@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.budget import PlanConfig, make_plan
-from jobs.ledger import Ledger, SampleRow
+from jobs.plan import PlanConfig, make_plan
+from jobs.store.ledger import Ledger, SampleRow
 
 
 def rows(ids: range, tokens: int) -> list[SampleRow]:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from jobs.ledger import Ledger
+from jobs.store.ledger import Ledger
 from tests.conftest import REPO, alpaca, toml_config, write_jsonl
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import daemon.service as service_mod
 from daemon.service import Service
 from daemon.settings import load_settings
 from daemon.supervisor import ChildOutcome
-from jobs.ledger import Ledger
+from jobs.store.ledger import Ledger
 
 
 @pytest.fixture()

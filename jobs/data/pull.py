@@ -19,11 +19,11 @@ from typing import Any
 
 import structlog
 
-from jobs.files import sha256_file
-from jobs.formats import RecordError, normalise
-from jobs.ledger import Ledger
-from jobs.render import OverlongPolicy, tokenize_record
-from jobs.sources import SourceConfig, new_files, read_records
+from jobs.data.formats import RecordError, normalise
+from jobs.data.render import OverlongPolicy, tokenize_record
+from jobs.data.sources import SourceConfig, new_files, read_records
+from jobs.store.files import sha256_file
+from jobs.store.ledger import Ledger
 
 log = structlog.get_logger("nightshift.pull")
 

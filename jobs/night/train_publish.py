@@ -20,13 +20,13 @@ from typing import Any
 import structlog
 
 from jobs import evaluate
-from jobs.adapters import announce
+from jobs.data.render import tokenize_record
 from jobs.gpu import energy_fields
-from jobs.locking import StateLock
-from jobs.night import Night, code_version, data_fingerprint, remove_checkpoints
-from jobs.registry import version_name
-from jobs.render import tokenize_record
-from jobs.train import latest_checkpoint, load_for_training, resolve_step, train
+from jobs.night.run import Night, code_version, data_fingerprint, remove_checkpoints
+from jobs.store.adapters import announce
+from jobs.store.locking import StateLock
+from jobs.store.registry import version_name
+from jobs.training.loop import latest_checkpoint, load_for_training, resolve_step, train
 
 log = structlog.get_logger("nightshift.night")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from jobs.batching import IGNORE_INDEX, Batch, TokenizedSample
+from jobs.data.batching import IGNORE_INDEX, Batch, TokenizedSample
 
 GB = 1e9  # decimal gigabytes, as `[gpu] max_vram_gb` and nvidia-smi's "GB" readings
 

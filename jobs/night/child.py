@@ -1,4 +1,4 @@
-"""The night's child process: `python -m jobs.child --night N --deadline TS < night-config.json`.
+"""The night's child process: `python -m jobs.night.child --night N --deadline TS < night-config.json`.
 
 The daemon never imports torch; this process does, and its exit returns every byte
 of VRAM. Events go out as JSON lines on the original stdout; anything else a library
@@ -23,7 +23,7 @@ EXIT_INTERRUPTED = 3
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.child")
+    ap = argparse.ArgumentParser(prog="python -m jobs.night.child")
     ap.add_argument("--night", required=True)
     ap.add_argument("--deadline", type=float, required=True, help="unix seconds")
     ap.add_argument("--plan-only", action="store_true")
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     raw = sys.stdin.read()
     _import_unsloth_first(json.loads(raw))
-    from jobs.night import NightConfig, run_night
+    from jobs.night.run import NightConfig, run_night
 
     cfg = NightConfig.model_validate_json(raw)
     logs.route_transformers_logging()

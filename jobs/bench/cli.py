@@ -1,10 +1,10 @@
 """`nightshift bench` / `nightshift calibrate`: QLoRA throughput measured side by side, on this GPU.
 
-    python -m jobs.bench bench --arch llama3.1-8b --out results/      (all stacks, both profiles)
-    python -m jobs.bench calibrate --model /path/to/model              (our path only: tok/s)
-    python -m jobs.bench faststart --arch llama3.1-8b --state-dir S    (time to first step, night 1 / night 2)
-    python -m jobs.bench budget --arch llama3.1-8b                     (plan from calibration, then train)
-    python -m jobs.bench moe --arch gpt-oss-small                      (LoRA reaches the experts?)
+    python -m jobs.bench.cli bench --arch llama3.1-8b --out results/      (all stacks, both profiles)
+    python -m jobs.bench.cli calibrate --model /path/to/model              (our path only: tok/s)
+    python -m jobs.bench.cli faststart --arch llama3.1-8b --state-dir S    (time to first step, night 1 / night 2)
+    python -m jobs.bench.cli budget --arch llama3.1-8b                     (plan from calibration, then train)
+    python -m jobs.bench.cli moe --arch gpt-oss-small                      (LoRA reaches the experts?)
 
 Stacks (each in its own child process: Unsloth patches transformers at import, and a fresh
 process frees every byte of VRAM between stacks):
@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jobs.batching import TokenizedSample, padded_batches
+from jobs.data.batching import TokenizedSample, padded_batches
 
 PROFILES = {"alpaca": 117.0, "wiki": 861.0}  # mean tokens per sample
 CAP = 2048
@@ -186,7 +186,7 @@ def _vocab(model_path: Path) -> int:
 
 
 def _padded_rows(model: Any, samples: list[TokenizedSample], win: Window, pad_id: int, batch_size: int) -> None:
-    from jobs.fastpath import make_optimizer, train_step
+    from jobs.training.step import make_optimizer, train_step
 
     opt = make_optimizer(model)
     for b in padded_batches(samples, batch_size=batch_size, max_tokens_per_batch=10**9, pad_id=pad_id):
@@ -201,7 +201,7 @@ def worker_baseline(a: argparse.Namespace, model_path: Path, out: Path) -> None:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
 
-    from jobs.architectures import bnb_config
+    from jobs.training.architectures import bnb_config
 
     t0 = time.time()
     kw: dict[str, Any] = {
@@ -257,7 +257,7 @@ def _load_ours(
     a: argparse.Namespace, model_path: Path, *, gc: bool | str, cache: bool, max_seq: int, varlen: bool = True
 ) -> tuple[Any, Any, dict[str, Any]]:
     """varlen=False for the peer stacks: Unsloth exactly as shipped."""
-    from jobs.train_unsloth import LoraSpec, load_unsloth
+    from jobs.training.unsloth_backend import LoraSpec, load_unsloth
 
     return load_unsloth(
         model_path,
@@ -412,14 +412,14 @@ def probe_and_plan(
     """
     import torch
 
-    from jobs.fastpath import train_step
-    from jobs.packing import (
+    from jobs.training.packing import (
         MemoryProbe,
         choose_token_budget,
         conservative_memory_model,
         packed_batches,
         second_probe_tokens,
     )
+    from jobs.training.step import train_step
 
     probes: list[MemoryProbe] = []
     seen: list[dict[str, Any]] = []
@@ -475,8 +475,8 @@ def run_ours(
 ) -> dict[str, Any]:
     import torch
 
-    from jobs.fastpath import make_optimizer, train_step
-    from jobs.packing import packed_batches
+    from jobs.training.packing import packed_batches
+    from jobs.training.step import make_optimizer, train_step
 
     opt = make_optimizer(model)
     samples = make_samples(prof, a.data_tokens * 3, vocab=vocab, seed=a.seed)
@@ -559,8 +559,8 @@ def profile_steps(model: Any, a: argparse.Namespace, prof: str, budget: int, pat
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from jobs.fastpath import make_optimizer, train_step
-    from jobs.packing import packed_batches
+    from jobs.training.packing import packed_batches
+    from jobs.training.step import make_optimizer, train_step
 
     opt = make_optimizer(model)
     batches = list(
@@ -585,8 +585,8 @@ def profile_steps(model: Any, a: argparse.Namespace, prof: str, budget: int, pat
 
 def worker_first_step(a: argparse.Namespace, model_path: Path, out: Path) -> None:
     """A night's start: load (cache or not), build one packed batch, one step. Time from launch."""
-    from jobs.fastpath import make_optimizer, train_step
-    from jobs.packing import packed_batches
+    from jobs.training.packing import packed_batches
+    from jobs.training.step import make_optimizer, train_step
 
     model, _tok, info = _load_ours(a, model_path, gc=False, cache=True, max_seq=a.max_budget)
     t_loaded = time.time()
@@ -613,9 +613,9 @@ def worker_moe(a: argparse.Namespace, model_path: Path, out: Path) -> None:
     """MoE check: trainable parameters with and without expert targets, then a few packed steps."""
     import torch
 
-    from jobs.architectures import make_config
-    from jobs.fastpath import make_optimizer, train_step
-    from jobs.packing import packed_batches
+    from jobs.training.architectures import make_config
+    from jobs.training.packing import packed_batches
+    from jobs.training.step import make_optimizer, train_step
 
     model, _tok, info = _load_ours(a, model_path, gc=False, cache=False, max_seq=a.max_budget)
     names = sorted(
@@ -685,7 +685,7 @@ WORKERS = {
 def resolve_model(a: argparse.Namespace) -> Path:
     if a.model:
         return Path(a.model)
-    from jobs.architectures import build_random_model
+    from jobs.training.architectures import build_random_model
 
     d = Path(a.models_dir) / (a.arch + ("-nf4" if a.build_4bit else ""))
     t0 = time.time()
@@ -698,7 +698,7 @@ def spawn(stack: str, a: argparse.Namespace, model_path: Path, rows: Path, timeo
     argv = [
         sys.executable,
         "-m",
-        "jobs.bench",
+        "jobs.bench.cli",
         "worker",
         "--stack",
         stack,
@@ -790,7 +790,7 @@ def _gpu_info() -> dict[str, Any]:
 
 
 def parent(a: argparse.Namespace) -> dict[str, Any]:
-    from jobs.architectures import matmul_params
+    from jobs.training.architectures import matmul_params
 
     model_path = resolve_model(a)
     from transformers import AutoConfig
@@ -902,8 +902,8 @@ def budget_check(a: argparse.Namespace) -> dict[str, Any]:
     """Calibrate on one profile, then plan and train two data sets of other sizes; predicted vs actual."""
     import torch
 
-    from jobs.fastpath import make_optimizer, train_step
-    from jobs.packing import packed_batches
+    from jobs.training.packing import packed_batches
+    from jobs.training.step import make_optimizer, train_step
 
     model_path = resolve_model(a)
     vocab = _vocab(model_path)
@@ -943,7 +943,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nightshift bench", description=__doc__.split("\n\n")[0])
     p.add_argument("mode", choices=["bench", "calibrate", "faststart", "budget", "moe", "worker"])
     p.add_argument("--model", help="local HF model directory")
-    p.add_argument("--arch", help="architecture name, built random-initialised (jobs.architectures)")
+    p.add_argument("--arch", help="architecture name, built random-initialised (jobs.training.architectures)")
     p.add_argument("--models-dir", default=os.environ.get("NIGHTSHIFT_BENCH_MODELS", "/tmp/nightshift-models"))
     p.add_argument("--build-4bit", action="store_true", help="build the random model directly as NF4 (32B)")
     p.add_argument("--out", default="bench-out")
@@ -1017,7 +1017,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     _passthrough(a)
     if a.mode == "worker":
-        from jobs.train_unsloth import setup_caches
+        from jobs.training.unsloth_backend import setup_caches
 
         setup_caches(a.state_dir)  # before anything imports torch's compile machinery
         if a.stack != "baseline":
@@ -1035,7 +1035,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         return spawn("moe", a, model_path, rows, 900)
     if a.mode == "budget":
-        from jobs.train_unsloth import setup_caches
+        from jobs.training.unsloth_backend import setup_caches
 
         setup_caches(a.state_dir)
         import unsloth  # noqa: F401

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from jobs.files import fsync_tree
+from jobs.store.files import fsync_tree
 
 # A template whose renderings of a conversation's prefixes are string prefixes of the
 # whole: assistant spans can then be found by rendering prefixes (see jobs/render.py).

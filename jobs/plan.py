@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jobs.ledger import SampleRow
+from jobs.store.ledger import SampleRow
 
 
 class PlanConfig(BaseModel):

@@ -42,7 +42,7 @@ class LoraSpec:
 
     @classmethod
     def from_train_config(cls, cfg: Any) -> LoraSpec:
-        """From jobs.train.TrainConfig ([train] lora_rank, lora_alpha, lora_dropout, target_modules, seed)."""
+        """From jobs.training.loop.TrainConfig ([train] lora_rank, lora_alpha, lora_dropout, target_modules, seed)."""
         return cls(
             r=cfg.lora_rank,
             alpha=cfg.lora_alpha,
@@ -168,7 +168,7 @@ def load_unsloth(
     import unsloth  # noqa: F401  (patches transformers/peft/trl on import: must come first)
     from unsloth import FastLanguageModel
 
-    from jobs.fastpath import UNSLOTH_FLAG
+    from jobs.training.step import UNSLOTH_FLAG
 
     t_import = time.perf_counter() - t0
     info: dict[str, Any] = {"backend": "unsloth", "import_seconds": round(t_import, 2)}

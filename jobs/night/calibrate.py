@@ -1,7 +1,7 @@
 """`nightshift calibrate`: measure our own training path on this GPU, for this model and config,
 and record it in the throughput history, so the first night plans from a measurement.
 
-Runs as a child process (`python -m jobs.calibrate --out DIR < night-config.json`), like the night:
+Runs as a child process (`python -m jobs.night.calibrate --out DIR < night-config.json`), like the night:
 the daemon's process never imports torch. It records tokens/s (the slower of the two length
 profiles of the published benchmark) and the step shape it chose under `[gpu] max_vram_gb`
 (tokens per step, checkpointing), which `[train] tokens_per_step = "auto"` then uses.
@@ -14,20 +14,20 @@ import json
 import sys
 from pathlib import Path
 
-from jobs import budget
-from jobs.ledger import Ledger
-from jobs.night import NightConfig, ensure_model, model_fingerprint, throughput_parts
+from jobs import plan as budget
+from jobs.night.run import NightConfig, ensure_model, model_fingerprint, throughput_parts
+from jobs.store.ledger import Ledger
 
 DEFAULT_MAX_VRAM_GB = 40.0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.calibrate")
+    ap = argparse.ArgumentParser(prog="python -m jobs.night.calibrate")
     ap.add_argument("--out", required=True, help="folder for the benchmark's JSON")
     ap.add_argument("--seconds", type=float, default=30.0, help="timed seconds per length profile")
     args = ap.parse_args(argv)
     cfg = NightConfig.model_validate_json(sys.stdin.read())
-    from jobs.train import device_name, resolve_backend
+    from jobs.training.loop import device_name, resolve_backend
 
     backend = resolve_backend(cfg.train)
     if backend != "unsloth":
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model_path = ensure_model(cfg)
     key = budget.throughput_key(throughput_parts(cfg, model_fingerprint(model_path), backend, device_name()))
-    from jobs.bench import run
+    from jobs.bench.cli import run
 
     max_vram = cfg.gpu.max_vram_gb or DEFAULT_MAX_VRAM_GB
     res = run(["calibrate", "--model", str(model_path), "--max-vram-gb", str(max_vram),

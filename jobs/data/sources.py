@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jobs.formats import Format, RecordError
+from jobs.data.formats import Format, RecordError
 
 READERS = (".jsonl", ".json", ".parquet", ".csv")
 

@@ -27,9 +27,9 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
 from jobs.hotswap import AdapterRef, HotswapConfig, TargetOutcome, notify_all
-from jobs.ledger import Ledger
-from jobs.locking import StateLock
-from jobs.registry import TMP_PREFIX, Registry, parse_version
+from jobs.store.ledger import Ledger
+from jobs.store.locking import StateLock
+from jobs.store.registry import TMP_PREFIX, Registry, parse_version
 
 log = structlog.get_logger("nightshift.adapters")
 Notify = Callable[[HotswapConfig, AdapterRef], list[TargetOutcome]]

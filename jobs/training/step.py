@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.batching import Batch
-from jobs.packing import is_packed, segment_lengths, split_in_two
+from jobs.data.batching import Batch
+from jobs.training.packing import is_packed, segment_lengths, split_in_two
 
-UNSLOTH_FLAG = "_nightshift_unsloth"  # set on models that jobs.train_unsloth loaded
+UNSLOTH_FLAG = "_nightshift_unsloth"  # set on models that jobs.training.unsloth_backend loaded
 
 
 def is_unsloth(model: Any) -> bool:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from jobs.batching import IGNORE_INDEX, TokenizedSample
-from jobs.formats import RecordError
+from jobs.data.batching import IGNORE_INDEX, TokenizedSample
+from jobs.data.formats import RecordError
 
 OverlongPolicy = Literal["reject", "truncate"]
 

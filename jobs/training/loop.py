@@ -22,9 +22,9 @@ from typing import Any, Literal
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
-from jobs.batching import Batch, TokenizedSample, padded_batches
-from jobs.files import fsync_tree
-from jobs.render import OverlongPolicy
+from jobs.data.batching import Batch, TokenizedSample, padded_batches
+from jobs.data.render import OverlongPolicy
+from jobs.store.files import fsync_tree
 
 log = structlog.get_logger("nightshift.train")
 
@@ -133,7 +133,7 @@ def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | Non
     """Base model + LoRA: from `adapter` (the one in service, or a checkpoint) or a fresh one."""
     backend = resolve_backend(cfg)
     if backend == "unsloth":
-        from jobs.train_unsloth import LoraSpec, load_unsloth  # GPU-only stack, imported only here
+        from jobs.training.unsloth_backend import LoraSpec, load_unsloth  # GPU-only stack, imported only here
 
         model, tok, info = load_unsloth(
             model_path, lora=LoraSpec.from_train_config(cfg), gradient_checkpointing=shape.gradient_checkpointing,
@@ -186,7 +186,7 @@ def plan_batches(samples: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: i
     """The whole run's batch sequence, deterministic from (samples, seed, step shape): a resume replays it."""
     import random
 
-    from jobs.packing import packed_batches
+    from jobs.training.packing import packed_batches
 
     out: list[Batch] = []
     for epoch in range(cfg.epochs):
@@ -241,7 +241,7 @@ def train(
 ) -> TrainResult:
     import torch
 
-    from jobs.fastpath import train_step
+    from jobs.training.step import train_step
 
     model, device = loaded.model, loaded.device
     shape = shape or resolve_step(cfg, None)

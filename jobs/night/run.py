@@ -23,17 +23,17 @@ from typing import Any, Literal
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
-from jobs import budget
-from jobs.budget import PlanConfig
+from jobs import plan as budget
+from jobs.data.pull import Quarantine, pull
+from jobs.data.sources import SourceConfig
 from jobs.evaluate import EvalConfig
 from jobs.gpu import GpuConfig, GpuSampler, torch_device_uuid, torch_peak_memory
 from jobs.hotswap import HotswapConfig
-from jobs.ledger import Ledger
-from jobs.locking import StateLock
-from jobs.pull import Quarantine, pull
-from jobs.registry import Registry, version_name
-from jobs.sources import SourceConfig
-from jobs.train import TrainConfig
+from jobs.plan import PlanConfig
+from jobs.store.ledger import Ledger
+from jobs.store.locking import StateLock
+from jobs.store.registry import Registry, version_name
+from jobs.training.loop import TrainConfig
 
 log = structlog.get_logger("nightshift.night")
 Emit = Callable[[dict[str, Any]], None]
@@ -118,7 +118,7 @@ def ensure_model(cfg: NightConfig) -> Path:
     if (path / "config.json").exists():
         return path
     if cfg.model.build == "tiny-llama":
-        from jobs.tinymodel import build_tiny_llama
+        from jobs.training.tinymodel import build_tiny_llama
 
         corpus = [p for src in cfg.sources for pat in ("*.jsonl", "*.json") for p in Path(src.inbox).glob(pat)]
         log.info("building_tiny_model", path=str(path), corpus_files=len(corpus))
@@ -165,7 +165,7 @@ def code_version() -> str:
 
 def run_night(cfg: NightConfig, *, night: str, deadline: float, emit: Emit, stop: threading.Event,
               clock: Callable[[], float] = time.time, plan_only: bool = False) -> dict[str, Any]:
-    from jobs.train import device_name, load_tokenizer, resolve_backend
+    from jobs.training.loop import device_name, load_tokenizer, resolve_backend
 
     state = Path(cfg.state_dir)
     ledger = Ledger(state / "ledger.sqlite", clock=clock)
@@ -253,7 +253,7 @@ def _run(n: Night, model_path: Path, open_run: Any, plan_only: bool, stop: threa
         s["error"] = "nothing to train: no pending samples fit" if plan_d["deferred_samples"] else "no new samples"
         ledger.finish_run(n.run_id, "skipped", summary=s, error=s["error"])
         return
-    from jobs.night_train import train_evaluate_publish
+    from jobs.night.train_publish import train_evaluate_publish
 
     train_evaluate_publish(n, model_path, plan_d, roles, version, parent, backend, device, key, fingerprint,
                            stop)

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from jobs.files import fsync_dir, fsync_tree, sha256_file
+from jobs.store.files import fsync_dir, fsync_tree, sha256_file
 
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
