@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from jobs.hotswap import HotswapConfig, TargetOutcome
+from jobs.hotswap import HotswapConfig, HotswapOutcome
 from jobs.store.adapters import AdapterError, Adapters, RegistryConfig, VersionInfo, diff
 from jobs.store.locking import LockTimeout
 from jobs.store.registry import IntegrityError
@@ -219,7 +219,7 @@ def _announce_and_report(ad: Adapters, info: VersionInfo, trigger: str) -> int:
     return EXIT_HOTSWAP_FAILED if any(not o.ok for o in outcomes) else 0
 
 
-def _print_outcomes(outcomes: list[TargetOutcome], cfg: HotswapConfig) -> None:
+def _print_outcomes(outcomes: list[HotswapOutcome], cfg: HotswapConfig) -> None:
     if not cfg.targets:
         print("  hot-swap: no [hotswap] targets configured")
     for o in outcomes:
@@ -280,7 +280,7 @@ def cmd_hotswap(args: argparse.Namespace, ad: Adapters) -> int:
     if args.json:
         print(
             json.dumps(
-                {"version": info.version, "name": info.name, "outcomes": [o.as_dict() for o in outcomes]},
+                {"version": info.version, "name": info.name, "outcomes": [o.model_dump(mode='json') for o in outcomes]},
                 indent=2,
                 default=str,
             )

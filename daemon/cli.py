@@ -16,8 +16,11 @@ from daemon import report
 from daemon.adapters_cli import add_commands as add_adapter_commands
 from daemon.settings import DEFAULT_CONFIG, ConfigError, Settings, check_paths, load_settings
 from daemon.supervisor import NightChild, child_env, wait_interruptibly
+from daemon.window import Window
 from jobs import logs
-from jobs.store.ledger import Ledger, NightOutcomes
+from jobs.contract import ChildEvent, Outcome, PlanEvent, outcome_exit_code
+from jobs.store.ledger import Ledger
+from jobs.store.outcomes import NightOutcomes
 
 
 def parse_until(until: str | None, default_seconds: float, now: dt.datetime) -> float:
@@ -52,20 +55,27 @@ def run_child(s: Settings, *, night: str, deadline: float, plan_only: bool,
             signal.signal(sig, h)
 
 
-def cmd_once(args: argparse.Namespace, s: Settings) -> int:
+def manual_window(args: argparse.Namespace, s: Settings) -> Window:
+    """`once` and `plan`: a window from now to --until (default: the configured window's length)."""
     now = dt.datetime.now().astimezone()
-    deadline = parse_until(args.until, window_seconds(s), now)
-    night = f"manual-{now.date().isoformat()}"
+    end = parse_until(args.until, window_seconds(s), now)
+    return Window(night=f"manual-{now.date().isoformat()}", start=now.astimezone(dt.UTC),
+                  end=dt.datetime.fromtimestamp(end, dt.UTC))
 
-    def show_plan(ev: dict[str, Any]) -> None:
-        if ev.get("event") == "plan":
-            print("plan:\n" + report.plan_table(ev["plan"]) + "\n", flush=True)
 
-    out = run_child(s, night=night, deadline=deadline - s.window.save_margin.total_seconds(), plan_only=False,
+def cmd_once(args: argparse.Namespace, s: Settings) -> int:
+    window = manual_window(args, s)
+    night, deadline = window.night, window.end.timestamp()
+
+    def show_plan(ev: ChildEvent) -> None:
+        if isinstance(ev, PlanEvent):
+            print("plan:\n" + report.plan_table(ev.plan) + "\n", flush=True)
+
+    out = run_child(s, night=night, deadline=window.deadline(s.window.save_margin).timestamp(), plan_only=False,
                     on_event=show_plan)
-    if out.summary is None or out.summary["outcome"] == "failed":
+    if out.summary is None or out.summary.outcome == Outcome.failed:
         # one attempt for a manual night: close it (a killed `once` leaves it open, and a rerun resumes)
-        error = (out.summary or {}).get("error") or f"the night's process died ({out.describe_exit()})"
+        error = (out.summary.error if out.summary else None) or f"the night's process died ({out.describe_exit()})"
         ledger = Ledger(s.state_dir / "ledger.sqlite")
         NightOutcomes(ledger).close(night, "failed", error, deadline=deadline)
         ledger.close()
@@ -74,21 +84,21 @@ def cmd_once(args: argparse.Namespace, s: Settings) -> int:
         print("\n".join(out.tail[-15:]), file=sys.stderr)
         return 1
     print("night:\n" + report.summary_table(out.summary))
-    return {"failed": 1, "interrupted": 3}.get(out.summary["outcome"], 0)
+    return outcome_exit_code(out.summary.outcome)
 
 
 def cmd_plan(args: argparse.Namespace, s: Settings) -> int:
     now = dt.datetime.now().astimezone()
     deadline = parse_until(args.until, window_seconds(s), now)
     out = run_child(s, night="plan", deadline=deadline, plan_only=True)
-    if out.summary is None or "plan" not in out.summary:
+    if out.summary is None or out.summary.plan is None:
         print(f"nightshift plan: failed ({out.describe_exit()})", file=sys.stderr)
         print("\n".join(out.tail[-15:]), file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(out.summary["plan"], indent=2))
+        print(out.summary.plan.model_dump_json(indent=2))
     else:
-        print(report.plan_table(out.summary["plan"]))
+        print(report.plan_table(out.summary.plan))
     return 0
 
 

@@ -32,10 +32,24 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
 
+from jobs.contract import (
+    ChildEvent,
+    GpuEvent,
+    GpuSummary,
+    HotswapEvent,
+    Outcome,
+    Phase,
+    PhaseEvent,
+    ProgressEvent,
+    ResultEvent,
+    RunSummary,
+    nightshift_version,
+)
+
 log = structlog.get_logger("nightshift.metrics")
 
-OUTCOMES = ("succeeded", "failed", "skipped", "rejected", "interrupted")
-PHASES = ("pull", "plan", "load", "train", "evaluate", "publish", "hotswap")
+OUTCOMES = tuple(o.value for o in Outcome)
+PHASES = tuple(p.value for p in Phase)
 QUARANTINE_REASONS = (
     "invalid_json",
     "invalid_utf8",
@@ -230,15 +244,6 @@ class _Values(Collector):
             yield self._family(spec)
 
 
-def _package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("nightshift")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def _num(x: Any) -> float | None:
     return None if x is None else float(x)
 
@@ -296,26 +301,26 @@ class NightshiftMetrics:
         ):
             v.set(name, 0)
         v.set(
-            "nightshift_build_info", 1, version=version or _package_version(), python_version=platform.python_version()
+            "nightshift_build_info", 1, version=version or nightshift_version(),
+            python_version=platform.python_version()
         )
 
     # ---- the child's events -------------------------------------------------------------
-    def on_event(self, event: Mapping[str, Any]) -> None:
-        """One contract event from the child (unknown kinds are ignored)."""
-        kind = event.get("event")
-        if kind == "result":
-            self.on_summary(event["summary"])
+    def on_event(self, event: ChildEvent) -> None:
+        """One typed event from the child (validated where the pipe is read)."""
+        if isinstance(event, ResultEvent):
+            self.on_summary(event.summary)
             return
-        if kind == "hotswap":  # {"event":"hotswap", **TargetOutcome.as_dict()}
-            self.on_hotswap(str(event["kind"]), bool(event["ok"]))
+        if isinstance(event, HotswapEvent):
+            self.on_hotswap(event.outcome.kind, event.outcome.ok)
             return
-        if kind not in ("phase", "progress", "gpu"):
+        if not isinstance(event, PhaseEvent | ProgressEvent | GpuEvent):
             return
         with self._lock:
             self._begin_run()
-            if kind == "phase":
+            if isinstance(event, PhaseEvent):
                 self._on_phase(event)
-            elif kind == "progress":
+            elif isinstance(event, ProgressEvent):
                 self._on_progress(event)
             else:
                 self._on_gpu(event)
@@ -325,21 +330,19 @@ class NightshiftMetrics:
             self.values.set("nightshift_run_in_progress", 1)
             self._run_window_end = self._window_end
 
-    def _on_phase(self, ev: Mapping[str, Any]) -> None:
-        if ev.get("state") == "start":
+    def _on_phase(self, ev: PhaseEvent) -> None:
+        if ev.state == "start":
             self.values.clear("nightshift_run_phase")
-            self.values.set("nightshift_run_phase", 1, phase=ev["phase"])
+            self.values.set("nightshift_run_phase", 1, phase=ev.phase.value)
         else:
-            self.values.set("nightshift_run_phase", None, phase=ev["phase"])
+            self.values.set("nightshift_run_phase", None, phase=ev.phase.value)
 
-    def _on_progress(self, ev: Mapping[str, Any]) -> None:
+    def _on_progress(self, ev: ProgressEvent) -> None:
         v = self.values
-        v.set("nightshift_run_progress_ratio", _num(ev.get("fraction")))
-        if ev.get("steps") is not None:
-            v.set("nightshift_last_run_steps", ev["steps"])
-        if ev.get("tokens_per_second") is not None:
-            v.set("nightshift_last_run_tokens_per_second", ev["tokens_per_second"])
-        self._count_trained(ev.get("version"), int(ev.get("tokens") or 0), int(ev.get("samples") or 0))
+        v.set("nightshift_run_progress_ratio", ev.fraction)
+        v.set("nightshift_last_run_steps", ev.steps)
+        v.set("nightshift_last_run_tokens_per_second", ev.tokens_per_second)
+        self._count_trained(ev.version, ev.tokens, ev.samples)
 
     def _count_trained(self, version: int | None, tokens: int, samples: int) -> None:
         """Counters follow the run's cumulative figures: a resumed run restarts from its checkpoint's."""
@@ -349,15 +352,15 @@ class NightshiftMetrics:
         if version is not None:
             self._high_water[version] = (max(tokens, seen_tokens), max(samples, seen_samples))
 
-    def _on_gpu(self, ev: Mapping[str, Any]) -> None:
+    def _on_gpu(self, ev: GpuEvent) -> None:
         for key, name in GPU_EVENT_GAUGES.items():
-            if key == "vram_total_bytes" and ev.get(key) is None:
+            if key == "vram_total_bytes" and ev.vram_total_bytes is None:
                 continue  # the card's size stays known between runs
-            self.values.set(name, _num(ev.get(key)))
-        energy = _num(ev.get("energy_joules_total"))
+            self.values.set(name, _num(getattr(ev, key)))
+        energy = _num(ev.energy_joules_total)
         if energy is None:
             return
-        ts = float(ev.get("ts") or self.clock())
+        ts = float(ev.ts or self.clock())
         last = self._energy_last
         if last is not None and energy >= last and ts - self._energy_ts <= self.energy_gap_seconds:
             self.values.inc("nightshift_gpu_energy_joules_total", energy - last)
@@ -380,10 +383,10 @@ class NightshiftMetrics:
         self._energy_last = None
 
     # ---- the RunSummary -----------------------------------------------------------------
-    def on_summary(self, s: Mapping[str, Any]) -> None:
-        """A finished run. Missing keys count as unknown, so a crash can be reported as
-        `{"outcome": "failed", "ended_at": ts}`; the same summary twice counts once."""
-        key = (s.get("run_id"), s.get("started_at"), s.get("ended_at"), s.get("outcome"))
+    def on_summary(self, s: RunSummary) -> None:
+        """A finished run. Unknown figures stay absent, so a crash can be reported as
+        `RunSummary(outcome="failed", ended_at=ts)`; the same summary twice counts once."""
+        key = (s.run_id, s.started_at, s.ended_at, s.outcome)
         with self._lock:
             if key in self._seen:
                 return
@@ -391,71 +394,69 @@ class NightshiftMetrics:
             self._summary(s)
             self._end_run()
 
-    def _summary(self, s: Mapping[str, Any]) -> None:
+    def _summary(self, s: RunSummary) -> None:
         v = self.values
-        outcome = str(s.get("outcome") or "failed")
-        ended = _num(s.get("ended_at")) or float(self.clock())
+        outcome = s.outcome.value
+        ended = s.ended_at or float(self.clock())
         v.inc("nightshift_runs_total", outcome=outcome)
-        for o in {*OUTCOMES, outcome}:
+        for o in OUTCOMES:
             v.set("nightshift_last_run_outcome", 1 if o == outcome else 0, outcome=o)
         v.set("nightshift_last_run_timestamp_seconds", ended)
         if outcome == "succeeded":
             v.set("nightshift_last_success_timestamp_seconds", ended)
-        started = _num(s.get("started_at"))
-        if started is not None and ended >= started:
-            self.run_duration.observe(ended - started)
+        if s.started_at is not None and ended >= s.started_at:
+            self.run_duration.observe(ended - s.started_at)
         v.clear("nightshift_last_run_phase_duration_seconds")
-        for phase, secs in (s.get("phase_seconds") or {}).items():
+        for phase, secs in s.phase_seconds.items():
             v.set("nightshift_last_run_phase_duration_seconds", secs, phase=phase)
-        end_limit = self._run_window_end or self._window_end or _num(s.get("deadline"))
+        end_limit = self._run_window_end or self._window_end or s.deadline
         v.set("nightshift_last_run_overrun_seconds", None if end_limit is None else max(0.0, ended - end_limit))
         self._run_window_end = None
         # training and budget
-        self._count_trained(s.get("version"), int(s.get("trained_tokens") or 0), int(s.get("trained_samples") or 0))
-        v.set("nightshift_last_run_steps", _num(s.get("steps")))
-        v.set("nightshift_last_run_tokens_per_second", _num(s.get("tokens_per_second")))
-        v.set("nightshift_last_run_samples_per_hour", _num(s.get("samples_per_hour")))
+        self._count_trained(s.version, s.trained_tokens, s.trained_samples)
+        v.set("nightshift_last_run_steps", s.steps)
+        v.set("nightshift_last_run_tokens_per_second", s.tokens_per_second)
+        v.set("nightshift_last_run_samples_per_hour", s.samples_per_hour)
         v.clear("nightshift_last_run_loss")
-        for k, value in (s.get("losses") or {}).items():
+        for k, value in s.losses.model_dump().items():
             if k in LOSS_LABELS and value is not None:
                 kind, stage = LOSS_LABELS[k]
                 v.set("nightshift_last_run_loss", value, kind=kind, stage=stage)
-        predicted, actual = _num(s.get("predicted_train_seconds")), _num(s.get("actual_train_seconds"))
+        predicted, actual = s.predicted_train_seconds, s.actual_train_seconds
         v.set("nightshift_last_run_predicted_train_seconds", predicted)
         v.set("nightshift_last_run_actual_train_seconds", actual)
         completed = outcome in ("succeeded", "rejected")  # an interrupted run's time says nothing of the plan
         v.set("nightshift_last_run_budget_ratio", actual / predicted if completed and predicted and actual else None)
-        v.set("nightshift_last_run_deferred_samples", _num(s.get("deferred_samples")))
-        if "backlog_samples" in s:
-            self.set_backlog(s.get("backlog_samples"), s.get("backlog_tokens"))
+        v.set("nightshift_last_run_deferred_samples", s.deferred_samples)
+        if s.backlog_samples is not None:
+            self.set_backlog(s.backlog_samples, s.backlog_tokens)
         # data
-        for source, n in (s.get("ingested") or {}).items():
+        for source, n in s.ingested.items():
             v.inc("nightshift_ingested_samples_total", n, source=source)
-        for reason, n in (s.get("quarantined") or {}).items():
+        for reason, n in s.quarantined.items():
             v.inc("nightshift_quarantined_samples_total", n, reason=reason)
-        v.inc("nightshift_ingested_files_total", int(s.get("files_ingested") or 0))
-        v.inc("nightshift_duplicate_samples_total", int(s.get("duplicates") or 0))
-        self._summary_gpu(s.get("gpu"), int(s.get("trained_tokens") or 0))
+        v.inc("nightshift_ingested_files_total", s.files_ingested)
+        v.inc("nightshift_duplicate_samples_total", s.duplicates)
+        self._summary_gpu(s.gpu, s.trained_tokens)
         # adapters
-        version = s.get("version")
-        if version is not None and s.get("adapter_path") and completed and version not in self._published:
+        version = s.version
+        if version is not None and s.adapter_path and completed and version not in self._published:
             self._published.add(version)
             v.inc("nightshift_adapter_versions_published_total")
-        if s.get("promoted") and version is not None:
-            self.set_adapter_in_service(version, s.get("version_name") or str(version), str(s.get("base_model")))
+        if s.promoted and version is not None:
+            self.set_adapter_in_service(version, s.version_name or str(version), s.base_model)
 
-    def _summary_gpu(self, gpu: Mapping[str, Any] | None, tokens: int) -> None:
+    def _summary_gpu(self, gpu: GpuSummary | None, tokens: int) -> None:
         v = self.values
-        gpu = gpu or {}
         for key, name in SUMMARY_GPU_GAUGES.items():
-            v.set(name, _num(gpu.get(key)))
-        joules = _num(gpu.get("energy_joules"))
+            v.set(name, _num(getattr(gpu, key)) if gpu else None)
+        joules = gpu.energy_joules if gpu else None
         v.set("nightshift_last_run_tokens_per_joule", tokens / joules if joules and tokens else None)
-        if gpu.get("total_memory_bytes") is not None:
-            v.set("nightshift_gpu_memory_total_bytes", gpu["total_memory_bytes"])
-        if gpu.get("name"):
+        if gpu and gpu.total_memory_bytes is not None:
+            v.set("nightshift_gpu_memory_total_bytes", gpu.total_memory_bytes)
+        if gpu and gpu.name:
             v.clear("nightshift_gpu_info")
-            v.set("nightshift_gpu_info", 1, name=gpu["name"])
+            v.set("nightshift_gpu_info", 1, name=gpu.name)
 
     # ---- the daemon's own facts ---------------------------------------------------------
     def set_window(self, open: bool, next_start: float | None, end: float | None = None) -> None:

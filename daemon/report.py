@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from jobs.contract import Outcome, Plan, RunSummary
+from jobs.tables import key_values
+
 
 def _num(x: Any, fmt: str = ",.0f") -> str:
     return "—" if x is None else format(x, fmt)
@@ -13,58 +16,50 @@ def _loss(x: float | None) -> str:
     return "—" if x is None else f"{x:.4f}"
 
 
-def table(rows: list[tuple[str, str]]) -> str:
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
-
-
-def plan_table(p: dict[str, Any]) -> str:
-    return table([
-        ("new samples to train", _num(len(p["train_ids"]))),
-        ("replayed from earlier nights", f"{_num(len(p.get('replay_ids', [])))} samples, "
-                                         f"{_num(p.get('replay_tokens', 0))} tokens"),
-        ("tokens to train (per epoch)", _num(p["train_tokens"])),
-        ("held out for evaluation", _num(len(p["heldout_ids"]))),
-        ("deferred to a later night", f"{_num(p['deferred_samples'])} samples, {_num(p['deferred_tokens'])} tokens"),
-        ("epochs", str(p["epochs"])),
-        ("time available to train", f"{_num(p['available_seconds'], ',.1f')} s"),
-        ("predicted train time", f"{_num(p['predicted_train_seconds'], ',.1f')} s"),
-        ("overheads (load+eval+save)", f"{_num(p['overhead_seconds'], ',.1f')} s"),
-        ("throughput used", f"{_num(p['tokens_per_second'])} tok/s"),
-        ("basis", p["basis"]),
-        ("backend / device", f"{p.get('backend', '?')} / {p.get('device', '?')}"),
+def plan_table(p: Plan) -> str:
+    return key_values([
+        ("new samples to train", _num(len(p.train_ids))),
+        ("replayed from earlier nights", f"{_num(len(p.replay_ids))} samples, {_num(p.replay_tokens)} tokens"),
+        ("tokens to train (per epoch)", _num(p.train_tokens)),
+        ("held out for evaluation", _num(len(p.heldout_ids))),
+        ("deferred to a later night", f"{_num(p.deferred_samples)} samples, {_num(p.deferred_tokens)} tokens"),
+        ("epochs", str(p.epochs)),
+        ("time available to train", f"{_num(p.available_seconds, ',.1f')} s"),
+        ("predicted train time", f"{_num(p.predicted_train_seconds, ',.1f')} s"),
+        ("overheads (load+eval+save)", f"{_num(p.overhead_seconds, ',.1f')} s"),
+        ("throughput used", f"{_num(p.tokens_per_second)} tok/s"),
+        ("basis", p.basis),
+        ("backend / device", f"{p.backend or '?'} / {p.device or '?'}"),
     ])
 
 
-def summary_table(s: dict[str, Any]) -> str:
-    quarantined = sum(s["quarantined"].values())
-    by_reason = ", ".join(f"{k} {v}" for k, v in sorted(s["quarantined"].items()))
-    losses = s["losses"]
-    version = s["version_name"] or "—"
-    if s["outcome"] in ("succeeded", "rejected"):
-        held_back = (s.get("gate") or {}).get("held_back")
+def summary_table(s: RunSummary) -> str:
+    quarantined = sum(s.quarantined.values())
+    by_reason = ", ".join(f"{k} {v}" for k, v in sorted(s.quarantined.items()))
+    losses = s.losses
+    version = s.version_name or "—"
+    if s.outcome in (Outcome.succeeded, Outcome.rejected):
+        held_back = s.gate.held_back if s.gate else None
         why = f"held back: {held_back}" if held_back else "gate failed"
-        version += " (promoted: now in service)" if s["promoted"] else f" (kept, NOT promoted: {why})"
-    predicted, actual = s["predicted_train_seconds"], s["actual_train_seconds"]
+        version += " (promoted: now in service)" if s.promoted else f" (kept, NOT promoted: {why})"
+    predicted, actual = s.predicted_train_seconds, s.actual_train_seconds
     ratio = f" (actual/predicted {actual / predicted:.2f})" if predicted and actual else ""
-    rows = [
-        ("outcome", s["outcome"] + (f": {s['error']}" if s.get("error") else "")),
-        ("run", s["run_id"]),
-        ("files ingested", _num(s["files_ingested"])),
-        ("samples ingested", _num(sum(s["ingested"].values())) + f" (duplicates skipped: {s['duplicates']})"),
+    return key_values([
+        ("outcome", s.outcome.value + (f": {s.error}" if s.error else "")),
+        ("run", s.run_id),
+        ("files ingested", _num(s.files_ingested)),
+        ("samples ingested", _num(sum(s.ingested.values())) + f" (duplicates skipped: {s.duplicates})"),
         ("quarantined", _num(quarantined) + (f" ({by_reason})" if by_reason else "")),
-        ("trained", f"{_num(s['trained_samples'])} samples, {_num(s['trained_tokens'])} tokens, "
-                    f"{_num(s['steps'])} steps"),
-        ("replayed", _num(s.get("replay_samples"))),
-        ("held out", _num(s.get("heldout_samples"))),
-        ("deferred", _num(s["deferred_samples"])),
-        ("backlog now", f"{_num(s['backlog_samples'])} samples, {_num(s['backlog_tokens'])} tokens"),
-        ("throughput", f"{_num(s['tokens_per_second'])} tok/s, {_num(s['samples_per_hour'])} samples/h"),
+        ("trained", f"{_num(s.trained_samples)} samples, {_num(s.trained_tokens)} tokens, {_num(s.steps)} steps"),
+        ("replayed", _num(s.replay_samples)),
+        ("held out", _num(s.heldout_samples)),
+        ("deferred", _num(s.deferred_samples)),
+        ("backlog now", f"{_num(s.backlog_samples)} samples, {_num(s.backlog_tokens)} tokens"),
+        ("throughput", f"{_num(s.tokens_per_second)} tok/s, {_num(s.samples_per_hour)} samples/h"),
         ("train seconds", f"predicted {_num(predicted, ',.1f')}, actual {_num(actual, ',.1f')}{ratio}"),
-        ("loss: train", _loss(losses["train"])),
-        ("loss: held-out", f"{_loss(losses['heldout_before'])} -> {_loss(losses['heldout_after'])}"),
-        ("loss: regression", f"{_loss(losses['regression_before'])} -> {_loss(losses['regression_after'])}"),
+        ("loss: train", _loss(losses.train)),
+        ("loss: held-out", f"{_loss(losses.heldout_before)} -> {_loss(losses.heldout_after)}"),
+        ("loss: regression", f"{_loss(losses.regression_before)} -> {_loss(losses.regression_after)}"),
         ("version", version),
-        ("phases", ", ".join(f"{k} {v:.1f}s" for k, v in s["phase_seconds"].items())),
-    ]
-    return table(rows)
+        ("phases", ", ".join(f"{k} {v:.1f}s" for k, v in s.phase_seconds.items())),
+    ])

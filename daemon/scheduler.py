@@ -25,7 +25,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.base import BaseTrigger
 from apscheduler.triggers.cron import CronTrigger
 
-from daemon.window import Window, WindowConfig
+from daemon.window import Window, WindowConfig, utcnow
 
 log = structlog.get_logger("nightshift.scheduler")
 JOB_ID = "nightshift-wake"
@@ -68,10 +68,6 @@ def build_trigger(cfg: WindowConfig) -> NightlyCronTrigger:
     return NightlyCronTrigger(cfg)
 
 
-def _utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
 class WakeScheduler:
     """Calls `on_wake(window)` when a window opens (and at start, if started inside one).
 
@@ -85,7 +81,7 @@ class WakeScheduler:
         cfg: WindowConfig,
         on_wake: Callable[[Window], None],
         *,
-        clock: Callable[[], datetime] = _utcnow,
+        clock: Callable[[], datetime] = utcnow,
         trigger: BaseTrigger | None = None,
         catch_up: bool = True,
     ) -> None:
@@ -109,7 +105,7 @@ class WakeScheduler:
             timezone=self.cfg.zone(),
         )
         inside = self.catch_up and self.cfg.window_at(self.clock()) is not None
-        extra = {"next_run_time": _utcnow()} if inside else {}  # fire once now, then on the trigger
+        extra = {"next_run_time": utcnow()} if inside else {}  # fire once now, then on the trigger
         sched.add_job(
             self._fire,
             self.trigger,

@@ -74,11 +74,6 @@ def stopping(status: str | None = None, *, environ: Mapping[str, str] | None = N
     return notify("STOPPING=1", *extra, environ=environ)
 
 
-def extend_timeout(seconds: float, *, environ: Mapping[str, str] | None = None) -> bool:
-    """EXTEND_TIMEOUT_USEC: 'still stopping/starting, give me `seconds` more' (systemd >= 236)."""
-    return notify(f"EXTEND_TIMEOUT_USEC={max(0, int(seconds * 1_000_000))}", environ=environ)
-
-
 def watchdog_interval(*, environ: Mapping[str, str] | None = None) -> float | None:
     """Seconds between WATCHDOG=1 pings: half of WATCHDOG_USEC, as sd_watchdog_enabled(3) advises.
 

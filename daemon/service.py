@@ -14,7 +14,7 @@ import shutil
 import signal
 import threading
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,30 +26,26 @@ from daemon.metrics import NightshiftMetrics, serve
 from daemon.scheduler import WakeScheduler
 from daemon.settings import Settings
 from daemon.supervisor import ChildOutcome, NightChild, wait_interruptibly
-from daemon.window import Window
+from daemon.window import Window, utcnow
+from jobs.contract import ChildEvent, Outcome, PhaseEvent, ProgressEvent, RunSummary
 from jobs.gpu import free_vram_gb
-from jobs.store.ledger import Ledger, NightOutcomes
+from jobs.store.ledger import Ledger
 from jobs.store.locking import LockTimeout, StateLock
+from jobs.store.outcomes import NightOutcomes
 from jobs.store.registry import Registry
 
 log = structlog.get_logger("nightshift.service")
 
 
-def _utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
-def progress_status(ev: Mapping[str, Any], zone: Any) -> str:
+def progress_status(ev: ProgressEvent, zone: Any) -> str:
     """'training v0007: 41 %, 1.2 M tokens, eta 02:13' for systemd's STATUS line."""
-    eta = ev.get("eta")
-    eta_text = datetime.fromtimestamp(eta, zone).strftime("%H:%M") if eta else "?"
-    tokens = ev.get("tokens", 0)
-    amount = f"{tokens / 1e6:.1f} M" if tokens >= 100_000 else f"{tokens / 1e3:.1f} k"
-    return f"training v{ev.get('version', 0):04d}: {100 * ev.get('fraction', 0):.0f} %, {amount} tokens, eta {eta_text}"
+    eta_text = datetime.fromtimestamp(ev.eta, zone).strftime("%H:%M") if ev.eta else "?"
+    amount = f"{ev.tokens / 1e6:.1f} M" if ev.tokens >= 100_000 else f"{ev.tokens / 1e3:.1f} k"
+    return f"training v{ev.version or 0:04d}: {100 * ev.fraction:.0f} %, {amount} tokens, eta {eta_text}"
 
 
 class Service:
-    def __init__(self, settings: Settings, *, clock: Callable[[], datetime] = _utcnow,
+    def __init__(self, settings: Settings, *, clock: Callable[[], datetime] = utcnow,
                  registry: CollectorRegistry | None = None, environ: Mapping[str, str] | None = None) -> None:
         self.s = settings
         self.clock = clock
@@ -150,8 +146,8 @@ class Service:
         run_id = self.outcomes.close(window.night, status, reason, deadline=window.end.timestamp())
         row = self.ledger.run(run_id)
         if count:
-            self.metrics.on_summary({"run_id": run_id, "outcome": status, "error": reason,
-                                     "started_at": row["started_at"], "ended_at": row["ended_at"]})
+            self.metrics.on_summary(RunSummary(run_id=run_id, outcome=status, error=reason,
+                                               started_at=row["started_at"], ended_at=row["ended_at"]))
         log.warning("night_closed", night=window.night, status=status, reason=reason)
 
     # ---- one night ---------------------------------------------------------------------------
@@ -170,12 +166,12 @@ class Service:
         zone = self.s.window.zone()
         self.status(f"night {window.night}: starting (deadline {deadline.astimezone(zone):%H:%M})")
 
-        def on_event(ev: dict[str, Any]) -> None:
+        def on_event(ev: ChildEvent) -> None:
             self.metrics.on_event(ev)
-            if ev.get("event") == "progress":
+            if isinstance(ev, ProgressEvent):
                 self.status(progress_status(ev, zone))
-            elif ev.get("event") == "phase" and ev.get("state") == "start":
-                self.status(f"night {window.night}: {ev['phase']}")
+            elif isinstance(ev, PhaseEvent) and ev.state == "start":
+                self.status(f"night {window.night}: {ev.phase.value}")
 
         child = NightChild(self.s.night_config().model_dump_json(), night=window.night,
                            deadline=deadline.timestamp(), on_event=on_event)
@@ -188,7 +184,7 @@ class Service:
         self._refresh_metrics()
 
     def _after(self, window: Window, out: ChildOutcome) -> None:
-        outcome = out.summary["outcome"] if out.summary else None
+        outcome = out.summary.outcome if out.summary else None
         if self.stop.is_set() and outcome in (None, "interrupted"):
             log.info("night_paused_for_shutdown", night=window.night)  # resumed by the next start
             return
@@ -198,10 +194,10 @@ class Service:
         if not out.crashed and outcome != "failed":
             self.retry_at.pop(window.night, None)
             return
-        error = (out.summary or {}).get("error") or f"the night's process died ({out.describe_exit()})"
+        error = (out.summary.error if out.summary else None) or f"the night's process died ({out.describe_exit()})"
         if out.summary is None:
             self.outcomes.attempt_failed(window.night, error, out.tail)
-            self.metrics.on_summary({"outcome": "failed", "error": error, "ended_at": self.clock().timestamp()})
+            self.metrics.on_summary(RunSummary(outcome=Outcome.failed, error=error, ended_at=self.clock().timestamp()))
         failures = self.outcomes.failures(window.night)
         log.error("night_attempt_failed", night=window.night, failures=failures, error=error,
                   tail=out.tail[-10:])

@@ -26,10 +26,10 @@ from jobs.data.sources import SourceConfig
 from jobs.evaluate import EvalConfig
 from jobs.gpu import GpuConfig
 from jobs.hotswap import HotswapConfig
-from jobs.night.run import ModelConfig, NightConfig
+from jobs.night.config import ModelConfig, NightConfig
 from jobs.plan import PlanConfig
 from jobs.store.adapters import RegistryConfig
-from jobs.training.loop import TrainConfig
+from jobs.training.config import TrainConfig
 
 ENV_PREFIX = "NIGHTSHIFT_"
 DEFAULT_CONFIG = Path("config/nightshift.toml")

@@ -9,7 +9,6 @@ sends SIGTERM, waits the grace for the checkpoint, then SIGKILLs.
 from __future__ import annotations
 
 import collections
-import json
 import signal
 import subprocess
 import sys
@@ -17,14 +16,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TextIO
 
 import structlog
 
 from daemon import sdnotify
+from jobs.contract import ChildEvent, ExitCode, ResultEvent, RunSummary, parse_event
 
 log = structlog.get_logger("nightshift.supervisor")
-EXIT_INTERRUPTED = 3  # jobs/child.py: stopped on request, checkpoint saved
 
 
 def child_env() -> dict[str, str]:
@@ -36,12 +35,12 @@ def child_env() -> dict[str, str]:
 @dataclass
 class ChildOutcome:
     returncode: int
-    summary: dict[str, Any] | None
+    summary: RunSummary | None
     tail: list[str] = field(default_factory=list)
 
     @property
     def crashed(self) -> bool:
-        return self.summary is None or self.returncode not in (0, EXIT_INTERRUPTED)
+        return self.summary is None or self.returncode not in (ExitCode.OK, ExitCode.INTERRUPTED)
 
     def describe_exit(self) -> str:
         if self.returncode < 0:
@@ -51,14 +50,14 @@ class ChildOutcome:
 
 class NightChild:
     def __init__(self, night_config_json: str, *, night: str, deadline: float,
-                 on_event: Callable[[dict[str, Any]], None] = lambda _: None, plan_only: bool = False,
+                 on_event: Callable[[ChildEvent], None] = lambda _: None, plan_only: bool = False,
                  log_stream: TextIO | None = None, tail_lines: int = 40) -> None:
         self.config_json = night_config_json
         self.night, self.deadline, self.plan_only = night, deadline, plan_only
         self.on_event = on_event
         self.log_stream = log_stream or sys.stderr
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
-        self.summary: dict[str, Any] | None = None
+        self.summary: RunSummary | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self._threads: list[threading.Thread] = []
 
@@ -84,16 +83,17 @@ class NightChild:
         assert self.proc and self.proc.stdout
         for raw in self.proc.stdout:
             try:
-                ev = json.loads(raw)
-            except json.JSONDecodeError:
-                self.tail.append(raw.decode(errors="replace").rstrip())
+                ev = parse_event(raw)
+            except ValueError as e:  # validated here, where the pipe is read: never passed on half-typed
+                self.tail.append(raw.decode(errors="replace").rstrip()[:500])
+                log.warning("bad_child_event", error=str(e))
                 continue
-            if ev.get("event") == "result":
-                self.summary = ev["summary"]
+            if isinstance(ev, ResultEvent):
+                self.summary = ev.summary
             try:
                 self.on_event(ev)
             except Exception:  # a metrics bug must not kill the supervisor
-                log.exception("event_handler_failed", event=ev.get("event"))
+                log.exception("event_handler_failed", event=ev.event)
 
     def _read_logs(self) -> None:
         assert self.proc and self.proc.stderr

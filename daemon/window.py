@@ -50,12 +50,6 @@ class Window:
         """When training must stop to have the adapter saved before `end`."""
         return self.end - save_margin
 
-    def contains(self, now: datetime) -> bool:
-        return self.start <= _utc(now) < self.end
-
-    def remaining(self, now: datetime) -> timedelta:
-        return max(self.end - _utc(now), timedelta(0))
-
 
 class WindowConfig(BaseModel):
     """[window]: local start/end ("HH:MM", or "HH:MM:SS" for tests), zone, days it may start on."""
@@ -230,6 +224,11 @@ class WindowConfig(BaseModel):
             if w is not None and w.start > now:
                 return w
         raise AssertionError("unreachable: every week has a window day")  # pragma: no cover
+
+
+def utcnow() -> datetime:
+    """The daemon's default clock (aware, UTC); tests pass their own."""
+    return datetime.now(UTC)
 
 
 def _utc(now: datetime) -> datetime:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from jobs.contract import GateCheck, GateResult, Losses
 from jobs.data.batching import IGNORE_INDEX, TokenizedSample, padded_batches
 from jobs.data.formats import RecordError, normalise
 from jobs.data.render import tokenize_record
@@ -89,23 +89,6 @@ class EvalConfig(BaseModel):
         return shorthand + list(self.gate)
 
 
-@dataclass(frozen=True)
-class GateCheck:
-    """One rule's numbers and verdict, as written to the manifest and the log."""
-
-    name: str  # "<data>.<metric>"
-    before: float | None
-    after: float | None
-    change: float | None  # after - before (positive: the metric went up)
-    change_pct: float | None
-    rule: str
-    passed: bool
-    skipped: str | None = None  # why the rule had no data (then passed unless required)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 def eval_metrics(model: Any, samples: Sequence[TokenizedSample], *, pad_id: int, device: str,
                  max_tokens_per_batch: int) -> dict[str, float] | None:
     """Token-weighted loss (the same weighting as training) and next-token accuracy, over the
@@ -167,8 +150,8 @@ def load_regression_set(path: Path, tokenizer: Any, *, max_seq_length: int, limi
     return out
 
 
-def gate(losses: dict[str, float | None], cfg: EvalConfig,
-         metrics: dict[str, dict[str, float] | None] | None = None) -> tuple[bool, list[GateCheck]]:
+def gate(losses: Losses, cfg: EvalConfig,
+         metrics: dict[str, dict[str, float] | None] | None = None) -> GateResult:
     """Promote only if every rule passes. `metrics` maps "<data>_<before|after>" to
     {"loss", "accuracy", "perplexity"}; without it, the losses alone ("<data>_<before|after>")
     are used. A rule whose data is missing is skipped (recorded as such) unless `required`."""
@@ -176,20 +159,21 @@ def gate(losses: dict[str, float | None], cfg: EvalConfig,
     for rule in cfg.rules():
         before, after = (_value(rule, when, losses, metrics) for when in ("before", "after"))
         if before is None or after is None:
-            checks.append(GateCheck(rule.name, before, after, None, None, rule.describe(), not rule.required,
+            checks.append(GateCheck(name=rule.name, before=before, after=after, change=None, change_pct=None,
+                                    rule=rule.describe(), passed=not rule.required,
                                     skipped=f"no {rule.data} {rule.metric} measured"))
             continue
         checks.append(_check(rule, before, after))
-    return all(c.passed for c in checks), checks
+    return GateResult(passed=all(c.passed for c in checks), checks=checks)
 
 
-def _value(rule: GateRule, when: str, losses: dict[str, float | None],
+def _value(rule: GateRule, when: str, losses: Losses,
            metrics: dict[str, dict[str, float] | None] | None) -> float | None:
     key = f"{rule.data}_{when}"
     measured = (metrics or {}).get(key)
     if measured:
         return measured.get(rule.metric)
-    loss = losses.get(key)
+    loss = getattr(losses, key, None)
     if loss is None or rule.metric == "accuracy":
         return None
     return loss if rule.metric == "loss" else math.exp(min(loss, 700.0))
@@ -205,4 +189,5 @@ def _check(rule: GateRule, before: float, after: float) -> GateCheck:
     if rule.limit is not None:
         ok &= after >= rule.limit if rule.metric in HIGHER_IS_BETTER else after <= rule.limit
     change_pct = (after - before) / abs(before) * 100 if before else None
-    return GateCheck(rule.name, before, after, after - before, change_pct, rule.describe(), bool(ok))
+    return GateCheck(name=rule.name, before=before, after=after, change=after - before, change_pct=change_pct,
+                     rule=rule.describe(), passed=bool(ok))

@@ -21,13 +21,14 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypedDict
+from typing import Any
 
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
+from jobs.contract import Emit, GpuEvent, GpuSummary
+
 log = structlog.get_logger("nightshift.gpu")
-Emit = Callable[[dict[str, Any]], None]
 PeakMemory = Callable[[], tuple[int, int] | None]  # (max allocated, max reserved) bytes
 AUTO = "auto"  # load pynvml when the sampler starts
 _logged: set[str] = set()  # reasons already logged: one line per process, not one per second
@@ -45,17 +46,6 @@ class GpuConfig(BaseModel):
     min_free_vram_gb: float = Field(
         0.0, ge=0, description="pre-flight: wait (until the latest start) for this much free memory")
     preflight_retry_seconds: float = Field(60.0, gt=0, description="how often to re-check free memory")
-
-
-class GpuSummary(TypedDict):
-    """The RunSummary's "gpu" entry (contract keys; None where the card does not say)."""
-
-    mean_power_watts: float | None
-    energy_joules: float | None
-    peak_allocated_bytes: int | None
-    peak_reserved_bytes: int | None
-    total_memory_bytes: int | None
-    name: str
 
 
 def load_nvml() -> Any | None:
@@ -88,10 +78,10 @@ def torch_device_uuid(index: int = 0) -> str | None:
 
 def energy_fields(gpu: GpuSummary | None, tokens: int) -> dict[str, float | None]:
     """What a version's manifest records: joules, mean watts, tokens per joule (None without a GPU)."""
-    joules = gpu["energy_joules"] if gpu else None
+    joules = gpu.energy_joules if gpu else None
     return {
         "energy_joules": joules,
-        "mean_power_watts": gpu["mean_power_watts"] if gpu else None,
+        "mean_power_watts": gpu.mean_power_watts if gpu else None,
         "tokens_per_joule": tokens / joules if joules else None,
     }
 
@@ -156,10 +146,6 @@ class GpuSampler:
         self._energy_last: float | None = None
         self._total_bytes: int | None = None
         self._memory_v2: bool | None = None  # None: not tried yet
-
-    @property
-    def active(self) -> bool:
-        return self._handle is not None
 
     def start(self, background: bool = True) -> bool:
         """Open NVML and take the first reading; False (and one log line) where there is no GPU.
@@ -226,7 +212,7 @@ class GpuSampler:
                 self._memory_v2 = False
         return nvml.nvmlDeviceGetMemoryInfo(self._handle)
 
-    def sample(self) -> dict[str, Any] | None:
+    def sample(self) -> GpuEvent | None:
         """One reading: update the run's figures and emit the "gpu" event (None when inactive)."""
         if self._handle is None:
             return None
@@ -253,16 +239,15 @@ class GpuSampler:
             if mem is not None:
                 self._total_bytes = int(mem.total)
             energy_total = energy if energy is not None else (self._integrated_j if power is not None else None)
-        event = {
-            "event": "gpu",
-            "ts": t,
-            "power_watts": power,
-            "energy_joules_total": energy_total,
-            "vram_used_bytes": int(mem.used) if mem is not None else None,
-            "vram_total_bytes": int(mem.total) if mem is not None else None,
-            "utilization_ratio": util,
-            "temperature_celsius": temp,
-        }
+        event = GpuEvent(
+            ts=t,
+            power_watts=power,
+            energy_joules_total=energy_total,
+            vram_used_bytes=int(mem.used) if mem is not None else None,
+            vram_total_bytes=int(mem.total) if mem is not None else None,
+            utilization_ratio=util,
+            temperature_celsius=temp,
+        )
         if self.emit is not None:
             try:
                 self.emit(event)
@@ -294,13 +279,13 @@ class GpuSampler:
                 name=self.name,
             )
             seconds = (self._last_t or 0.0) - (self._first_t or 0.0)
-            if summary["energy_joules"] is not None and seconds > 0:
-                summary["mean_power_watts"] = summary["energy_joules"] / seconds
+            if summary.energy_joules is not None and seconds > 0:
+                summary.mean_power_watts = summary.energy_joules / seconds
             elif self._power_n:
-                summary["mean_power_watts"] = self._power_sum / self._power_n
+                summary.mean_power_watts = self._power_sum / self._power_n
         self._shutdown()
         self._handle = None
-        log.info("gpu_telemetry_stopped", **{k: v for k, v in summary.items() if v is not None})
+        log.info("gpu_telemetry_stopped", **summary.model_dump(exclude_none=True))
         return summary
 
     def run_joules(self) -> float | None:

@@ -20,11 +20,11 @@ import hashlib
 import json
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jobs.contract import Plan
 from jobs.store.ledger import SampleRow
 
 
@@ -43,42 +43,6 @@ class PlanConfig(BaseModel):
     # fine-tuning; it costs 10% of the night's capacity. 0 turns replay off.
     replay_share: float = Field(0.1, ge=0, le=0.9, description="share of the night's training tokens "
                                 "drawn from samples trained on earlier nights (against forgetting)")
-
-
-@dataclass
-class Plan:
-    key: str
-    train_ids: list[int]  # new samples, in training order
-    heldout_ids: list[int]
-    train_tokens: int  # every token trained once per epoch: new + replay
-    deferred_samples: int
-    deferred_tokens: int
-    tokens_per_second: float
-    overhead_seconds: float
-    available_seconds: float
-    predicted_train_seconds: float
-    epochs: int
-    basis: str  # where the figures come from, in words
-    measured: bool
-    replay_ids: list[int] = field(default_factory=list)  # earlier nights' samples trained again
-    replay_tokens: int = 0  # of train_tokens
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def roles(self) -> list[tuple[int, str]]:
-        """(sample id, role) in training order: replay spread evenly among the new samples, so an
-        early stop still trained some of it and no batch is all old data; then held-out."""
-        out: list[tuple[int, str]] = []
-        n, r = len(self.train_ids), len(self.replay_ids)
-        j = 0
-        for i, sid in enumerate(self.train_ids):
-            while j < r and (j + 1) * n <= (i + 1) * r:  # replay j goes after new sample j * n / r
-                out.append((self.replay_ids[j], "replay"))
-                j += 1
-            out.append((sid, "train"))
-        out += [(sid, "replay") for sid in self.replay_ids[j:]]
-        return out + [(sid, "heldout") for sid in self.heldout_ids]
 
 
 def throughput_key(parts: dict[str, Any]) -> str:

@@ -25,7 +25,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model: Path) -> Any:
-    from jobs.training.loop import load_tokenizer
+    from jobs.training.load import load_tokenizer
 
     return load_tokenizer(tiny_model)
 
@@ -43,7 +43,7 @@ def alpaca(i: int, tag: str = "") -> dict[str, str]:
 @pytest.fixture()
 def night_env(tmp_path: Path, tiny_model: Path):
     """A state dir, an empty inbox and a NightConfig factory pointing at them."""
-    from jobs.night.run import NightConfig
+    from jobs.night.config import NightConfig
 
     inbox = tmp_path / "inbox"
     inbox.mkdir()
@@ -73,9 +73,11 @@ def run(cfg: Any, *, night: str = "2026-11-21", seconds: float = 3600, stop: thr
         events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     from jobs.night.run import run_night
 
+    """One night in this process; the summary and the events as the JSON they cross the pipe as."""
     sink = events if events is not None else []
-    return run_night(cfg, night=night, deadline=time.time() + seconds, emit=sink.append,
-                     stop=stop or threading.Event())
+    summary = run_night(cfg, night=night, deadline=time.time() + seconds,
+                        emit=lambda ev: sink.append(ev.model_dump(mode="json")), stop=stop or threading.Event())
+    return summary.model_dump(mode="json")
 
 
 def copy_samples(inbox: Path) -> None:

@@ -313,7 +313,7 @@ def test_prune_keeps_in_service_pinned_last_k_and_anything_being_written(
         7: "training",
     }
     assert led.next_version() == 8  # names are never reused
-    assert [r["version"] for r in led.events("pruned")] == [2, 4]
+    assert [r["version"] for r in led.db.execute("SELECT version FROM events WHERE kind='pruned' ORDER BY id")] == [2, 4]
     assert cli(s, "adapters", "show", "4", "--json") == 0  # the ledger keeps a pruned version's manifest
     assert json.loads(capsys.readouterr().out)["version"] == 4
     assert cli(s, "adapters", "promote", "4") == EXIT_REFUSED  # its files are gone
@@ -471,8 +471,12 @@ def test_nights_hotswap_and_peft_swaps_v1_for_v2_in_place(
 
 
 def test_the_nights_hotswap_phase_records_failures_and_never_raises(tmp_path: Path) -> None:
-    from jobs.night.run import Night, NightConfig
-    from jobs.night.train_publish import hotswap
+    import threading
+
+    from jobs.contract import RunSummary
+    from jobs.night.config import NightConfig
+    from jobs.night.context import RunContext
+    from jobs.night.publish import announce_version
 
     state = tmp_path / "state"
     v1 = craft(state, 1)
@@ -488,18 +492,21 @@ def test_the_nights_hotswap_phase_records_failures_and_never_raises(tmp_path: Pa
             }
         )
         led, events = Ledger(state / "ledger.sqlite"), []
-        n = Night(cfg, led, Registry(state), events.append, time.time, "n", 0.0, "run-1", {"phase_seconds": {}})
-        hotswap(n, 1, v1)
+        n = RunContext(cfg=cfg, ledger=led, registry=Registry(state), emit=lambda e: events.append(e.model_dump()),
+                       clock=time.time, stop=threading.Event(), night="n", deadline=0.0, run_id="run-1",
+                       model_path=tmp_path / "model", fingerprint="f", summary=RunSummary())
+        announce_version(n, 1, v1)
     finally:
         down.close()
     [ev] = [e for e in events if e["event"] == "hotswap"]
-    assert ev["version"] == 1 and ev["target"] == "sg" and ev["kind"] == "sglang" and not ev["ok"]
-    assert ev["attempts"] == 2 and "HTTP 503" in ev["error"]
+    o = ev["outcome"]
+    assert ev["version"] == 1 and o["target"] == "sg" and o["kind"] == "sglang" and not o["ok"]
+    assert o["attempts"] == 2 and "HTTP 503" in o["error"]
     assert [(r["trigger"], r["run_id"], r["ok"]) for r in led.hotswaps(1)] == [("night", "run-1", 0)]
     assert [e["state"] for e in events if e["event"] == "phase"] == ["start", "end"]
 
     (v1 / "adapter_config.json").write_text("{}")  # altered after publication: never announced
     events.clear()
-    hotswap(n, 1, v1)
-    assert "does not match its sha256" in n.s["hotswap_error"] and len(led.hotswaps(1)) == 1
+    announce_version(n, 1, v1)
+    assert "does not match its sha256" in n.summary.hotswap_error and len(led.hotswaps(1)) == 1
     assert current(state) == "tiny-v0001" and [e["event"] for e in events] == ["phase", "phase"]

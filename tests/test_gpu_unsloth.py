@@ -121,7 +121,8 @@ def test_two_nights_through_the_unsloth_backend(small_model, tmp_path):
     import threading
     import time
 
-    from jobs.night.run import NightConfig, run_night
+    from jobs.night.config import NightConfig
+    from jobs.night.run import run_night
     from tests.conftest import SAMPLE_INBOX
 
     inbox = tmp_path / "inbox"
@@ -136,7 +137,8 @@ def test_two_nights_through_the_unsloth_backend(small_model, tmp_path):
         "gpu": {"max_vram_gb": 40, "sample_hz": 5},
     })
     events: list[dict] = []
-    s1 = run_night(cfg, night="n1", deadline=time.time() + 1800, emit=events.append, stop=threading.Event())
+    s1 = run_night(cfg, night="n1", deadline=time.time() + 1800, emit=lambda e: events.append(e.model_dump()),
+                   stop=threading.Event()).model_dump()
     assert s1["outcome"] in ("succeeded", "rejected"), s1["error"]
     manifest = json.loads((cfg.state_dir / "adapters" / "gpu-v0001" / "manifest.json").read_text())
     t = manifest["training"]
@@ -147,7 +149,8 @@ def test_two_nights_through_the_unsloth_backend(small_model, tmp_path):
     print("night 1:", json.dumps({k: s1[k] for k in ("trained_samples", "tokens_per_second", "steps", "gpu")}))
 
     shutil.copy(SAMPLE_INBOX / "chat-2026-11-20.json", inbox / "b.json")
-    s2 = run_night(cfg, night="n2", deadline=time.time() + 1800, emit=events.append, stop=threading.Event())
+    s2 = run_night(cfg, night="n2", deadline=time.time() + 1800, emit=lambda e: events.append(e.model_dump()),
+                   stop=threading.Event()).model_dump()
     assert s2["outcome"] in ("succeeded", "rejected") and s2["parent_version"] == (1 if s1["promoted"] else None)
     assert s2["trained_samples"] > 0
     print("night 2:", json.dumps({k: s2[k] for k in ("trained_samples", "tokens_per_second", "steps")}))

@@ -27,15 +27,14 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from jobs.contract import parse_version_name, version_name
 from jobs.hotswap import (
     AdapterRef,
     HotswapConfig,
     loaded_versions,
     notify_all,
-    parse_versioned_name,
     plan_unloads,
     verify_signature,
-    versioned_name,
 )
 from jobs.hotswap.webhook import SIGNATURE_HEADER, TIMESTAMP_HEADER
 
@@ -191,7 +190,7 @@ def start(servers: list[Fake], behaviour: str, **kw: Any) -> Fake:
 
 
 def adapter(tmp_path: Path, version: int, prefix: str = "tiny") -> AdapterRef:
-    d = tmp_path / "adapters" / versioned_name(prefix, version)
+    d = tmp_path / "adapters" / version_name(prefix, version)
     d.mkdir(parents=True, exist_ok=True)
     (d / "adapter_config.json").write_text("{}")
     return AdapterRef(
@@ -285,10 +284,10 @@ def test_config_rejects_duplicate_names() -> None:
 
 
 def test_versioned_names(tmp_path: Path) -> None:
-    assert versioned_name("tiny", 7) == "tiny-v0007"
-    assert parse_versioned_name("tiny-v0007") == ("tiny", 7)
-    assert parse_versioned_name("my-model-v12345") == ("my-model", 12345)
-    assert parse_versioned_name(BASE) is None and parse_versioned_name("tiny-v7") is None
+    assert version_name("tiny", 7) == "tiny-v0007"
+    assert parse_version_name("tiny-v0007") == ("tiny", 7)
+    assert parse_version_name("my-model-v12345") == ("my-model", 12345)
+    assert parse_version_name(BASE) is None and parse_version_name("tiny-v7") is None
     with pytest.raises(ValueError, match="not '<prefix>-v0008'"):
         AdapterRef(version=8, name="tiny-v0007", path=tmp_path, base_model=BASE)
     with pytest.raises(ValueError, match="absolute"):
@@ -315,7 +314,7 @@ def test_vllm_loads_versioned_names_and_honours_keep_loaded(tmp_path: Path, serv
         [out] = notify_all(c, a, sleep=Sleeps())
         assert out.ok and out.attempts == 1 and out.error is None, out
         assert out.kind == "vllm" and out.target == "vllm"
-        assert out.detail["loaded"] == [versioned_name("tiny", n) for n in range(max(1, v - 1), v + 1)]
+        assert out.detail["loaded"] == [version_name("tiny", n) for n in range(max(1, v - 1), v + 1)]
         assert sorted((p.name, p.stat().st_mtime_ns) for p in a.path.iterdir()) == before  # untouched
         assert loaded_versions(c.targets[0], "tiny") == out.detail["loaded"]  # type: ignore[arg-type]
     loads = [r["body"] for r in srv.posts("/v1/load_lora_adapter")]
@@ -454,7 +453,7 @@ def test_one_failing_target_does_not_stop_the_others(tmp_path: Path, servers: li
     outs = notify_all(c, adapter(tmp_path, 1), sleep=Sleeps())
     assert [(o.target, o.ok) for o in outs] == [("bad", False), ("good", True), ("hook", True), ("cmd", True)]
     assert not newest.exists()  # a server lacks v1: clients must keep using the old name
-    json.dumps([o.as_dict() for o in outs])  # JSON-ready for the ledger / child events
+    json.dumps([o.model_dump(mode='json') for o in outs])  # JSON-ready for the ledger / child events
     ok_only = cfg(*[t.model_dump() for t in c.targets[1:]], newest_name_file=str(newest))
     assert all(o.ok for o in notify_all(ok_only, adapter(tmp_path, 2), sleep=Sleeps()))
     assert newest.read_text() == "tiny-v0002\n"

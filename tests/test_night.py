@@ -88,13 +88,13 @@ def test_stop_signal_checkpoints_and_the_rerun_resumes_without_retraining(night_
     class StopAfter(list):
         def append(self, ev):
             events.append(ev)
-            if ev.get("event") == "progress":  # the first step always reports (then at most once a second)
+            if ev.event == "progress":  # the first step always reports (then at most once a second)
                 stop.set()
 
     import time
 
     from jobs.night.run import run_night
-    s1 = run_night(cfg, night="n", deadline=time.time() + 3600, emit=StopAfter().append, stop=stop)
+    s1 = run_night(cfg, night="n", deadline=time.time() + 3600, emit=StopAfter().append, stop=stop).model_dump()
     assert s1["outcome"] == "interrupted"
     assert (cfg.state_dir / "checkpoints" / s1["run_id"] / "latest" / "state.json").exists()
     led = ledger_of(cfg)

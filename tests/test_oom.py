@@ -10,8 +10,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from jobs.contract import StepShape  # noqa: E402
 from jobs.data.batching import TokenizedSample  # noqa: E402
-from jobs.training.loop import Loaded, StepShape, TrainConfig, train  # noqa: E402
+from jobs.training.config import TrainConfig  # noqa: E402
+from jobs.training.load import Loaded  # noqa: E402
+from jobs.training.loop import train  # noqa: E402
 from jobs.training.packing import packed_batches  # noqa: E402
 from jobs.training.step import train_step  # noqa: E402
 
@@ -50,7 +53,7 @@ def test_an_oom_step_is_retried_as_two_halves():
     events = []
     st = train_step(model, batch, opt, device="cpu", on_event=events.append)
     assert st.split and st.tokens == 40 and torch.isfinite(torch.tensor(st.loss))
-    assert model.rows == [40, 20, 20] and events[0]["event"] == "oom_split" and events[0]["halves"] == [20, 20]
+    assert model.rows == [40, 20, 20] and events[0].event == "oom_split" and events[0].halves == [20, 20]
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # it stepped
 
 
@@ -62,7 +65,8 @@ def test_after_an_oom_every_later_step_of_the_run_is_halved_up_front(tmp_path):
     cfg = TrainConfig(batching="packed", tokens_per_step=40, max_seq_length=16, epochs=1, warmup_steps=0)
     events = []
     res = train(loaded, samples(12), cfg, ckpt_root=tmp_path / "ckpt", deadline=time.time() + 600,
-                stop=threading.Event(), shape=StepShape(40, False, "test"), on_event=events.append)
+                stop=threading.Event(), shape=StepShape(tokens_per_step=40, gradient_checkpointing=False, basis="test"),
+                emit=events.append)
     assert res.steps == 3 and res.detail["halved"] and len(res.trained_ids) == 12
     assert model.rows == [40, 20, 20, 20, 20, 20, 20]  # one failed full-size attempt, then halves only
-    assert [e["event"] for e in events] == ["oom_split"]
+    assert [e.event for e in events if e.event != "progress"] == ["oom_split"]

@@ -7,18 +7,18 @@ import random
 
 import pytest
 
+from jobs.contract import MemoryModel
 from jobs.data.batching import IGNORE_INDEX, TokenizedSample
 from jobs.training.packing import (
     GB,
-    MemoryModel,
     MemoryProbe,
     choose_token_budget,
     conservative_memory_model,
     fit_memory,
     is_packed,
+    memory_model,
     pack,
     packed_batches,
-    plan_step,
     second_probe_tokens,
     segment_lengths,
     split_in_two,
@@ -26,6 +26,9 @@ from jobs.training.packing import (
 )
 from jobs.training.step import model_inputs
 
+
+def peak(m: MemoryModel, tokens: int) -> float:
+    return m.peak_gb(tokens) * GB
 
 def _samples(n: int, *, seed: int = 0, lo: int = 2, hi: int = 40, vocab: int = 200) -> list[TokenizedSample]:
     rng = random.Random(seed)
@@ -48,7 +51,7 @@ def test_packed_batches_respect_budget_order_and_cover_everything():
     assert [sid for b in batches for sid in b.sample_ids] == [s.sample_id for s in samples]
     for b in batches:
         assert is_packed(b)
-        assert b.real_tokens == b.padded_tokens == len(b.input_ids[0]) <= 128
+        assert b.real_tokens == sum(len(r) for r in b.input_ids) == len(b.input_ids[0]) <= 128
         assert len(b.labels[0]) == len(b.position_ids[0]) == b.real_tokens
     # next-fit: each batch but the last could not take the next sample
     for b, nxt in itertools.pairwise(batches):
@@ -93,15 +96,15 @@ def test_split_in_two_keeps_samples_and_order():
 
 def test_memory_fit_and_budget_choice():
     # peak = 6 GB + 3.5 MB/token, measured at two sizes
-    truth = MemoryModel(6 * GB, 3.5e6)
-    m = fit_memory([MemoryProbe(2048, truth.peak(2048)), MemoryProbe(4096, truth.peak(4096))])
-    assert m.static_bytes == pytest.approx(truth.static_bytes)
-    assert m.bytes_per_token == pytest.approx(truth.bytes_per_token)
+    truth = memory_model(6 * GB, 3.5e6)
+    m = fit_memory([MemoryProbe(2048, peak(truth, 2048)), MemoryProbe(4096, peak(truth, 4096))])
+    assert m.static_gb == pytest.approx(truth.static_gb)
+    assert m.mb_per_token == pytest.approx(truth.mb_per_token)
     b = choose_token_budget(m, max_vram_gb=40, min_tokens=2048, max_tokens=65536, headroom_gb=2)
     assert b is not None and b % 256 == 0
-    assert m.peak(b) <= 38 * GB < m.peak(b + 256)
+    assert peak(m, b) <= 38 * GB < peak(m, b + 256)
     # one probe + static memory gives the same line
-    m1 = fit_memory([MemoryProbe(4096, truth.peak(4096))], static_bytes=6 * GB)
+    m1 = fit_memory([MemoryProbe(4096, peak(truth, 4096))], static_bytes=6 * GB)
     assert choose_token_budget(m1, max_vram_gb=40, min_tokens=2048, max_tokens=65536, headroom_gb=2) == b
     # the cap and the floor
     assert choose_token_budget(m, max_vram_gb=400, min_tokens=2048, max_tokens=16384) == 16384
@@ -110,61 +113,31 @@ def test_memory_fit_and_budget_choice():
 
 def test_second_probe_never_breaks_the_limit():
     # a 32B-like line: 21.6 GB static, 12.8 MB/token; the first probe at 2048 tokens
-    truth = MemoryModel(21.6 * GB, 12.8e6)
-    first = MemoryProbe(2048, truth.peak(2048))
+    truth = memory_model(21.6 * GB, 12.8e6)
+    first = MemoryProbe(2048, peak(truth, 2048))
     n = second_probe_tokens(first, static_bytes=21.6 * GB, max_vram_gb=72, want=4096, headroom_gb=3)
-    assert n < 4096 and truth.peak(n) <= 69 * GB
-    small = MemoryModel(6 * GB, 4e6)  # an 8B: the wanted size fits
+    assert n < 4096 and peak(truth, n) <= 69 * GB
+    small = memory_model(6 * GB, 4e6)  # an 8B: the wanted size fits
     assert (
-        second_probe_tokens(MemoryProbe(2048, small.peak(2048)), static_bytes=6 * GB, max_vram_gb=40, want=4096) == 4096
+        second_probe_tokens(MemoryProbe(2048, peak(small, 2048)), static_bytes=6 * GB, max_vram_gb=40, want=4096)
+        == 4096
     )
 
 
 def test_conservative_model_guards_against_close_probes():
     # the 32B case: true 21.6 GB + 12.8 MB/token, probes at 1,144 / 1,429 tokens read a little high/low
-    truth = MemoryModel(21.6 * GB, 12.8e6)
-    probes = [MemoryProbe(1144, truth.peak(1144) + 1.5 * GB), MemoryProbe(1429, truth.peak(1429))]
+    truth = memory_model(21.6 * GB, 12.8e6)
+    probes = [MemoryProbe(1144, peak(truth, 1144) + 1.5 * GB), MemoryProbe(1429, peak(truth, 1429))]
     naive = fit_memory(probes)
     safe = conservative_memory_model(probes, static_bytes=21.6 * GB, at_tokens=4096)
-    assert naive.peak(4864) < truth.peak(4864)  # the noisy two-point line underestimates
-    assert safe.peak(4864) >= truth.peak(4864)
+    assert peak(naive, 4864) < peak(truth, 4864)  # the noisy two-point line underestimates
+    assert peak(safe, 4864) >= peak(truth, 4864)
     b = choose_token_budget(safe, max_vram_gb=72, min_tokens=2048, max_tokens=65536, headroom_gb=3)
-    assert b is not None and truth.peak(b) <= 69 * GB
+    assert b is not None and peak(truth, b) <= 69 * GB
     # well-separated, exact probes: the two-point line (smaller slope than static->probe) may be used
-    exact = [MemoryProbe(2048, truth.peak(2048)), MemoryProbe(4096, truth.peak(4096))]
+    exact = [MemoryProbe(2048, peak(truth, 2048)), MemoryProbe(4096, peak(truth, 4096))]
     m = conservative_memory_model(exact, static_bytes=20 * GB, at_tokens=4096)
-    assert m.peak(4096) >= truth.peak(4096) - 1
-
-
-def test_plan_step_prefers_no_checkpointing_when_it_fits():
-    no_ckpt, ckpt = MemoryModel(6 * GB, 3.5e6), MemoryModel(6 * GB, 0.6e6)
-    p = plan_step(
-        no_ckpt=no_ckpt,
-        ckpt=ckpt,
-        max_vram_gb=40,
-        min_tokens=2048,
-        max_tokens=65536,
-        prefer_no_ckpt_from=4096,
-    )
-    assert not p.gradient_checkpointing and p.tokens_per_step >= 4096
-    p = plan_step(
-        no_ckpt=no_ckpt,
-        ckpt=ckpt,
-        max_vram_gb=16,
-        min_tokens=2048,
-        max_tokens=65536,
-        prefer_no_ckpt_from=4096,
-    )
-    assert p.gradient_checkpointing and p.predicted_peak_bytes <= 14 * GB
-    with pytest.raises(ValueError):
-        plan_step(
-            no_ckpt=no_ckpt,
-            ckpt=ckpt,
-            max_vram_gb=7,
-            min_tokens=2048,
-            max_tokens=65536,
-            prefer_no_ckpt_from=4096,
-        )
+    assert peak(m, 4096) >= peak(truth, 4096) - 1
 
 
 # ---- the tiny model: packed == one by one ---------------------------------------------------------

@@ -38,8 +38,6 @@ def test_messages(listener: tuple[socket.socket, dict[str, str]]) -> None:
     assert recv(sock) == "WATCHDOG=1"
     assert sdnotify.stopping("saving the adapter", environ=env)
     assert recv(sock) == "STOPPING=1\nSTATUS=saving the adapter"
-    assert sdnotify.extend_timeout(90, environ=env)
-    assert recv(sock) == "EXTEND_TIMEOUT_USEC=90000000"
 
 
 def test_reads_os_environ_by_default(

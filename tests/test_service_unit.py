@@ -48,7 +48,7 @@ def test_too_little_free_vram_waits_then_skips_the_night_with_that_reason(make, 
     assert not svc._due(window, clock["now"])  # waits for the retry
     clock["now"] = datetime(2026, 11, 21, 5, 20, tzinfo=UTC)  # past the latest start (06:00 - 15 - 30 min)
     assert not svc._due(window, clock["now"])
-    [run] = Ledger(svc.state / "ledger.sqlite").runs_of_night(window.night)
+    [run] = Ledger(svc.state / "ledger.sqlite").db.execute("SELECT * FROM runs WHERE night=?", (window.night,)).fetchall()
     assert run["status"] == "skipped" and "12.5 GB" in run["error"] and "too late to start" in run["error"]
     assert svc.ledger.night_done(window.night)
 
@@ -62,7 +62,7 @@ def test_a_crash_is_retried_with_doubling_backoff_then_closed(make):
     svc._after(window, crash)
     assert svc.retry_at[window.night] == clock["now"] + timedelta(seconds=120)
     svc._after(window, crash)
-    [run] = svc.ledger.runs_of_night(window.night)
+    [run] = svc.ledger.db.execute("SELECT * FROM runs WHERE night=?", (window.night,)).fetchall()
     assert run["status"] == "failed" and "3 attempts failed" in run["error"] and "SIGKILL" in run["error"]
 
 

@@ -35,10 +35,6 @@ class Batch:
     sample_ids: list[int] = field(default_factory=list)
     real_tokens: int = 0  # non-padding tokens (what tok/s counts)
 
-    @property
-    def padded_tokens(self) -> int:
-        return sum(len(row) for row in self.input_ids)
-
 
 def padded_batches(
     samples: Sequence[TokenizedSample], *, batch_size: int, max_tokens_per_batch: int, pad_id: int

@@ -1,7 +1,7 @@
 """Hot-swap: tell every configured target about a newly promoted (or rolled-back-to) version.
 
 `notify_all(cfg, adapter)` notifies the targets one after the other and returns one
-TargetOutcome per target, in configuration order. A target that fails (after its retries)
+HotswapOutcome per target, in configuration order. A target that fails (after its retries)
 does not stop the others, and nothing here touches the adapter files: a failed hot-swap
 never undoes a publication. Only the URLs and commands from the configuration are used.
 
@@ -33,10 +33,8 @@ from jobs.hotswap.config import (
 from jobs.hotswap.core import (
     AdapterRef,
     Clock,
+    HotswapOutcome,
     Sleep,
-    TargetOutcome,
-    parse_versioned_name,
-    versioned_name,
 )
 from jobs.hotswap.lora_server import loaded_versions, plan_unloads
 from jobs.hotswap.webhook import verify_signature
@@ -45,18 +43,16 @@ __all__ = [
     "AdapterRef",
     "CommandTarget",
     "HotswapConfig",
+    "HotswapOutcome",
     "LoraServerTarget",
     "SecretError",
     "Target",
-    "TargetOutcome",
     "WebhookTarget",
     "loaded_versions",
     "notify_all",
     "notify_one",
-    "parse_versioned_name",
     "plan_unloads",
     "verify_signature",
-    "versioned_name",
     "write_newest_name",
 ]
 
@@ -65,7 +61,7 @@ _log = structlog.get_logger("nightshift.hotswap")
 
 def notify_one(
     t: Target, adapter: AdapterRef, *, sleep: Sleep = time.sleep, clock: Clock = time.monotonic, log: Any = _log
-) -> TargetOutcome:
+) -> HotswapOutcome:
     if isinstance(t, LoraServerTarget):
         return lora_server.swap(t, adapter, sleep=sleep, clock=clock, log=log)
     if isinstance(t, WebhookTarget):
@@ -80,9 +76,9 @@ def notify_all(
     sleep: Sleep = time.sleep,
     clock: Clock = time.monotonic,
     log: Any = _log,
-) -> list[TargetOutcome]:
+) -> list[HotswapOutcome]:
     """Notify every target; log each outcome; update newest_name_file when the servers have it."""
-    outcomes: list[TargetOutcome] = []
+    outcomes: list[HotswapOutcome] = []
     for t in cfg.targets:
         outcome = notify_one(t, adapter, sleep=sleep, clock=clock, log=log)
         fields = {

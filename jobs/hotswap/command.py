@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from jobs.hotswap.config import CommandTarget
-from jobs.hotswap.core import AdapterRef, Clock, Sleep, TargetError, TargetOutcome, with_retries
+from jobs.hotswap.core import AdapterRef, Clock, HotswapOutcome, Sleep, TargetError, with_retries
 
 TAIL_CHARS = 2000
 KILL_GRACE_S = 3.0  # between SIGTERM and SIGKILL
@@ -45,7 +45,7 @@ def run(
     sleep: Sleep,
     clock: Clock = time.monotonic,
     log: Any,
-) -> TargetOutcome:
+) -> HotswapOutcome:
     argv = [*t.argv, str(adapter.path)]
     env = {
         **os.environ,

@@ -9,29 +9,18 @@ permanent ones stop at once. The sleep function is injected so tests never wait.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jobs.contract import HotswapOutcome, parse_version_name
+
 MAX_BACKOFF_S = 60.0  # one wait never exceeds a minute, whatever backoff_s and retries are
-_VERSIONED = re.compile(r"^(?P<prefix>[A-Za-z0-9_.-]+?)-v(?P<version>\d{4,})$")
 
 Sleep = Callable[[float], None]
 Clock = Callable[[], float]
-
-
-def versioned_name(prefix: str, version: int) -> str:
-    """`tiny`, 7 -> `tiny-v0007` (the registry's directory name and the served name)."""
-    return f"{prefix}-v{version:04d}"
-
-
-def parse_versioned_name(name: str) -> tuple[str, int] | None:
-    """`tiny-v0007` -> ("tiny", 7); anything else (base model, foreign adapter) -> None."""
-    m = _VERSIONED.match(name)
-    return (m["prefix"], int(m["version"])) if m else None
 
 
 @dataclass(frozen=True)
@@ -49,7 +38,7 @@ class AdapterRef:
     manifest: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        parsed = parse_versioned_name(self.name)
+        parsed = parse_version_name(self.name)
         if parsed is None or parsed[1] != self.version:
             raise ValueError(f"adapter name {self.name!r} is not '<prefix>-v{self.version:04d}'")
         if not Path(self.path).is_absolute():
@@ -58,26 +47,9 @@ class AdapterRef:
     @property
     def prefix(self) -> str:
         """`tiny` for `tiny-v0007`: adapters with this prefix on a server are ours to unload."""
-        parsed = parse_versioned_name(self.name)
+        parsed = parse_version_name(self.name)
         assert parsed is not None  # checked in __post_init__
         return parsed[0]
-
-
-@dataclass(frozen=True)
-class TargetOutcome:
-    """What happened at one target. `detail` holds kind-specific facts (loaded, unloaded, status...)."""
-
-    target: str
-    kind: str
-    ok: bool
-    attempts: int
-    seconds: float
-    error: str | None = None
-    detail: dict[str, Any] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready (for the ledger, a child event or `nightshift hotswap --json`)."""
-        return asdict(self)
 
 
 class TargetError(Exception):
@@ -104,7 +76,7 @@ def with_retries(
     sleep: Sleep,
     clock: Clock = time.monotonic,
     log: Any = None,
-) -> TargetOutcome:
+) -> HotswapOutcome:
     """Run op(attempt) until it returns a detail dict, raises a permanent TargetError or the
     retries run out. Any other exception is a bug in a target, reported as permanent."""
     start = clock()
@@ -119,9 +91,11 @@ def with_retries(
         except Exception as e:  # a target must never take the others down
             last, retryable, detail = f"{type(e).__name__}: {e}", False, {}
         else:
-            return TargetOutcome(target, kind, True, attempt, clock() - start, None, detail)
+            return HotswapOutcome(target=target, kind=kind, ok=True, attempts=attempt, seconds=clock() - start,
+                                  detail=detail)
         if not retryable or attempt > len(delays):
-            return TargetOutcome(target, kind, False, attempt, clock() - start, last, detail)
+            return HotswapOutcome(target=target, kind=kind, ok=False, attempts=attempt, seconds=clock() - start,
+                                  error=last, detail=detail)
         delay = delays[attempt - 1]
         if log is not None:
             log.warning("hotswap.retry", target=target, kind=kind, attempt=attempt, error=last, retry_in_s=delay)

@@ -40,10 +40,10 @@ from jobs.hotswap.config import LoraServerTarget, SecretError
 from jobs.hotswap.core import (
     AdapterRef,
     Clock,
+    HotswapOutcome,
     Sleep,
     TargetError,
-    TargetOutcome,
-    parse_versioned_name,
+    parse_version_name,
     with_retries,
 )
 from jobs.hotswap.transport import Response, post_json, request, retryable_status, tls_context
@@ -89,7 +89,7 @@ class _Client:
 
 def ours(names: list[str] | dict[str, Any], prefix: str) -> list[str]:
     """Our versioned names among those served, oldest version first."""
-    found = [(p[1], n) for n in names if (p := parse_versioned_name(n)) and p[0] == prefix]
+    found = [(p[1], n) for n in names if (p := parse_version_name(n)) and p[0] == prefix]
     return [n for _, n in sorted(found)]
 
 
@@ -103,7 +103,7 @@ def plan_unloads(loaded: list[str], just_loaded: str, keep_loaded: int) -> list[
 
 
 def _version(name: str) -> int:
-    parsed = parse_versioned_name(name)
+    parsed = parse_version_name(name)
     return parsed[1] if parsed else -1
 
 
@@ -125,7 +125,7 @@ def swap(
     sleep: Sleep,
     clock: Clock = time.monotonic,
     log: Any,
-) -> TargetOutcome:
+) -> HotswapOutcome:
     """Load `adapter` under its versioned name, confirm it is listed, unload our extra versions."""
     name, path = adapter.name, lora_path_for(t, adapter)
     if not t.verify_tls and t.base_url.startswith("https:"):

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from jobs.hotswap.config import SecretError, WebhookTarget
-from jobs.hotswap.core import AdapterRef, Clock, Sleep, TargetError, TargetOutcome, with_retries
+from jobs.hotswap.core import AdapterRef, Clock, HotswapOutcome, Sleep, TargetError, with_retries
 from jobs.hotswap.transport import request, retryable_status, tls_context
 
 SIGNATURE_HEADER = "X-Nightshift-Signature"
@@ -77,7 +77,7 @@ def notify(
     clock: Clock = time.monotonic,
     log: Any,
     wall: Callable[[], float] = time.time,
-) -> TargetOutcome:
+) -> HotswapOutcome:
     body = payload_bytes(adapter)
     delivery = str(uuid.uuid4())
     ctx = tls_context(t.verify_tls, t.ca_bundle)

@@ -1,21 +1,23 @@
 """`nightshift calibrate`: measure our own training path on this GPU, for this model and config,
-and record it in the throughput history, so the first night plans from a measurement.
+and record it for the night: `python -m jobs.night.calibrate --out DIR < night-config.json`.
 
-Runs as a child process (`python -m jobs.night.calibrate --out DIR < night-config.json`), like the night:
-the daemon's process never imports torch. It records tokens/s (the slower of the two length
-profiles of the published benchmark) and the step shape it chose under `[gpu] max_vram_gb`
-(tokens per step, checkpointing), which `[train] tokens_per_step = "auto"` then uses.
+A child process like the night (the daemon never imports torch), and the only process on the
+card that calibrate adds: it loads the model exactly as the night does, probes memory per token,
+chooses the step shape under `[gpu] max_vram_gb`, times packed steps on both length profiles and
+stores one typed CalibrationRecord in the ledger under the night's throughput key.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as md
 import json
 import sys
 from pathlib import Path
 
-from jobs import plan as budget
-from jobs.night.run import NightConfig, ensure_model, model_fingerprint, throughput_parts
+from jobs.contract import ExitCode, StepShape
+from jobs.night.config import NightConfig
+from jobs.night.model import ensure_model, model_fingerprint, throughput_key
 from jobs.store.ledger import Ledger
 
 DEFAULT_MAX_VRAM_GB = 40.0
@@ -23,40 +25,70 @@ DEFAULT_MAX_VRAM_GB = 40.0
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.night.calibrate")
-    ap.add_argument("--out", required=True, help="folder for the benchmark's JSON")
+    ap.add_argument("--out", required=True, help="folder for the measurement's JSON")
     ap.add_argument("--seconds", type=float, default=30.0, help="timed seconds per length profile")
     args = ap.parse_args(argv)
     cfg = NightConfig.model_validate_json(sys.stdin.read())
-    from jobs.training.loop import device_name, resolve_backend
+    from jobs.training.load import device_name, resolve_backend
 
     backend = resolve_backend(cfg.train)
     if backend != "unsloth":
         print("calibrate measures the GPU path: it needs CUDA and the `gpu` extra (unsloth); "
               f"here the backend would be '{backend}' on {device_name()}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     model_path = ensure_model(cfg)
-    key = budget.throughput_key(throughput_parts(cfg, model_fingerprint(model_path), backend, device_name()))
-    from jobs.bench.cli import run
-
-    max_vram = cfg.gpu.max_vram_gb or DEFAULT_MAX_VRAM_GB
-    res = run(["calibrate", "--model", str(model_path), "--max-vram-gb", str(max_vram),
-               "--state-dir", str(Path(cfg.state_dir) / "models"), "--out", args.out,
-               "--lora-r", str(cfg.train.lora_rank), "--seconds", str(args.seconds)])
-    tps = res.get("tokens_per_second")
-    if not tps:
-        print(f"calibrate: no measurement came back (exit codes {res.get('exit_codes')})", file=sys.stderr)
-        return 1
-    rows = [r for r in res["rows"] if r.get("real_tok_s")]
-    slowest = min(rows, key=lambda r: r["real_tok_s"])  # a plan must not promise more than the worse case
-    tokens, seconds = int(slowest["real_tokens"]), float(slowest["timed_seconds"])
-    detail = {"tokens_per_step": res["tokens_per_step"], "gradient_checkpointing": res["gradient_checkpointing"],
-              "max_vram_gb": max_vram, "profiles": [r.get("profile") for r in rows]}
+    key = throughput_key(cfg, model_fingerprint(model_path), backend, device_name())
+    try:
+        record, slowest = measure(cfg, model_path, seconds=args.seconds)
+    except ValueError as e:
+        print(f"calibrate: {e}", file=sys.stderr)
+        return ExitCode.FAILED
     ledger = Ledger(Path(cfg.state_dir) / "ledger.sqlite")
-    ledger.record_throughput(key=key, run_id=None, origin="calibrate", tokens=tokens, seconds=seconds,
-                             overhead_seconds=None, detail=detail)
-    ledger.close()
-    print(json.dumps({"key": key, "tokens_per_second": tps, **detail}))
-    return 0
+    try:
+        ledger.record_calibration(key, record, tokens=slowest.tokens, seconds=slowest.seconds)
+    finally:
+        ledger.close()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"key": key, **record.model_dump(mode="json")}
+    (out / "calibration.json").write_text(json.dumps(doc, indent=1))
+    print(json.dumps(doc))
+    return ExitCode.OK
+
+
+def measure(cfg: NightConfig, model_path: Path, *, seconds: float):  # -> (CalibrationRecord, Throughput)
+    from jobs.training.load import device_name, load_for_training
+    from jobs.training.probe import ProbeSettings, calibration_record, probe_memory, timed_steps
+    from jobs.training.step import make_optimizer
+    from jobs.training.synthetic import PROFILES, make_samples
+
+    t = cfg.train
+    max_vram = cfg.gpu.max_vram_gb or DEFAULT_MAX_VRAM_GB
+    gc = t.gradient_checkpointing if isinstance(t.gradient_checkpointing, bool) else False  # auto: off if it fits
+    settings = ProbeSettings(max_vram_gb=max_vram, min_tokens=t.max_seq_length)
+    shape = StepShape(tokens_per_step=settings.max_tokens, gradient_checkpointing=gc, basis="calibration")
+    loaded = load_for_training(model_path, t, adapter=None, shape=shape, cache_dir=Path(cfg.state_dir) / "models")
+    vocab, cap = len(loaded.tokenizer), min(t.max_seq_length, 2048)
+    optimizer = make_optimizer(loaded.model, lr=t.learning_rate)
+    probe = probe_memory(loaded.model, make_samples("wiki", 8 * settings.probe_tokens, vocab=vocab, cap=cap),
+                         settings, optimizer)
+    if probe.tokens_per_step is None:
+        raise ValueError(f"nothing fits under max_vram_gb={max_vram:g} without checkpointing: set [train] "
+                         "gradient_checkpointing = true (or raise [gpu] max_vram_gb) and calibrate again")
+    rates = {p: timed_steps(loaded.model, make_samples(p, 40 * probe.tokens_per_step, vocab=vocab, cap=cap, seed=1),
+                            probe.tokens_per_step, optimizer, seconds=seconds) for p in PROFILES}
+    versions = {p: md.version(p) for p in ("torch", "transformers", "peft", "unsloth") if _installed(p)}
+    record = calibration_record(probe, rates, gradient_checkpointing=gc, max_vram_gb=max_vram, device=device_name(),
+                                versions=versions)
+    return record, min(rates.values(), key=lambda r: r.tokens_per_second)
+
+
+def _installed(pkg: str) -> bool:
+    try:
+        md.version(pkg)
+        return True
+    except md.PackageNotFoundError:
+        return False
 
 
 if __name__ == "__main__":

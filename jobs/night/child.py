@@ -14,12 +14,9 @@ import os
 import signal
 import sys
 import threading
-import time
 from typing import Any
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_INTERRUPTED = 3
+from jobs.contract import ChildEvent, ResultEvent, outcome_exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = sys.stderr
     lock = threading.Lock()
 
-    def emit(ev: dict[str, Any]) -> None:
+    def emit(ev: ChildEvent) -> None:
         with lock:
-            events.write(json.dumps({"ts": time.time(), **ev}, default=str) + "\n")
+            events.write(ev.model_dump_json() + "\n")
 
     from jobs import logs
 
@@ -47,14 +44,15 @@ def main(argv: list[str] | None = None) -> int:
 
     raw = sys.stdin.read()
     _import_unsloth_first(json.loads(raw))
-    from jobs.night.run import NightConfig, run_night
+    from jobs.night.config import NightConfig
+    from jobs.night.run import run_night
 
     cfg = NightConfig.model_validate_json(raw)
     logs.route_transformers_logging()
     summary = run_night(cfg, night=args.night, deadline=args.deadline, emit=emit, stop=stop,
                         plan_only=args.plan_only)
-    emit({"event": "result", "summary": summary})
-    return {"interrupted": EXIT_INTERRUPTED, "failed": EXIT_FAILED}.get(summary["outcome"], EXIT_OK)
+    emit(ResultEvent(summary=summary))
+    return outcome_exit_code(summary.outcome)
 
 
 def _import_unsloth_first(cfg: dict[str, Any]) -> None:

@@ -26,13 +26,13 @@ from typing import Any
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
-from jobs.hotswap import AdapterRef, HotswapConfig, TargetOutcome, notify_all
+from jobs.hotswap import AdapterRef, HotswapConfig, HotswapOutcome, notify_all
 from jobs.store.ledger import Ledger
 from jobs.store.locking import StateLock
 from jobs.store.registry import TMP_PREFIX, Registry, parse_version
 
 log = structlog.get_logger("nightshift.adapters")
-Notify = Callable[[HotswapConfig, AdapterRef], list[TargetOutcome]]
+Notify = Callable[[HotswapConfig, AdapterRef], list[HotswapOutcome]]
 KEPT_STATUSES = ("promoted", "rejected")  # published and on disk
 
 
@@ -277,7 +277,7 @@ class Adapters:
     # ---- hot-swap -------------------------------------------------------------------------------
     def announce(
         self, ref: str | int | None = None, *, trigger: str, only_if_current: bool = False
-    ) -> tuple[VersionInfo, list[TargetOutcome] | None]:
+    ) -> tuple[VersionInfo, list[HotswapOutcome] | None]:
         """Send a version (default: the one in service) to every target. None: skipped because
         `only_if_current` and it is no longer in service."""
         info = self.get("current" if ref is None else ref)
@@ -308,9 +308,9 @@ def announce(
     run_id: str | None = None,
     notify: Notify = notify_all,
     only_if_current: bool = True,
-    on_outcome: Callable[[dict[str, Any]], None] = lambda _: None,
+    on_outcome: Callable[[HotswapOutcome], None] = lambda _: None,
     lock_timeout: float = 600.0,
-) -> list[TargetOutcome] | None:
+) -> list[HotswapOutcome] | None:
     """Verify the version, then notify every target and record each outcome (ledger, log, callback).
 
     None when `only_if_current` and `current` moved on meanwhile: whoever moved it announces.
@@ -330,9 +330,8 @@ def announce(
         )
         outcomes = notify(cfg, ref)
         for o in outcomes:
-            d = o.as_dict()
-            ledger.record_hotswap(version, d, trigger=trigger, run_id=run_id)
-            on_outcome(d)
+            ledger.record_hotswap(version, o, trigger=trigger, run_id=run_id)
+            on_outcome(o)
     return outcomes
 
 

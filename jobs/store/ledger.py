@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jobs.contract import CalibrationRecord, HotswapOutcome, Plan, RunSummary
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
   id INTEGER PRIMARY KEY, source TEXT NOT NULL, path TEXT NOT NULL, size INTEGER NOT NULL,
@@ -214,9 +216,6 @@ class Ledger:
         q = f"SELECT 1 FROM runs WHERE night=? AND status IN ({','.join('?' * len(FINAL_RUN_STATUSES))})"
         return self.db.execute(q, (night, *FINAL_RUN_STATUSES)).fetchone() is not None
 
-    def runs_of_night(self, night: str) -> list[sqlite3.Row]:
-        return self.db.execute("SELECT * FROM runs WHERE night=? ORDER BY started_at", (night,)).fetchall()
-
     def start_run(self, run_id: str, night: str, deadline: float) -> None:
         with self.tx() as c:
             c.execute(
@@ -235,8 +234,7 @@ class Ledger:
     def last_runs(self, n: int = 10) -> list[sqlite3.Row]:
         return self.db.execute("SELECT * FROM runs ORDER BY started_at DESC LIMIT ?", (n,)).fetchall()
 
-    def save_plan(self, run_id: str, plan: dict[str, Any], roles: Sequence[tuple[int, str]],
-                  version: int, version_name: str, parent: int | None) -> None:
+    def save_plan(self, run_id: str, plan: Plan, roles: Sequence[tuple[int, str]], version_name: str) -> None:
         """Store the plan, its samples in order and reserve the version number, atomically."""
         with self.tx() as c:
             c.execute("DELETE FROM run_samples WHERE run_id=?", (run_id,))
@@ -244,11 +242,14 @@ class Ledger:
                 "INSERT INTO run_samples (run_id, ord, sample_id, role) VALUES (?,?,?,?)",
                 [(run_id, i, sid, role) for i, (sid, role) in enumerate(roles)],
             )
-            c.execute("UPDATE runs SET plan=?, version=? WHERE id=?", (json.dumps(plan), version, run_id))
+            c.execute("UPDATE runs SET plan=?, version=? WHERE id=?", (plan.model_dump_json(), plan.version, run_id))
             c.execute(
                 "INSERT INTO versions (version, name, run_id, parent, status, created_at) VALUES (?,?,?,?,?,?)",
-                (version, version_name, run_id, parent, "training", self.clock()),
+                (plan.version, version_name, run_id, plan.parent_version, "training", self.clock()),
             )
+
+    def plan_of(self, run: sqlite3.Row) -> Plan | None:
+        return Plan.model_validate_json(run["plan"]) if run["plan"] else None
 
     def run_samples(self, run_id: str) -> list[tuple[int, str]]:
         rows = self.db.execute(
@@ -256,30 +257,35 @@ class Ledger:
         ).fetchall()
         return [(int(r[0]), str(r[1])) for r in rows]
 
-    def finish_run(self, run_id: str, status: str, *, summary: dict[str, Any] | None = None,
+    def finish_run(self, run_id: str, status: str, *, summary: RunSummary | None = None,
                    error: str | None = None) -> None:
         with self.tx() as c:
             c.execute(
                 "UPDATE runs SET status=?, ended_at=?, summary=COALESCE(?, summary), error=? WHERE id=?",
-                (status, self.clock(), json.dumps(summary) if summary else None, error, run_id),
+                (status, self.clock(), summary.model_dump_json() if summary else None, error, run_id),
             )
             if status in ("failed", "skipped"):
                 c.execute("UPDATE versions SET status='failed' WHERE run_id=? AND status='training'", (run_id,))
 
-    def store_summary(self, run_id: str, summary: dict[str, Any]) -> None:
+    def store_summary(self, run_id: str, summary: RunSummary) -> None:
         """The final summary (end time, backlog after the run) of a closed run."""
         self.db.execute("UPDATE runs SET summary=? WHERE id=? AND status != 'running'",
-                        (json.dumps(summary, default=str), run_id))
+                        (summary.model_dump_json(), run_id))
+
+    def summary_of(self, run: sqlite3.Row) -> RunSummary | None:
+        """A run's stored summary, typed (None when it has none or it no longer validates)."""
+        if not run["summary"]:
+            return None
+        try:
+            return RunSummary.model_validate_json(run["summary"])
+        except ValueError:
+            return None
 
     def record_phase(self, run_id: str, phase: str, started_at: float, seconds: float) -> None:
         self.db.execute(
             "INSERT OR REPLACE INTO phases (run_id, phase, started_at, seconds) VALUES (?,?,?,?)",
             (run_id, phase, started_at, seconds),
         )
-
-    def phase_seconds(self, run_id: str) -> dict[str, float]:
-        rows = self.db.execute("SELECT phase, SUM(seconds) FROM phases WHERE run_id=? GROUP BY phase", (run_id,))
-        return {r[0]: float(r[1] or 0.0) for r in rows}
 
     # ---- throughput history ------------------------------------------------------------------
     def record_throughput(self, *, key: str, run_id: str | None, origin: str, tokens: int, seconds: float,
@@ -296,12 +302,17 @@ class Ledger:
             "SELECT * FROM throughput WHERE key=? ORDER BY at DESC LIMIT ?", (key, n)
         ).fetchall()
 
-    def calibration(self, key: str) -> dict[str, Any] | None:
-        """The step shape (tokens per step, checkpointing) `nightshift calibrate` measured for this key."""
+    def record_calibration(self, key: str, record: CalibrationRecord, *, tokens: int, seconds: float) -> None:
+        """A calibrate measurement: a throughput row for the planner, the record for the step shape."""
+        self.record_throughput(key=key, run_id=None, origin="calibrate", tokens=tokens, seconds=seconds,
+                               overhead_seconds=record.overhead_seconds, detail=record.model_dump(mode="json"))
+
+    def calibration(self, key: str) -> CalibrationRecord | None:
+        """What `nightshift calibrate` measured for this key, typed (None: never calibrated)."""
         r = self.db.execute(
             "SELECT detail FROM throughput WHERE key=? AND origin='calibrate' ORDER BY at DESC LIMIT 1", (key,)
         ).fetchone()
-        return json.loads(r[0]) if r else None
+        return CalibrationRecord.model_validate_json(r[0]) if r else None
 
     # ---- versions ----------------------------------------------------------------------------
     def next_version(self) -> int:
@@ -347,15 +358,15 @@ class Ledger:
     def mark_pruned(self, conn: sqlite3.Connection, version: int) -> None:
         conn.execute("UPDATE versions SET status='pruned' WHERE version=?", (version,))
 
-    def record_hotswap(self, version: int, outcome: dict[str, Any], *, trigger: str,
+    def record_hotswap(self, version: int, outcome: HotswapOutcome, *, trigger: str,
                        run_id: str | None = None) -> None:
-        """One target's outcome (TargetOutcome.as_dict()) for one announcement of a version."""
+        """One target's outcome for one announcement of a version."""
+        o = outcome
         self.db.execute(
             "INSERT INTO hotswaps (at, version, trigger, run_id, target, kind, ok, attempts, seconds, error, detail)"
             " VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-            (self.clock(), version, trigger, run_id, outcome["target"], outcome["kind"], int(bool(outcome["ok"])),
-             outcome.get("attempts"), outcome.get("seconds"), outcome.get("error"),
-             json.dumps(outcome.get("detail") or {}, default=str)),
+            (self.clock(), version, trigger, run_id, o.target, o.kind, int(o.ok), o.attempts, o.seconds, o.error,
+             json.dumps(o.detail, default=str)),
         )
 
     def hotswaps(self, version: int | None = None) -> list[sqlite3.Row]:
@@ -369,40 +380,6 @@ class Ledger:
             "INSERT INTO events (at, kind, run_id, version, detail) VALUES (?,?,?,?,?)",
             (self.clock(), kind, run_id, version, json.dumps(detail or {})),
         )
-
-    def events(self, kind: str | None = None) -> list[sqlite3.Row]:
-        if kind:
-            return self.db.execute("SELECT * FROM events WHERE kind=? ORDER BY id", (kind,)).fetchall()
-        return self.db.execute("SELECT * FROM events ORDER BY id").fetchall()
-
-
-class NightOutcomes:
-    """What the supervisor (daemon or `once`) records about a night beyond the child's own writes."""
-
-    def __init__(self, ledger: Ledger) -> None:
-        self.ledger = ledger
-
-    def failures(self, night: str) -> int:
-        q = "SELECT COUNT(*) FROM events WHERE kind='attempt_failed' AND json_extract(detail, '$.night')=?"
-        return int(self.ledger.db.execute(q, (night,)).fetchone()[0])
-
-    def attempt_failed(self, night: str, error: str, tail: list[str]) -> None:
-        """A child that died without reporting (signal, segfault, CUDA abort): keep why."""
-        run = self.ledger.open_run(night)
-        self.ledger.add_event("attempt_failed", run_id=run["id"] if run else None,
-                              detail={"night": night, "error": error, "tail": tail[-20:]})
-
-    def close(self, night: str, status: str, error: str, deadline: float | None = None) -> str:
-        """Close tonight's open run (or record one) as failed/skipped, so the night counts as done."""
-        run = self.ledger.open_run(night)
-        if run is None:
-            run_id = f"{night}-{status}-{int(self.ledger.clock())}"
-            self.ledger.start_run(run_id, night, deadline or self.ledger.clock())
-        else:
-            run_id = run["id"]
-        self.ledger.finish_run(run_id, status, error=error)
-        return run_id
-
 
 def _sample(r: sqlite3.Row) -> SampleRow:
     return SampleRow(int(r["id"]), r["hash"], json.loads(r["record"]), int(r["n_tokens"]), r["source"])

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from jobs.contract import parse_version_name, version_name
 from jobs.store.files import fsync_dir, fsync_tree, sha256_file
 
 MANIFEST = "manifest.json"
@@ -27,13 +27,9 @@ class IntegrityError(RuntimeError):
     pass
 
 
-def version_name(name: str, version: int) -> str:
-    return f"{name}-v{version:04d}"
-
-
 def parse_version(dirname: str) -> int | None:
-    m = re.fullmatch(r".+-v(\d{4,})", dirname)
-    return int(m.group(1)) if m else None
+    parsed = parse_version_name(dirname)
+    return parsed[1] if parsed else None
 
 
 class Registry:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from jobs.contract import MemoryModel
 from jobs.data.batching import IGNORE_INDEX, Batch, TokenizedSample
 
 GB = 1e9  # decimal gigabytes, as `[gpu] max_vram_gb` and nvidia-smi's "GB" readings
@@ -122,15 +123,8 @@ class MemoryProbe:
     peak_bytes: float
 
 
-@dataclass(frozen=True)
-class MemoryModel:
-    """peak(tokens) = static_bytes + bytes_per_token * tokens (activations grow ~linearly)."""
-
-    static_bytes: float
-    bytes_per_token: float
-
-    def peak(self, tokens: int) -> float:
-        return self.static_bytes + self.bytes_per_token * tokens
+def memory_model(static_bytes: float, bytes_per_token: float) -> MemoryModel:
+    return MemoryModel(static_gb=max(0.0, static_bytes) / GB, mb_per_token=max(1.0, bytes_per_token) / 1e6)
 
 
 def fit_memory(probes: Sequence[MemoryProbe], *, static_bytes: float | None = None) -> MemoryModel:
@@ -145,11 +139,11 @@ def fit_memory(probes: Sequence[MemoryProbe], *, static_bytes: float | None = No
         sxx = sum((p.tokens - mx) ** 2 for p in probes)
         slope = sum((p.tokens - mx) * (p.peak_bytes - my) for p in probes) / sxx
         slope = max(slope, 1.0)
-        return MemoryModel(static_bytes=my - slope * mx, bytes_per_token=slope)
+        return memory_model(my - slope * mx, slope)
     if static_bytes is None:
         raise ValueError("one probe size needs static_bytes")
     p = max(probes, key=lambda q: q.peak_bytes)
-    return MemoryModel(static_bytes=static_bytes, bytes_per_token=max(1.0, (p.peak_bytes - static_bytes) / p.tokens))
+    return memory_model(static_bytes, (p.peak_bytes - static_bytes) / p.tokens)
 
 
 def conservative_memory_model(probes: Sequence[MemoryProbe], *, static_bytes: float, at_tokens: int) -> MemoryModel:
@@ -162,7 +156,7 @@ def conservative_memory_model(probes: Sequence[MemoryProbe], *, static_bytes: fl
     if len({p.tokens for p in probes}) < 2:
         return one
     two = fit_memory(probes)
-    return max((one, two), key=lambda m: m.peak(max(at_tokens, biggest.tokens)))
+    return max((one, two), key=lambda m: m.peak_gb(max(at_tokens, biggest.tokens)))
 
 
 def second_probe_tokens(
@@ -177,8 +171,7 @@ def second_probe_tokens(
     """Size of the second probe step: `want`, or less where the line through (0, static) and the first
     probe says `want` would not fit (a probe must not break the limit it is there to respect)."""
     est = fit_memory([first], static_bytes=static_bytes)
-    fit = ((max_vram_gb - headroom_gb) * GB - est.static_bytes) / est.bytes_per_token
-    return max(1, min(want, int(margin * fit)))
+    return max(1, min(want, int(margin * est.tokens_fitting(max_vram_gb - headroom_gb))))
 
 
 def choose_token_budget(
@@ -196,53 +189,8 @@ def choose_token_budget(
     `min_tokens` is normally max_seq_length: a step must hold the longest sample. The headroom
     covers the CUDA context (~0.5 GB, not seen by torch's counters) and allocator slack.
     """
-    limit = (max_vram_gb - headroom_gb) * GB
-    fit = int((limit - model.static_bytes) // model.bytes_per_token)
-    fit = min(fit, max_tokens)
+    fit = min(model.tokens_fitting(max_vram_gb - headroom_gb), max_tokens)
     budget = (fit // multiple) * multiple
     if budget < min_tokens:
         return min_tokens if fit >= min_tokens else None
     return budget
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    tokens_per_step: int
-    gradient_checkpointing: bool
-    predicted_peak_bytes: float
-    reason: str
-
-
-def plan_step(
-    *,
-    no_ckpt: MemoryModel | None,
-    ckpt: MemoryModel | None,
-    max_vram_gb: float,
-    min_tokens: int,
-    max_tokens: int,
-    prefer_no_ckpt_from: int,
-    headroom_gb: float = 2.0,
-    multiple: int = 256,
-) -> StepPlan:
-    """Gradient checkpointing off when memory allows a useful budget without it.
-
-    Checkpointing recomputes the forward (~30 % slower), so it is only worth it when the
-    budget without it would drop under `prefer_no_ckpt_from` tokens (steps too small to keep
-    the GPU busy), or when not even `min_tokens` fits without it.
-    """
-    kw = {
-        "max_vram_gb": max_vram_gb,
-        "min_tokens": min_tokens,
-        "max_tokens": max_tokens,
-        "headroom_gb": headroom_gb,
-        "multiple": multiple,
-    }
-    if no_ckpt is not None:
-        b = choose_token_budget(no_ckpt, **kw)
-        if b is not None and (b >= prefer_no_ckpt_from or ckpt is None):
-            return StepPlan(b, False, no_ckpt.peak(b), f"no checkpointing fits {b} tokens/step")
-    if ckpt is not None:
-        b = choose_token_budget(ckpt, **kw)
-        if b is not None:
-            return StepPlan(b, True, ckpt.peak(b), f"checkpointing on: {b} tokens/step")
-    raise ValueError(f"not even {min_tokens} tokens per step fit under max_vram_gb={max_vram_gb}")

@@ -8,17 +8,16 @@ Why a module: packed batches need three things a plain `model(**batch)` gets wro
 - a CUDA out-of-memory is caught, the batch split in two (same samples, same order) and retried
   once, and the event reported; a second failure is raised.
 
-The lead's loop (jobs/train.py) can call `model_inputs` alone; `train_steps` is the same loop
-for the bench and calibration.
+The night's loop (jobs/training/loop.py), calibration's probe and the benchmark all step through here.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from jobs.contract import Emit, OomSplitEvent
 from jobs.data.batching import Batch
 from jobs.training.packing import is_packed, segment_lengths, split_in_two
 
@@ -76,7 +75,7 @@ def train_step(
     max_grad_norm: float | None = 1.0,
     scheduler: Any = None,
     params: list[Any] | None = None,
-    on_event: Callable[[dict[str, Any]], None] = lambda _: None,
+    on_event: Emit = lambda _: None,
     halve: bool = False,
 ) -> StepStat:
     """One optimizer step over one batch; on CUDA OOM, the batch in two halves (gradients accumulated)."""
@@ -97,7 +96,7 @@ def train_step(
         halves = split_in_two(batch)
         if isinstance(e, torch.OutOfMemoryError):
             torch.cuda.empty_cache()
-            on_event({"event": "oom_split", "tokens": batch.real_tokens, "halves": [h.real_tokens for h in halves]})
+            on_event(OomSplitEvent(tokens=batch.real_tokens, halves=[h.real_tokens for h in halves]))
         split = True
         loss = 0.0
         for h in halves:  # token-weighted, so the step equals the whole batch's step
@@ -113,38 +112,6 @@ def train_step(
     if cuda:
         torch.cuda.synchronize()
     return StepStat(batch.real_tokens, time.perf_counter() - t0, loss, split)
-
-
-def train_steps(
-    model: Any,
-    batches: Iterable[Batch],
-    optimizer: Any,
-    *,
-    device: Any = "cuda",
-    max_grad_norm: float | None = 1.0,
-    scheduler: Any = None,
-    on_step: Callable[[StepStat], bool | None] = lambda _: None,
-    on_event: Callable[[dict[str, Any]], None] = lambda _: None,
-) -> list[StepStat]:
-    """Plain loop; `on_step` returning True stops it (deadline, timed window)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    model.train()
-    stats: list[StepStat] = []
-    for b in batches:
-        st = train_step(
-            model,
-            b,
-            optimizer,
-            device=device,
-            max_grad_norm=max_grad_norm,
-            scheduler=scheduler,
-            params=params,
-            on_event=on_event,
-        )
-        stats.append(st)
-        if on_step(st):
-            break
-    return stats
 
 
 def make_optimizer(model: Any, *, lr: float = 2e-4, weight_decay: float = 0.0) -> Any:

@@ -1,0 +1,358 @@
+"""The contract between the night's parts: what crosses the child's pipe, what a run leaves behind,
+and what `nightshift calibrate` hands the night.
+
+Why one module: the daemon (no torch) and the night's child (torch) are two processes that only
+share this; every value that crosses is a typed model, validated where it is read, so a string
+like "off" can never become `True` on the way (it once switched checkpointing on behind the
+planner's back). Pydantic only: importable by the daemon without the training stack.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from enum import IntEnum, StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+
+class Outcome(StrEnum):
+    """How a run ended (a metric label: keep the set small)."""
+
+    succeeded = "succeeded"
+    failed = "failed"
+    skipped = "skipped"
+    rejected = "rejected"
+    interrupted = "interrupted"
+
+
+class Phase(StrEnum):
+    pull = "pull"
+    plan = "plan"
+    load = "load"
+    train = "train"
+    evaluate = "evaluate"
+    publish = "publish"
+    hotswap = "hotswap"
+
+
+class ExitCode(IntEnum):
+    """Exit statuses of every `nightshift` command and of the night's child."""
+
+    OK = 0
+    FAILED = 1  # the night or the command failed: the log says why
+    USAGE = 2  # bad command line or bad config: every problem is printed
+    INTERRUPTED = 3  # stopped on request; the checkpoint is saved and the next start resumes
+    HOTSWAP_FAILED = 4  # published, but at least one inference server did not take it
+    BUSY = 5  # another nightshift process holds the state directory
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ---- what calibrate hands the night ---------------------------------------------------------------
+
+
+class MemoryModel(Frozen):
+    """peak bytes of a training step = static + per_token x real tokens in the step (measured)."""
+
+    static_gb: float = Field(ge=0, description="weights, optimizer state, CUDA context (GB)")
+    mb_per_token: float = Field(gt=0, description="activations per real token (MB)")
+
+    def peak_gb(self, tokens: int) -> float:
+        return self.static_gb + self.mb_per_token * tokens / 1000.0
+
+    def tokens_fitting(self, limit_gb: float) -> int:
+        return max(0, int((limit_gb - self.static_gb) * 1000.0 / self.mb_per_token))
+
+
+class StepShape(Frozen):
+    """How big a training step is and whether activations are recomputed: chosen once per run."""
+
+    tokens_per_step: int = Field(ge=1)
+    gradient_checkpointing: bool
+    basis: str = Field(description="where the shape comes from, in words")
+
+
+class CalibrationRecord(Frozen):
+    """One `nightshift calibrate` measurement of our training path on this GPU, model and config."""
+
+    tokens_per_step: int = Field(ge=1)
+    gradient_checkpointing: bool
+    memory: MemoryModel
+    tokens_per_second: dict[str, float] = Field(description="length profile -> real tokens per second")
+    max_vram_gb: float = Field(gt=0, description="the cap the shape was chosen under")
+    device: str
+    versions: dict[str, str] = Field(default_factory=dict, description="library -> version measured with")
+    overhead_seconds: float | None = Field(None, ge=0, description="load + evaluate + publish, if measured")
+    measured_at: float = Field(default_factory=time.time)
+
+    @property
+    def slowest_tokens_per_second(self) -> float:
+        """A plan must not promise more than the worse length profile."""
+        return min(self.tokens_per_second.values())
+
+    def shape(self) -> StepShape:
+        return StepShape(tokens_per_step=self.tokens_per_step, gradient_checkpointing=self.gradient_checkpointing,
+                         basis=f"calibrated under max_vram_gb={self.max_vram_gb:g}")
+
+
+# ---- the plan -----------------------------------------------------------------------------------
+
+
+class Plan(BaseModel):
+    """Tonight's plan: which samples train, which are held out, and the time it should take."""
+
+    model_config = ConfigDict(extra="forbid")
+    key: str
+    train_ids: list[int]  # new samples, in training order
+    heldout_ids: list[int]
+    train_tokens: int  # every token trained once per epoch: new + replay
+    deferred_samples: int
+    deferred_tokens: int
+    tokens_per_second: float
+    overhead_seconds: float
+    available_seconds: float
+    predicted_train_seconds: float
+    epochs: int
+    basis: str  # where the figures come from, in words
+    measured: bool
+    replay_ids: list[int] = Field(default_factory=list)  # earlier nights' samples trained again
+    replay_tokens: int = 0  # of train_tokens
+    version: int | None = None
+    parent_version: int | None = None
+    backend: str | None = None
+    device: str | None = None
+
+    def roles(self) -> list[tuple[int, str]]:
+        """(sample id, role) in training order: replay spread evenly among the new samples, so an
+        early stop still trained some of it and no batch is all old data; then held-out."""
+        out: list[tuple[int, str]] = []
+        n, r = len(self.train_ids), len(self.replay_ids)
+        j = 0
+        for i, sid in enumerate(self.train_ids):
+            while j < r and (j + 1) * n <= (i + 1) * r:  # replay j goes after new sample j * n / r
+                out.append((self.replay_ids[j], "replay"))
+                j += 1
+            out.append((sid, "train"))
+        out += [(sid, "replay") for sid in self.replay_ids[j:]]
+        return out + [(sid, "heldout") for sid in self.heldout_ids]
+
+
+# ---- what a run leaves behind ---------------------------------------------------------------------
+
+
+class GpuSummary(BaseModel):
+    """The card's figures over a run (None where the card does not say)."""
+
+    model_config = ConfigDict(extra="forbid")
+    mean_power_watts: float | None = None
+    energy_joules: float | None = None
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    total_memory_bytes: int | None = None
+    name: str = ""
+
+
+class Losses(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    train: float | None = None
+    heldout_before: float | None = None
+    heldout_after: float | None = None
+    regression_before: float | None = None
+    regression_after: float | None = None
+
+
+class GateCheck(BaseModel):
+    """One rule's numbers and verdict, as written to the manifest and the log."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str  # "<data>.<metric>"
+    before: float | None
+    after: float | None
+    change: float | None  # after - before (positive: the metric went up)
+    change_pct: float | None
+    rule: str
+    passed: bool
+    skipped: str | None = None  # why the rule had no data (then passed unless required)
+
+
+class GateResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    passed: bool
+    checks: list[GateCheck] = Field(default_factory=list)
+    held_back: str | None = None  # passed, but not promoted (and why)
+
+
+class HotswapOutcome(BaseModel):
+    """One target's answer to one announcement (after its retries)."""
+
+    model_config = ConfigDict(extra="forbid")
+    target: str
+    kind: str
+    ok: bool
+    attempts: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+EvalMetrics = dict[str, float]  # loss, perplexity, accuracy (as measured)
+
+
+class RunSummary(BaseModel):
+    """Everything a night's run reports: the child's last event, the ledger's `runs.summary`, the
+    source of the CLI's table and of the last-run metrics."""
+
+    model_config = ConfigDict(extra="forbid")
+    run_id: str = ""
+    night: str = ""
+    outcome: Outcome = Outcome.failed
+    error: str | None = None
+    version: int | None = None
+    version_name: str | None = None
+    promoted: bool = False
+    parent_version: int | None = None
+    adapter_path: str | None = None
+    base_model: str = ""
+    # data
+    files_ingested: int = 0
+    ingested: dict[str, int] = Field(default_factory=dict)  # source -> new samples
+    duplicates: int = 0
+    quarantined: dict[str, int] = Field(default_factory=dict)  # reason -> records
+    # plan and training
+    plan: Plan | None = None
+    plan_basis: str | None = None
+    trained_samples: int = 0
+    trained_tokens: int = 0
+    replay_samples: int = 0
+    heldout_samples: int = 0
+    deferred_samples: int | None = None  # None: unknown (no plan was made)
+    backlog_samples: int | None = None  # None: unknown (a crash report)
+    backlog_tokens: int | None = None
+    steps: int | None = None
+    tokens_per_second: float | None = None
+    samples_per_hour: float | None = None
+    predicted_train_seconds: float | None = None
+    actual_train_seconds: float | None = None
+    stopped: Literal["deadline", "signal"] | None = None
+    step_shape: StepShape | None = None
+    load_info: dict[str, Any] = Field(default_factory=dict)  # backend's own figures (parameter counts, cache)
+    # evaluation and publication
+    losses: Losses = Field(default_factory=Losses)
+    metrics: dict[str, EvalMetrics | None] = Field(default_factory=dict)  # "<data>_<before|after>"
+    gate: GateResult | None = None
+    hotswap: list[HotswapOutcome] = Field(default_factory=list)
+    hotswap_error: str | None = None
+    # time and energy
+    phase_seconds: dict[str, float] = Field(default_factory=dict)
+    gpu: GpuSummary | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    deadline: float | None = None
+
+
+# ---- the child's events (JSON lines on its stdout) -------------------------------------------------
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ts: float = Field(default_factory=time.time)
+
+
+class PhaseEvent(_Event):
+    event: Literal["phase"] = "phase"
+    phase: Phase
+    state: Literal["start", "end"]
+    seconds: float | None = None
+
+
+class PlanEvent(_Event):
+    event: Literal["plan"] = "plan"
+    plan: Plan
+
+
+class ProgressEvent(_Event):
+    event: Literal["progress"] = "progress"
+    version: int | None = None
+    fraction: float = Field(ge=0, le=1)
+    tokens: int = 0
+    planned_tokens: int | None = None
+    steps: int = 0
+    samples: int = 0
+    tokens_per_second: float = 0.0
+    eta: float | None = None  # unix seconds the training should end
+    loss: float | None = None
+
+
+class GpuEvent(_Event):
+    event: Literal["gpu"] = "gpu"
+    power_watts: float | None = None
+    energy_joules_total: float | None = None
+    vram_used_bytes: int | None = None
+    vram_total_bytes: int | None = None
+    utilization_ratio: float | None = None
+    temperature_celsius: float | None = None
+
+
+class HotswapEvent(_Event):
+    event: Literal["hotswap"] = "hotswap"
+    version: int
+    outcome: HotswapOutcome
+
+
+class OomSplitEvent(_Event):
+    event: Literal["oom_split"] = "oom_split"
+    tokens: int
+    halves: list[int]
+
+
+class ResultEvent(_Event):
+    event: Literal["result"] = "result"
+    summary: RunSummary
+
+
+ChildEvent = Annotated[
+    PhaseEvent | PlanEvent | ProgressEvent | GpuEvent | HotswapEvent | OomSplitEvent | ResultEvent,
+    Field(discriminator="event"),
+]
+_EVENTS: TypeAdapter[ChildEvent] = TypeAdapter(ChildEvent)
+Emit = Callable[[ChildEvent], None]  # how the child's parts report (the child writes each as a JSON line)
+
+
+def parse_event(raw: str | bytes | dict[str, Any]) -> ChildEvent:
+    """One event from the pipe (a JSON line) or a dict; raises ValueError naming what is wrong."""
+    try:
+        if isinstance(raw, dict):
+            return _EVENTS.validate_python(raw)
+        return _EVENTS.validate_json(raw)
+    except ValidationError as e:
+        raise ValueError(f"not a child event: {e.errors()[0].get('msg')} at {e.errors()[0].get('loc')}") from None
+
+
+def nightshift_version() -> str:
+    """The installed package's version (manifests, metrics, `--version`)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nightshift")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def outcome_exit_code(outcome: Outcome) -> ExitCode:
+    return {Outcome.failed: ExitCode.FAILED, Outcome.interrupted: ExitCode.INTERRUPTED}.get(outcome, ExitCode.OK)
+
+
+def version_name(name: str, version: int) -> str:
+    """`tiny`, 3 -> `tiny-v0003`: names are never reused (inference servers cache by name)."""
+    return f"{name}-v{version:04d}"
+
+
+def parse_version_name(name: str) -> tuple[str, int] | None:
+    """`tiny-v0007` -> ("tiny", 7); anything else (a base model, a foreign adapter) -> None."""
+    m = re.fullmatch(r"(?P<prefix>[A-Za-z0-9_.-]+?)-v(?P<version>\d{4,})", name)
+    return (m["prefix"], int(m["version"])) if m else None

@@ -1,0 +1,39 @@
+"""[model] and the night's whole config: the job sections the child receives on stdin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jobs.data.sources import SourceConfig
+from jobs.evaluate import EvalConfig
+from jobs.gpu import GpuConfig
+from jobs.hotswap import HotswapConfig
+from jobs.plan import PlanConfig
+from jobs.training.config import TrainConfig
+
+
+class ModelConfig(BaseModel):
+    """[model]"""
+
+    model_config = ConfigDict(extra="forbid")
+    path: Path = Field(description="local Hugging Face model directory (nothing is downloaded)")
+    name: str = Field("adapter", pattern=r"^[A-Za-z0-9_.-]+$", description="adapter name: <name>-v0001")
+    build: Literal["tiny-llama"] | None = Field(
+        None, description="build this random-initialised model at `path` when it is missing (the demo)")
+
+
+class NightConfig(BaseModel):
+    """Everything the child needs: the job sections of the settings."""
+
+    model_config = ConfigDict(extra="forbid")
+    state_dir: Path
+    model: ModelConfig
+    sources: list[SourceConfig] = Field(default_factory=list)
+    plan: PlanConfig = Field(default_factory=PlanConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    hotswap: HotswapConfig = Field(default_factory=HotswapConfig)  # no targets: nothing announced
+    gpu: GpuConfig = Field(default_factory=GpuConfig)

@@ -1,0 +1,106 @@
+"""One run's context: what every step of the night reads, and the summary they fill in.
+
+A rerun of the same night (after a crash, a kill or a stop) opens the same run again: the
+ledger keeps its plan and the checkpoints keep its position, so it resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from jobs.contract import Emit, Phase, PhaseEvent, RunSummary
+from jobs.gpu import GpuSampler, torch_device_uuid, torch_peak_memory
+from jobs.night.config import NightConfig
+from jobs.store.ledger import Ledger
+from jobs.store.registry import Registry
+
+log = structlog.get_logger("nightshift.night")
+
+
+@dataclass
+class RunContext:
+    cfg: NightConfig
+    ledger: Ledger
+    registry: Registry
+    emit: Emit
+    clock: Callable[[], float]
+    stop: threading.Event
+    night: str
+    deadline: float  # unix seconds training must have stopped and saved by (the window's end - save margin)
+    run_id: str
+    model_path: Path
+    fingerprint: str  # of the base model (manifests, throughput key)
+    summary: RunSummary
+    resumed: bool = False  # the run was opened before: its stored plan and checkpoints are used
+    plan_only: bool = False  # `nightshift plan`: nothing is recorded
+    gpu: GpuSampler | None = None
+
+    @property
+    def state(self) -> Path:
+        return Path(self.cfg.state_dir)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.state / "checkpoints" / self.run_id
+
+    @contextmanager
+    def phase(self, name: Phase) -> Iterator[None]:
+        started = self.clock()
+        self.emit(PhaseEvent(phase=name, state="start"))
+        try:
+            yield
+        finally:
+            secs = self.clock() - started
+            if not self.plan_only:
+                self.ledger.record_phase(self.run_id, name.value, started, secs)
+            self.summary.phase_seconds[name.value] = self.summary.phase_seconds.get(name.value, 0.0) + secs
+            self.emit(PhaseEvent(phase=name, state="end", seconds=secs))
+
+    def start_gpu(self) -> None:
+        if not self.cfg.gpu.enabled:
+            return
+        self.gpu = GpuSampler(self.emit, hz=self.cfg.gpu.sample_hz, device=torch_device_uuid() or self.cfg.gpu.device,
+                              peak_memory=torch_peak_memory)
+        if not self.gpu.start():
+            self.gpu = None  # no GPU here: the GPU figures stay absent
+
+    def stop_gpu(self) -> None:
+        """Close the run's GPU telemetry: the summary gets power, energy and peak memory."""
+        if self.gpu is not None:
+            self.summary.gpu = self.gpu.stop()
+            self.gpu = None
+
+    def finish(self, outcome: str, error: str | None = None) -> None:
+        """Close the run in the ledger with its summary (the night counts as done)."""
+        self.summary.outcome = outcome  # type: ignore[assignment]
+        self.summary.error = error
+        self.ledger.finish_run(self.run_id, outcome, summary=self.summary, error=error)
+
+
+def open_context(cfg: NightConfig, *, model_path: Path, fingerprint: str, night: str, deadline: float, emit: Emit,
+                 stop: threading.Event, clock: Callable[[], float], plan_only: bool) -> RunContext:
+    """Open tonight's run in the ledger (or reopen the one a crash or stop left open)."""
+    state = Path(cfg.state_dir)
+    ledger = Ledger(state / "ledger.sqlite", clock=clock)
+    open_run = None if plan_only else ledger.open_run(night)
+    if open_run is not None:
+        run_id = str(open_run["id"])
+        log.info("resuming_run", run_id=run_id, attempt=ledger.resume_run(run_id, deadline))
+    else:
+        run_id = f"{'plan' if plan_only else night}-{secrets.token_hex(3)}"
+        if not plan_only:
+            ledger.start_run(run_id, night, deadline)
+    structlog.contextvars.bind_contextvars(run_id=run_id)
+    summary = RunSummary(run_id=run_id, night=night, deadline=deadline, started_at=clock(),
+                         base_model=str(model_path))
+    return RunContext(cfg=cfg, ledger=ledger, registry=Registry(state), emit=emit, clock=clock, stop=stop,
+                      night=night, deadline=deadline, run_id=run_id, model_path=model_path,
+                      fingerprint=fingerprint, summary=summary,
+                      resumed=open_run is not None, plan_only=plan_only)

@@ -1,0 +1,73 @@
+"""The night's first steps, without torch: pull what arrived, then plan (or take the stored plan)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from jobs import plan as budget
+from jobs.contract import Phase, Plan, PlanEvent, version_name
+from jobs.data.pull import PullResult, Quarantine, pull
+from jobs.night.context import RunContext
+
+log = structlog.get_logger("nightshift.night")
+
+
+def pull_new_data(ctx: RunContext, tokenizer: Any) -> PullResult:
+    cfg, s = ctx.cfg, ctx.summary
+    with ctx.phase(Phase.pull):
+        res = pull(cfg.sources, ctx.ledger, tokenizer, run_id=ctx.run_id,
+                   quarantine=Quarantine(ctx.state / "quarantine" / f"{ctx.run_id}.jsonl"),
+                   max_seq_length=cfg.train.max_seq_length, overlong=cfg.train.overlong,
+                   cache_dir=ctx.state / "cache" / "datasets")
+    s.files_ingested, s.ingested, s.duplicates = res.files, dict(res.ingested), res.duplicates
+    s.quarantined = dict(res.quarantined)
+    return res
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    plan: Plan
+    roles: list[tuple[int, str]]  # (sample id, train | replay | heldout), in training order
+    key: str  # the throughput key: calibrate's record and the run's measurement are filed under it
+
+    @property
+    def version(self) -> int:
+        assert self.plan.version is not None
+        return self.plan.version
+
+    @property
+    def parent(self) -> int | None:
+        return self.plan.parent_version
+
+
+def plan_night(ctx: RunContext, *, key: str, backend: str, device: str) -> PlannedRun:
+    """A resumed run keeps the plan it stored (same samples, same version); a new one plans now."""
+    cfg, ledger = ctx.cfg, ctx.ledger
+    with ctx.phase(Phase.plan):
+        run = ledger.run(ctx.run_id) if ctx.resumed else None
+        stored = ledger.plan_of(run) if run is not None else None
+        if stored is not None:
+            planned = PlannedRun(stored, ledger.run_samples(ctx.run_id), key)
+        else:
+            plan = budget.make_plan(ledger.pending(order=cfg.plan.order), now=ctx.clock(), deadline=ctx.deadline,
+                                    history=ledger.throughput_history(key, cfg.plan.history_runs), cfg=cfg.plan,
+                                    epochs=cfg.train.epochs, key=key, replay_pool=ledger.replay_pool(),
+                                    seed=ctx.run_id)
+            plan = plan.model_copy(update={"version": ledger.next_version(),
+                                           "parent_version": ctx.registry.current_version(),
+                                           "backend": backend, "device": device})
+            planned = PlannedRun(plan, plan.roles(), key)
+            if not ctx.plan_only and plan.train_ids:
+                ledger.save_plan(ctx.run_id, plan, planned.roles, version_name(cfg.model.name, planned.version))
+        p = planned.plan
+        ctx.emit(PlanEvent(plan=p))
+        log.info("plan", samples=len(p.train_ids), tokens=p.train_tokens, heldout=len(p.heldout_ids),
+                 deferred=p.deferred_samples, predicted_train_seconds=round(p.predicted_train_seconds, 1),
+                 basis=p.basis)
+    s = ctx.summary
+    s.plan, s.plan_basis, s.predicted_train_seconds = p, p.basis, p.predicted_train_seconds
+    s.deferred_samples, s.parent_version, s.heldout_samples = p.deferred_samples, p.parent_version, len(p.heldout_ids)
+    return planned

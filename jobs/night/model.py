@@ -1,0 +1,61 @@
+"""The base model of the night: found (or built, for the demo) at its local path, and identified.
+
+The identity (a fingerprint of config and weights) goes into every manifest and into the
+throughput key, so measurements of one model never plan another's night.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import structlog
+
+from jobs import plan as budget
+from jobs.night.config import NightConfig
+from jobs.store.locking import StateLock
+
+log = structlog.get_logger("nightshift.night")
+
+
+def ensure_model(cfg: NightConfig) -> Path:
+    path = Path(cfg.model.path)
+    if (path / "config.json").exists():
+        return path
+    if cfg.model.build == "tiny-llama":
+        from jobs.training.tinymodel import build_tiny_llama
+
+        corpus = [p for src in cfg.sources for pat in ("*.jsonl", "*.json") for p in Path(src.inbox).glob(pat)]
+        log.info("building_tiny_model", path=str(path), corpus_files=len(corpus))
+        with StateLock(Path(cfg.state_dir) / "lock", what="build model"):
+            if not (path / "config.json").exists():
+                build_tiny_llama(path, corpus)
+        return path
+    raise FileNotFoundError(f"[model] path: {path} is not a model directory (no config.json); "
+                            "nightshift loads models from local paths only")
+
+
+def model_fingerprint(path: Path) -> str:
+    """Cheap identity of a model dir: config + every weight file's name, size, head and tail."""
+    h = hashlib.sha256()
+    for p in sorted(Path(path).iterdir()):
+        if p.name == "config.json":
+            h.update(p.read_bytes())
+        elif p.suffix in (".safetensors", ".bin"):
+            st = p.stat()
+            h.update(f"{p.name}:{st.st_size}".encode())
+            with open(p, "rb") as f:
+                h.update(f.read(1 << 20))
+                f.seek(max(0, st.st_size - (1 << 20)))
+                h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def throughput_key(cfg: NightConfig, fingerprint: str, backend: str, device: str) -> str:
+    """'The same work on the same machine': calibrate and every night of this config share it."""
+    t = cfg.train
+    return budget.throughput_key({
+        "model": fingerprint, "backend": backend, "device": device, "rank": t.lora_rank,
+        "targets": t.target_modules, "batch_size": t.batch_size, "max_tokens": t.max_tokens_per_batch,
+        "max_seq": t.max_seq_length, "grad_ckpt": t.gradient_checkpointing, "4bit": t.load_in_4bit,
+        "batching": t.batching, "tokens_per_step": t.tokens_per_step, "max_vram_gb": cfg.gpu.max_vram_gb})

@@ -1,0 +1,33 @@
+"""What the supervisor (daemon or `once`) records about a night beyond the child's own writes."""
+
+from __future__ import annotations
+
+from jobs.store.ledger import Ledger
+
+
+class NightOutcomes:
+    """What the supervisor (daemon or `once`) records about a night beyond the child's own writes."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def failures(self, night: str) -> int:
+        q = "SELECT COUNT(*) FROM events WHERE kind='attempt_failed' AND json_extract(detail, '$.night')=?"
+        return int(self.ledger.db.execute(q, (night,)).fetchone()[0])
+
+    def attempt_failed(self, night: str, error: str, tail: list[str]) -> None:
+        """A child that died without reporting (signal, segfault, CUDA abort): keep why."""
+        run = self.ledger.open_run(night)
+        self.ledger.add_event("attempt_failed", run_id=run["id"] if run else None,
+                              detail={"night": night, "error": error, "tail": tail[-20:]})
+
+    def close(self, night: str, status: str, error: str, deadline: float | None = None) -> str:
+        """Close tonight's open run (or record one) as failed/skipped, so the night counts as done."""
+        run = self.ledger.open_run(night)
+        if run is None:
+            run_id = f"{night}-{status}-{int(self.ledger.clock())}"
+            self.ledger.start_run(run_id, night, deadline or self.ledger.clock())
+        else:
+            run_id = run["id"]
+        self.ledger.finish_run(run_id, status, error=error)
+        return run_id

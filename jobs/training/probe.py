@@ -1,0 +1,135 @@
+"""Calibration's probe: measure this GPU's memory per token and throughput for our training path.
+
+Shared by `nightshift calibrate` (which records the result for the night) and the benchmark.
+A warm-up step (compiles, autotunes: not a memory sample), then one or two probe steps of known
+size give the line peak(tokens) = static + per_token x tokens; the budget is the largest step
+whose predicted peak stays under the cap. Then timed packed steps at that budget give tokens/s.
+CUDA only (the peaks come from torch's allocator).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jobs.contract import CalibrationRecord, MemoryModel
+from jobs.data.batching import Batch, TokenizedSample
+from jobs.training.packing import (
+    MemoryProbe,
+    choose_token_budget,
+    conservative_memory_model,
+    packed_batches,
+    second_probe_tokens,
+)
+from jobs.training.step import StepStat, train_step
+
+OnStep = Callable[[StepStat, Batch], None]
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    max_vram_gb: float  # the budget stays under this (minus headroom)
+    min_tokens: int  # a step must hold the longest sample: max_seq_length
+    max_tokens: int = 32768
+    probe_tokens: int = 2048
+    headroom_gb: float = 3.0  # CUDA context (not seen by torch's counters) + allocator slack
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    memory: MemoryModel
+    tokens_per_step: int | None  # None: not even min_tokens fit under the cap
+    probes: list[dict[str, float]] = field(default_factory=list)  # tokens, peak_reserved_gb, seconds
+
+
+def probe_memory(model: Any, samples: Sequence[TokenizedSample], settings: ProbeSettings, optimizer: Any,
+                 on_step: OnStep = lambda *_: None) -> ProbeResult:
+    """Probe steps -> memory line -> token budget under the cap. The second probe is never larger
+    than the first one's line says fits: probing must respect the limit too."""
+    import torch
+
+    probes: list[MemoryProbe] = []
+    seen: list[dict[str, float]] = []
+    it = iter(samples)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    static = float(torch.cuda.memory_reserved())
+    for k, want in enumerate((settings.probe_tokens // 2, settings.probe_tokens, 2 * settings.probe_tokens)):
+        size = want
+        if k == 2:
+            size = second_probe_tokens(probes[0], static_bytes=static, max_vram_gb=settings.max_vram_gb, want=want,
+                                       headroom_gb=settings.headroom_gb)
+            if size < 1.25 * probes[0].tokens:
+                break  # no room for a second size: one probe + static memory
+        b = _fill(it, size)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        st = train_step(model, b, optimizer)
+        peak = torch.cuda.max_memory_reserved()
+        if k:
+            probes.append(MemoryProbe(b.real_tokens, float(peak)))
+        seen.append({"tokens": b.real_tokens, "peak_reserved_gb": round(peak / 1e9, 2),
+                     "seconds": round(st.seconds, 3)})
+        on_step(st, b)
+    memory = conservative_memory_model(probes, static_bytes=static, at_tokens=2 * settings.probe_tokens)
+    budget = choose_token_budget(memory, max_vram_gb=settings.max_vram_gb, min_tokens=settings.min_tokens,
+                                 max_tokens=settings.max_tokens, headroom_gb=settings.headroom_gb)
+    torch.cuda.empty_cache()  # the budgeted steps' peak is measured from here
+    return ProbeResult(memory, budget, seen)
+
+
+def _fill(it: Iterable[TokenizedSample], size: int) -> Batch:
+    """One packed row of about `size` tokens (samples that would overshoot are skipped)."""
+    group: list[TokenizedSample] = []
+    n = 0
+    for scanned, s in enumerate(it, 1):
+        if n + s.n_tokens <= size or not group:
+            group.append(s)
+            n += s.n_tokens
+        if n >= 0.9 * size or scanned >= 500:
+            break
+    return next(packed_batches(group, tokens_per_step=10**9))
+
+
+@dataclass(frozen=True)
+class Throughput:
+    tokens: int  # real tokens of the timed steps
+    seconds: float  # their wall time
+    steps: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step: int, optimizer: Any, *,
+                warmup: int = 3, max_steps: int = 30, seconds: float = 30.0) -> Throughput:
+    """Packed steps at the budget: `warmup` untimed, then up to `max_steps` or `seconds`."""
+    import torch
+
+    tokens = steps = 0
+    started = None
+    for i, b in enumerate(packed_batches(samples, tokens_per_step=tokens_per_step)):
+        if i == warmup:
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+        st = train_step(model, b, optimizer)
+        if started is not None:
+            tokens, steps = tokens + st.tokens, steps + 1
+            if steps >= max_steps or time.perf_counter() - started >= seconds:
+                break
+    return Throughput(tokens, time.perf_counter() - started if started else 0.0, steps)
+
+
+def calibration_record(probe: ProbeResult, rates: dict[str, Throughput], *, gradient_checkpointing: bool,
+                       max_vram_gb: float, device: str, versions: dict[str, str]) -> CalibrationRecord:
+    """What the night needs from a calibration, typed: the step shape, the memory model, tokens/s."""
+    if probe.tokens_per_step is None:
+        raise ValueError(f"not even max_seq_length tokens per step fit under max_vram_gb={max_vram_gb:g} "
+                         f"(static {probe.memory.static_gb:.1f} GB, {probe.memory.mb_per_token:.2f} MB per token)")
+    return CalibrationRecord(tokens_per_step=probe.tokens_per_step, gradient_checkpointing=gradient_checkpointing,
+                             memory=probe.memory, max_vram_gb=max_vram_gb, device=device, versions=versions,
+                             tokens_per_second={k: r.tokens_per_second for k, r in rates.items()})
