@@ -23,6 +23,7 @@ from jobs.hotswap import HotswapConfig, HotswapOutcome
 from jobs.store.adapters import AdapterError, Adapters, RegistryConfig, VersionInfo, diff
 from jobs.store.locking import LockTimeout
 from jobs.store.registry import IntegrityError
+from jobs.tables import grid
 
 EXIT_REFUSED = 1
 EXIT_HOTSWAP_FAILED = 4
@@ -139,38 +140,13 @@ def cmd_list(args: argparse.Namespace, ad: Adapters) -> int:
     if not rows:
         print("no versions yet")
         return 0
-    head = (
-        "",
-        "VERSION",
-        "STATUS",
-        "GATE",
-        "HELDOUT",
-        "REGRESSION",
-        "HELD-ACC",
-        "SAMPLES",
-        "CREATED",
-        "LAST PROMOTED",
-        "PIN",
-    )
-    table = [head] + [
-        (
-            "*" if r["in_service"] else "",
-            r["name"],
-            r["status"],
-            r["gate"] or "—",
-            _fig(r["heldout_loss"]),
-            _fig(r["regression_loss"]),
-            _fig(r["heldout_accuracy"]),
-            _fig(r["samples"]),
-            _when(r["created_at"]),
-            _when(r["promoted_at"]),
-            "pinned" if r["pinned"] else "",
-        )
-        for r in rows
-    ]
-    widths = [max(len(row[c]) for row in table) for c in range(len(head))]
-    for row in table:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    head = ("", "VERSION", "STATUS", "GATE", "HELDOUT", "REGRESSION", "HELD-ACC", "SAMPLES", "CREATED",
+            "LAST PROMOTED", "PIN")
+    print(grid(head, [
+        ("*" if r["in_service"] else "", r["name"], r["status"], r["gate"] or "—", _fig(r["heldout_loss"]),
+         _fig(r["regression_loss"]), _fig(r["heldout_accuracy"]), _fig(r["samples"]), _when(r["created_at"]),
+         _when(r["promoted_at"]), "pinned" if r["pinned"] else "")
+        for r in rows]))
     print("\n* in service (the `current` link); HELDOUT/REGRESSION: loss after training; HELD-ACC: next-token accuracy")
     return 0
 

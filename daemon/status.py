@@ -7,10 +7,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from daemon.report import table
 from daemon.settings import Settings
 from jobs.store.ledger import Ledger
 from jobs.store.registry import Registry
+from jobs.tables import grid, key_values
 
 
 def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:
@@ -54,7 +54,7 @@ def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:
 
 def render(info: dict[str, Any]) -> str:
     svc = info["in_service"]
-    head = table([
+    head = key_values([
         ("window", info["window"] + (" (open now)" if info["window_open"] else "")),
         ("next window", info["next_window_start"]),
         ("adapter in service", f"{svc['name']} (promoted {svc['promoted']})" if svc else "none yet"),
@@ -62,8 +62,5 @@ def render(info: dict[str, Any]) -> str:
         ("samples", ", ".join(f"{k} {v:,}" for k, v in sorted(info["samples"].items())) or "none"),
     ])
     cols = ("night", "status", "version", "trained_samples", "seconds", "started", "error")
-    rows = [[str(r[c] if r[c] is not None else "—") for c in cols] for r in info["runs"]]
-    widths = [max(len(c), *(len(x[i]) for x in rows)) if rows else len(c) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(cols))]
-    lines += ["  ".join(x[i][:80].ljust(widths[i]) for i in range(len(cols))) for x in rows]
-    return head + "\n\nlast runs:\n" + ("\n".join("  " + line for line in lines) if rows else "  none yet")
+    rows = [[r[c] for c in cols] for r in info["runs"]]
+    return head + "\n\nlast runs:\n" + (grid(cols, rows) if rows else "  none yet")

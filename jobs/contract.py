@@ -158,7 +158,7 @@ class GpuSummary(BaseModel):
 
 
 class Losses(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
     train: float | None = None
     heldout_before: float | None = None
     heldout_after: float | None = None
@@ -181,7 +181,7 @@ class GateCheck(BaseModel):
 
 
 class GateResult(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
     passed: bool
     checks: list[GateCheck] = Field(default_factory=list)
     held_back: str | None = None  # passed, but not promoted (and why)
@@ -207,7 +207,7 @@ class RunSummary(BaseModel):
     """Everything a night's run reports: the child's last event, the ledger's `runs.summary`, the
     source of the CLI's table and of the last-run metrics."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
     run_id: str = ""
     night: str = ""
     outcome: Outcome = Outcome.failed

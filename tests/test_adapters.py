@@ -313,7 +313,8 @@ def test_prune_keeps_in_service_pinned_last_k_and_anything_being_written(
         7: "training",
     }
     assert led.next_version() == 8  # names are never reused
-    assert [r["version"] for r in led.db.execute("SELECT version FROM events WHERE kind='pruned' ORDER BY id")] == [2, 4]
+    pruned = led.db.execute("SELECT version FROM events WHERE kind='pruned' ORDER BY id")
+    assert [r["version"] for r in pruned] == [2, 4]
     assert cli(s, "adapters", "show", "4", "--json") == 0  # the ledger keeps a pruned version's manifest
     assert json.loads(capsys.readouterr().out)["version"] == 4
     assert cli(s, "adapters", "promote", "4") == EXIT_REFUSED  # its files are gone
@@ -406,7 +407,7 @@ def test_nights_hotswap_and_peft_swaps_v1_for_v2_in_place(
     s1 = run(cfg, events=events)
     assert s1["promoted"] and s1["hotswap"][0]["ok"] and s1["replay_samples"] == 0  # nothing earlier to replay
     hs = [e for e in events if e["event"] == "hotswap"]
-    assert [(e["version"], e["target"], e["ok"]) for e in hs] == [(1, "vllm", True)]
+    assert [(e["version"], e["outcome"]["target"], e["outcome"]["ok"]) for e in hs] == [(1, "vllm", True)]
     assert [e["state"] for e in events if e["event"] == "phase" and e["phase"] == "hotswap"] == ["start", "end"]
     assert list(vllm.loaded) == ["tiny-v0001"] and newest.read_text() == "tiny-v0001\n"
 

@@ -160,5 +160,33 @@ def test_a_packed_night_trains_every_sample_in_fewer_fuller_steps(night_env):
     assert s["outcome"] == "succeeded" and s["trained_samples"] == 40
     manifest = json.loads((cfg.state_dir / "current" / "manifest.json").read_text())
     t = manifest["training"]
-    assert t["batching"] == "packed" and t["tokens_per_step"] == 256 and t["step_shape_basis"] == "config"
+    assert t["batching"] == "packed" and t["tokens_per_step"] == 256 and "from config" in t["step_shape_basis"]
     assert s["steps"] == t["batches"] < 40 / 8  # fewer steps than 8-sample padded batches would take
+
+
+def test_calibrations_record_goes_through_the_ledger_into_the_nights_step_shape(night_env):
+    """The calibrate -> night hand-off: the step shape calibrate chose is the one the night trains with
+    (a string "off" once became checkpointing on here)."""
+    from jobs.contract import MemoryModel
+    from jobs.night.model import model_fingerprint, throughput_key
+    from jobs.training.probe import ProbeResult, Throughput, calibration_record
+
+    inbox, make = night_env
+    write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(40)])
+    cfg = make(train={"batching": "packed", "tokens_per_step": "auto", "gradient_checkpointing": "auto"},
+               plan={"heldout_share": 0})
+    probe = ProbeResult(memory=MemoryModel(static_gb=6.0, mb_per_token=3.5), tokens_per_step=384)
+    rates = {"alpaca": Throughput(tokens=12_000, seconds=2.0, steps=8), "wiki": Throughput(11_000, 2.0, 8)}
+    record = calibration_record(probe, rates, gradient_checkpointing=False, max_vram_gb=40, device="cpu",
+                                versions={"torch": "x"})
+    led = ledger_of(cfg)
+    led.record_calibration(throughput_key(cfg, model_fingerprint(cfg.model.path), "hf", "cpu"), record,
+                           tokens=11_000, seconds=2.0)
+    led.close()
+    s = run(cfg)
+    assert s["outcome"] in ("succeeded", "rejected"), s["error"]
+    assert s["step_shape"]["tokens_per_step"] == 384 and s["step_shape"]["gradient_checkpointing"] is False
+    assert "calibrated" in s["step_shape"]["basis"] and "calibrate" in s["plan_basis"]
+    training = json.loads((cfg.state_dir / "adapters" / "tiny-v0001" / "manifest.json").read_text())["training"]
+    assert training["tokens_per_step"] == 384 and training["gradient_checkpointing"] is False  # as loaded
+    assert s["plan"]["tokens_per_second"] == 5_500  # the slower profile's measurement plans the night

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from jobs.contract import Plan
 from jobs.plan import PlanConfig, make_plan
 from jobs.store.ledger import Ledger, SampleRow
 
@@ -102,7 +103,10 @@ def test_ledger_pool_roles_and_replayed_samples_stay_in_their_version(tmp_path: 
     assert [s.id for s in pool] == [1, 2, 3] and all(s.record == {} and s.n_tokens == 10 for s in pool)
     led.start_run("r2", "n2", 0)
     roles = [(4, "train"), (1, "replay"), (5, "train"), (6, "heldout")]
-    led.save_plan("r2", {}, roles, 2, "tiny-v0002", 1)
+    plan = Plan(key="k", train_ids=[4, 5], heldout_ids=[6], replay_ids=[1], train_tokens=30, deferred_samples=0,
+                deferred_tokens=0, tokens_per_second=1.0, overhead_seconds=0.0, available_seconds=1.0,
+                predicted_train_seconds=30.0, epochs=1, basis="test", measured=False, version=2, parent_version=1)
+    led.save_plan("r2", plan, roles, "tiny-v0002")
     assert led.run_samples("r2") == roles
     with led.tx() as c:  # what the night does at publish: new ones only; replay is already 'trained'
         led.mark_trained(c, [4, 5], version=2)

@@ -224,7 +224,8 @@ def test_a_crashed_child_is_recorded_and_retried_in_the_window(tmp_path, tiny_mo
     finally:
         proc.kill()
     led = Ledger(state / "ledger.sqlite")
-    [failure] = [json.loads(e["detail"]) for e in led.db.execute("SELECT detail FROM events WHERE kind='attempt_failed' ORDER BY id")]
+    rows = led.db.execute("SELECT detail FROM events WHERE kind='attempt_failed' ORDER BY id")
+    [failure] = [json.loads(e["detail"]) for e in rows]
     assert "SIGKILL" in failure["error"] and failure["tail"]  # exit status and the last log lines
     assert counts(state) == {"trained": 24} and len(runs(state)) == 1
 

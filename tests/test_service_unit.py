@@ -48,7 +48,8 @@ def test_too_little_free_vram_waits_then_skips_the_night_with_that_reason(make, 
     assert not svc._due(window, clock["now"])  # waits for the retry
     clock["now"] = datetime(2026, 11, 21, 5, 20, tzinfo=UTC)  # past the latest start (06:00 - 15 - 30 min)
     assert not svc._due(window, clock["now"])
-    [run] = Ledger(svc.state / "ledger.sqlite").db.execute("SELECT * FROM runs WHERE night=?", (window.night,)).fetchall()
+    led = Ledger(svc.state / "ledger.sqlite")
+    [run] = led.db.execute("SELECT * FROM runs WHERE night=?", (window.night,)).fetchall()
     assert run["status"] == "skipped" and "12.5 GB" in run["error"] and "too late to start" in run["error"]
     assert svc.ledger.night_done(window.night)
 

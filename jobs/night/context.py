@@ -15,7 +15,7 @@ from pathlib import Path
 
 import structlog
 
-from jobs.contract import Emit, Phase, PhaseEvent, RunSummary
+from jobs.contract import Emit, Outcome, Phase, PhaseEvent, RunSummary
 from jobs.gpu import GpuSampler, torch_device_uuid, torch_peak_memory
 from jobs.night.config import NightConfig
 from jobs.store.ledger import Ledger
@@ -79,7 +79,7 @@ class RunContext:
 
     def finish(self, outcome: str, error: str | None = None) -> None:
         """Close the run in the ledger with its summary (the night counts as done)."""
-        self.summary.outcome = outcome  # type: ignore[assignment]
+        self.summary.outcome = Outcome(outcome)
         self.summary.error = error
         self.ledger.finish_run(self.run_id, outcome, summary=self.summary, error=error)
 

@@ -160,7 +160,7 @@ def finish_published(ctx: RunContext, row: Any) -> None:
     if promoted and not ctx.ledger.hotswaps(version):
         announce_version(ctx, version, path)
     manifest = json.loads(row["manifest"] or "{}")
-    s.promoted, s.adapter_path = promoted, str(path)
+    s.promoted, s.adapter_path, s.steps = promoted, str(path), 0  # nothing trained by this attempt
     s.losses = Losses.model_validate(manifest.get("losses") or {})
     s.trained_samples = int(manifest.get("data", {}).get("samples", 0))
     s.replay_samples = int(manifest.get("data", {}).get("replay_samples", 0))

@@ -172,16 +172,6 @@ def matmul_params(config: Any) -> int:
     return int(c.num_hidden_layers * (attn + mlp) + c.vocab_size * h)
 
 
-def total_params(config: Any) -> int:
-    """All weights (embeddings, every expert), for reporting."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        m = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in m.parameters())
-
-
 def write_tokenizer(out_dir: Path, config: Any) -> None:
     """A word-level tokenizer over 256 words + specials: enough for loaders; ids < vocab_size."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -99,6 +99,7 @@ def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | Non
         ))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    info = {"trainable_parameters": trainable, "total_parameters": total, "quantized_4bit": quantized}
+    info = {"trainable_parameters": trainable, "total_parameters": total, "quantized_4bit": quantized,
+            "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False))}
     log.info("model_loaded", backend="hf", device=device_name(), **info)
     return Loaded(model, load_tokenizer(model_path), "hf", "cuda" if cuda else "cpu", info)
