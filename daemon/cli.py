@@ -134,7 +134,7 @@ def cmd_calibrate(args: argparse.Namespace, s: Settings) -> int:
 
 def cmd_bench(args: argparse.Namespace, s: Settings) -> int:
     """The side-by-side benchmark (jobs/bench.py) in a child process; arguments pass through."""
-    cmd = [sys.executable, "-m", "jobs.bench.cli", "bench", *args.bench_args]
+    cmd = [sys.executable, "-m", "jobs.bench", "bench", *args.bench_args]
     return subprocess.run(cmd, env=child_env()).returncode
 
 

@@ -5,11 +5,20 @@ from __future__ import annotations
 import importlib.util
 import json
 import statistics
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
-from jobs.bench.cli import PROFILES, build_parser, make_samples, sample_lengths, summarise, table
+from jobs.bench.cli import build_parser, main
+from jobs.bench.report import summarise, table
+from jobs.bench.settings import BenchSettings
 from jobs.training.architectures import ARCHITECTURES, MARKER, build_random_model, make_config, matmul_params
+from jobs.training.synthetic import PROFILES, make_samples, sample_lengths
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("profile", list(PROFILES))
@@ -55,6 +64,89 @@ def test_parser_defaults_match_the_published_protocol():
     a = build_parser().parse_args(["bench", "--arch", "llama3.1-8b"])
     assert (a.warmup, a.max_steps, a.seconds, a.max_vram_gb) == (3, 30, 30.0, 40.0)
     assert a.profiles == ["alpaca", "wiki"] and a.stacks == ["ours", "baseline", "unsloth", "trl"]
+    s = BenchSettings.from_args(a)
+    assert (s.warmup, s.max_steps, s.seconds, s.max_vram_gb) == (3, 30, 30.0, 40.0)
+    assert s.profiles == ("alpaca", "wiki") and s.stacks == ("ours", "baseline", "unsloth", "trl")
+
+
+def test_settings_cross_to_the_worker_unchanged():
+    a = build_parser().parse_args(["bench", "--arch", "qwen3-32b", "--build-4bit", "--ours-ckpt", "--profiles",
+                                   "wiki", "--state-dir", "/s", "--budget-seconds", "30,90"])
+    s = BenchSettings.from_args(a)
+    assert BenchSettings.model_validate_json(s.model_dump_json()) == s
+    assert s.build_4bit and s.ours_ckpt and s.profiles == ("wiki",) and s.budget_seconds == (30.0, 90.0)
+    with pytest.raises(Exception, match="frozen"):
+        s.seed = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench"], "--model DIR or --arch NAME"),
+        (["bench", "--arch", "x", "--profiles", "alpaca,code"], "unknown profile"),
+        (["bench", "--arch", "x", "--stacks", "ours,vllm"], "unknown stack"),
+        (["worker", "--stack", "ours"], "worker needs"),
+    ],
+)
+def test_bad_flags_are_reported_before_anything_runs(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_help_shows_what_users_pass_not_the_worker_flags():
+    text = build_parser().format_help()
+    assert "--arch" in text and "faststart" in text
+    for internal in ("worker", "--stack ", "--rows", "--t-launch"):
+        assert internal not in text
+    a = build_parser().parse_args(["worker", "--stack", "ours", "--model", "m", "--rows", "r", "--t-launch", "5"])
+    assert (a.mode, a.stack, a.rows, a.t_launch) == ("worker", "ours", "r", 5.0)  # hidden, still there
+
+
+PARENT = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    import jobs.bench.cli as cli
+
+    def fake_spawn(stack, s, model, rows, timeout):  # a worker's row, without the worker
+        with open(rows, "a") as f:
+            f.write(json.dumps({"stack": stack, "label": stack, "profile": "alpaca", "real_tok_s": 1000.0}) + "\\n")
+        return 0
+
+    cli.spawn = fake_spawn
+    rc = cli.main(sys.argv[1:])
+    print(json.dumps({"rc": rc, "imported": [m for m in ("torch", "transformers") if m in sys.modules]}))
+    """
+)
+
+
+def _parent(*argv: str) -> dict:
+    """The bench's parent in a process of its own (its stacks faked): its exit and the heavy modules it imported."""
+    p = subprocess.run([sys.executable, "-c", PARENT, *argv], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_parent_never_imports_torch_building_or_finding_the_model(tmp_path):
+    """The card is free while workers run: the random model is built in a child, found from its marker."""
+    args = ["bench", "--arch", "tiny-llama", "--models-dir", str(tmp_path / "models"), "--out", str(tmp_path / "o"),
+            "--stacks", "ours,baseline"]
+    assert _parent(*args) == {"rc": 0, "imported": []}  # built (in a child)
+    assert (tmp_path / "models" / "tiny-llama" / MARKER).exists()
+    assert _parent(*args) == {"rc": 0, "imported": []}  # found
+    doc = json.loads((tmp_path / "o" / "bench-tiny-llama.json").read_text())
+    assert doc["matmul_params"] == matmul_params(make_config("tiny-llama"))
+    assert [r["x_baseline"] for r in doc["rows"]] == [1.0, 1.0] and doc["exit_codes"] == {"ours": 0, "baseline": 0}
+
+
+def test_parent_reads_a_model_dir_without_marker_in_a_child(tmp_path):
+    d = tmp_path / "m"
+    make_config("llama3.1-8b").save_pretrained(d)  # config.json only: described through transformers
+    out = _parent("bench", "--model", str(d), "--out", str(tmp_path / "o"), "--stacks", "ours")
+    assert out == {"rc": 0, "imported": []}
+    doc = json.loads((tmp_path / "o" / "bench-m.json").read_text())
+    assert doc["matmul_params"] == pytest.approx(7.50e9, rel=0.005)
 
 
 def test_build_tiny_random_model_loads(tmp_path):

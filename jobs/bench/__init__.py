@@ -1,0 +1,27 @@
+"""`nightshift bench`: QLoRA throughput measured side by side, on this GPU. Not on the night's path:
+nothing under daemon/ or jobs/{night,training,data,store} imports this package.
+
+    python -m jobs.bench bench --arch llama3.1-8b --out results/      (all stacks, both profiles)
+    python -m jobs.bench faststart --arch llama3.1-8b --state-dir S    (time to first step, night 1 / night 2)
+    python -m jobs.bench budget --arch llama3.1-8b                     (plan from calibration, then train)
+    python -m jobs.bench moe --arch gpt-oss-small                      (LoRA reaches the experts?)
+
+(`nightshift calibrate` measures and records our path for the planner: jobs/night/calibrate.py.)
+
+Stacks (jobs/bench/stacks/, each in its own worker process: Unsloth patches transformers at import,
+and a fresh process frees every byte of VRAM between stacks):
+  baseline   HF transformers + PEFT + bitsandbytes NF4, gradient checkpointing on, batch 4 padded
+  unsloth    Unsloth defaults (its offloaded checkpointing), batch 4 padded
+  trl        Unsloth + TRL SFTTrainer: padding_free with a large batch, and packing=True
+  ours       nightshift: packed rows to a token budget chosen from measured memory under
+             max_vram_gb, varlen attention (no cross-sample attention), checkpointing off when it fits
+
+The parent (cli.py) holds no GPU memory while workers run: it never imports torch; the model is
+built random-initialised (or read) in a child of its own (model.py). Workers get the settings
+(settings.BenchSettings) as JSON on stdin and append their rows to a JSON-lines file.
+
+Data: random token ids, lengths log-normal with mean 117 ("alpaca") or 861 ("wiki"), capped at
+2048 (jobs.training.synthetic). Each row: warm-up steps, then timed steps (up to --max-steps or
+--seconds) (measure.py). real tok/s counts non-padding tokens. MFU = real tok/s x 4 x matmul
+params / --peak-flops (report.py). Power and energy: NVML (jobs.gpu.GpuSampler) over the timed window.
+"""

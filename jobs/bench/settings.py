@@ -1,0 +1,93 @@
+"""The benchmark's settings: one typed object, built once from the command line, given to every worker.
+
+The parent validates them (a bad flag is reported before any model is built) and hands them to each
+worker process as JSON on its stdin; the worker validates them again where it reads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from jobs.bench.stacks import WORKERS
+from jobs.training.synthetic import PROFILES
+
+PEAK_BF16 = 790e12  # dense bf16 FLOP/s measured on these H100/H200 machines (ANCHORS.md)
+STACKS = ("ours", "baseline", "unsloth", "trl")  # `bench`'s default: the published comparison
+
+
+class BenchSettings(BaseModel):
+    """Everything a run of the benchmark is told (the mode and the worker's own flags aside)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # the model: a local HF directory, or an architecture built random-initialised under models_dir
+    model: Path | None = None
+    arch: str | None = None
+    models_dir: Path = Path("/tmp/nightshift-models")
+    build_4bit: bool = False
+    out: Path = Path("bench-out")
+    stacks: tuple[str, ...] = STACKS
+    profiles: tuple[str, ...] = tuple(PROFILES)
+    # ours: the token budget per step, chosen from measured memory
+    max_vram_gb: float = Field(40.0, gt=0)
+    headroom_gb: float = Field(3.0, ge=0, description="CUDA context + allocator slack")
+    max_budget: int = Field(32768, ge=1, description="token budget per step, at most")
+    budget: int = Field(0, ge=0, description="force the token budget (0: choose it)")
+    probe_tokens: int = Field(2048, ge=2)
+    ours_ckpt: bool = False
+    lora_r: int = Field(16, ge=1)
+    # the timed window of every stack
+    warmup: int = Field(3, ge=1)
+    max_steps: int = Field(30, ge=1)
+    seconds: float = Field(30.0, gt=0)
+    data_tokens: int = Field(400_000, ge=1, description="random tokens generated per profile")
+    trl_pack_length: int = Field(4096, ge=1)
+    trl_configs: tuple[str, ...] = ("padding_free", "packing")
+    peak_flops: float = Field(PEAK_BF16, gt=0)
+    seed: int = 0
+    state_dir: Path | None = None
+    deadline: float = Field(0.0, ge=0, description="seconds for all stacks; later ones are skipped (0: none)")
+    smi_log: Path | None = None
+    smi_fields: str = "timestamp,power.draw,memory.used,utilization.gpu"
+    gpu_events: Path | None = None
+    drop_caches: bool = False
+    torch_profile: str | None = None
+    budget_seconds: tuple[float, float] = (60.0, 180.0)  # budget mode: alpaca, wiki
+
+    @field_validator("stacks")
+    @classmethod
+    def _known_stacks(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [x for x in v if x not in WORKERS]
+        if unknown:
+            raise ValueError(f"unknown stack(s) {', '.join(unknown)}; known: {', '.join(WORKERS)}")
+        return v
+
+    @field_validator("profiles")
+    @classmethod
+    def _known_profiles(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [x for x in v if x not in PROFILES]
+        if unknown or not v:
+            raise ValueError(f"unknown profile(s) {', '.join(unknown)}; known: {', '.join(PROFILES)}")
+        return v
+
+    @field_validator("trl_configs")
+    @classmethod
+    def _known_trl_configs(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [x for x in v if x not in ("padding_free", "packing")]
+        if unknown:
+            raise ValueError(f"unknown TRL config(s) {', '.join(unknown)}; known: padding_free, packing")
+        return v
+
+    @model_validator(mode="after")
+    def _a_model(self) -> BenchSettings:
+        if self.model is None and not self.arch:
+            raise ValueError("give --model DIR or --arch NAME")
+        return self
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> BenchSettings:
+        """From the parsed command line: every parser option that is a field (mode, worker flags: not)."""
+        return cls.model_validate({k: v for k, v in vars(a).items() if k in cls.model_fields and v is not None})

@@ -1,0 +1,33 @@
+"""The stacks the benchmark measures, one module each; each module's `run(settings, job)` is a worker.
+
+A worker runs in a process of its own (`python -m jobs.bench worker --stack NAME`, spawned by the
+parent): Unsloth patches transformers at import, and a process's exit frees every byte of VRAM
+between stacks. Modules are imported only in that worker, never by the parent.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jobs.bench.settings import BenchSettings
+    from jobs.bench.stacks.common import Job
+
+WORKERS = {  # name -> what it measures
+    "ours": "nightshift: packed rows to a budget chosen from measured memory, varlen attention",
+    "baseline": "HF transformers + PEFT + bitsandbytes NF4, gradient checkpointing on, batch 4 padded",
+    "unsloth": "Unsloth defaults (its offloaded checkpointing), batch 4 padded",
+    "trl": "Unsloth + TRL SFTTrainer: padding_free with a large batch, and packing=True",
+    "first_step": "faststart: a night's load and first step, timed from launch",
+    "moe": "MoE: does LoRA reach the experts, and do they train",
+    "budget": "calibrate on one profile, then plan and train other sizes: predicted vs actual time",
+}
+
+
+def worker(name: str) -> Callable[[BenchSettings, Job], None]:
+    """The worker function of a stack (imports its module: call it in the worker process only)."""
+    if name not in WORKERS:
+        raise KeyError(f"unknown stack {name!r}; known: {', '.join(WORKERS)}")
+    return importlib.import_module(f"jobs.bench.stacks.{name}").run

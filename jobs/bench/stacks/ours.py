@@ -1,0 +1,133 @@
+"""ours: nightshift's path — packed rows to a token budget chosen from measured memory under
+max_vram_gb, varlen attention (no cross-sample attention), checkpointing off unless --ours-ckpt.
+
+The budget comes from calibration's probe (jobs.training.probe): its probe steps count as the
+window's first warm-up steps, then timed packed steps at the budget.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from jobs.bench.measure import Window, append_row, peak_gb
+from jobs.bench.model import vocab_size
+from jobs.bench.settings import BenchSettings
+from jobs.bench.stacks.common import Job, load_ours
+from jobs.contract import GpuEvent
+from jobs.training.synthetic import CAP, make_samples
+
+LABEL = "nightshift (packed, varlen, budgeted)"
+
+
+def run(s: BenchSettings, job: Job) -> None:
+    import torch
+
+    gc = "unsloth" if s.ours_ckpt else False
+    model, _tok, info = load_ours(s, job.model, gc=gc, cache=s.state_dir is not None, max_seq=s.max_budget)
+    events: list[GpuEvent] = []
+    for prof in s.profiles:
+        row = run_ours(model, s, prof, vocab_size(job.model), label=LABEL,
+                       on_gpu_event=events.append if s.gpu_events else None)
+        first = row.pop("first_step_end", None)
+        row.update(
+            load_seconds=info["load_seconds"],
+            load=info,
+            first_step_s=round(first - job.t_launch, 1) if first and prof == s.profiles[0] else None,
+        )
+        append_row(job.rows, row)
+        if s.torch_profile and row.get("token_budget"):
+            profile_steps(model, s, job.model, prof, row["token_budget"], Path(f"{s.torch_profile}.{prof}.txt"))
+        torch.cuda.empty_cache()
+    if s.gpu_events and events:
+        with open(s.gpu_events, "w") as f:
+            for e in events:
+                f.write(json.dumps(e.model_dump(mode="json")) + "\n")
+
+
+def run_ours(
+    model: Any,
+    s: BenchSettings,
+    prof: str,
+    vocab: int,
+    *,
+    label: str,
+    on_gpu_event: Callable[[GpuEvent], None] | None = None,
+) -> dict[str, Any]:
+    """Probe memory, choose the budget, then the timed window of packed steps: one result row."""
+    import torch
+
+    from jobs.training.packing import packed_batches
+    from jobs.training.probe import ProbeSettings, probe_memory
+    from jobs.training.step import make_optimizer, train_step
+
+    opt = make_optimizer(model)
+    samples = make_samples(prof, s.data_tokens * 3, vocab=vocab, seed=s.seed)
+    win = Window(warmup=s.warmup + 3, max_steps=s.max_steps, seconds=s.seconds, on_gpu_event=on_gpu_event)
+    torch.cuda.reset_peak_memory_stats()
+    settings = ProbeSettings(max_vram_gb=s.max_vram_gb, min_tokens=CAP, max_tokens=s.max_budget,
+                             probe_tokens=s.probe_tokens, headroom_gb=s.headroom_gb)
+    probe = probe_memory(model, samples, settings, opt,
+                         on_step=lambda st, b: win.step_done(st.seconds, st.tokens, len(b.sample_ids)))
+    if probe.tokens_per_step is None:
+        return {"error": f"not even {CAP} tokens/step fit under {s.max_vram_gb} GB", "probes": probe.probes}
+    budget = s.budget or probe.tokens_per_step
+    torch.cuda.reset_peak_memory_stats()
+    used = sum(p["tokens"] for p in probe.probes)
+    rest, acc = [], 0
+    for x in samples:  # the samples after those the probe steps consumed
+        acc += x.n_tokens
+        if acc > used:
+            rest.append(x)
+    t_loop = time.perf_counter()
+    for b in packed_batches(rest, tokens_per_step=budget):
+        st = train_step(model, b, opt)
+        if win.step_done(st.seconds, st.tokens, len(b.sample_ids)):
+            break
+    loop_s = time.perf_counter() - t_loop
+    mem = probe.memory
+    return {
+        "stack": "ours",
+        "label": label,
+        "profile": prof,
+        "batch": f"packed {budget} tok",
+        "grad_ckpt": "unsloth" if s.ours_ckpt else "off",
+        **win.result(),
+        **peak_gb(),
+        "token_budget": budget,
+        "predicted_peak_gb": round(mem.peak_gb(budget), 2),
+        "memory_model": {"static_gb": round(mem.static_gb, 2), "mb_per_token": round(mem.mb_per_token, 3)},
+        "probes": probe.probes,
+        "loop_seconds": round(loop_s, 2),
+        "max_vram_gb": s.max_vram_gb,
+        "first_step_end": win.first_step_end,
+    }
+
+
+def profile_steps(model: Any, s: BenchSettings, model_path: Path, prof: str, budget: int, path: Path) -> None:
+    """Where the time goes: 3 steps under torch.profiler, kernels grouped, top by CUDA time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from jobs.training.packing import packed_batches
+    from jobs.training.step import make_optimizer, train_step
+
+    opt = make_optimizer(model)
+    samples = make_samples(prof, budget * 5, vocab=vocab_size(model_path), seed=s.seed + 1)
+    batches = list(packed_batches(samples, tokens_per_step=budget))[:4]
+    train_step(model, batches[0], opt)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for b in batches[1:]:
+            train_step(model, b, opt)
+    torch.cuda.synchronize()
+    ka = p.key_averages()
+    total_cuda = sum(getattr(e, "self_device_time_total", 0) for e in ka)
+    lines = [
+        f"profile {prof}: {len(batches) - 1} steps of <= {budget} tokens; total self CUDA time "
+        f"{total_cuda / 1e3:.1f} ms",
+        ka.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90),
+    ]
+    path.write_text("\n".join(lines))
