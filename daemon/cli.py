@@ -133,7 +133,7 @@ def cmd_calibrate(args: argparse.Namespace, s: Settings) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, s: Settings) -> int:
-    """The side-by-side benchmark (jobs/bench.py) in a child process; arguments pass through."""
+    """The side-by-side benchmark (jobs/bench/) in a child process; arguments pass through."""
     cmd = [sys.executable, "-m", "jobs.bench", "bench", *args.bench_args]
     return subprocess.run(cmd, env=child_env()).returncode
 
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.cmd == "bench":
-        args.bench_args = extra  # the benchmark has its own options (jobs/bench.py)
+        args.bench_args = extra  # the benchmark has its own options (jobs/bench/)
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.cmd == "check-config" and args.file is not None:
