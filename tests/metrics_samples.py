@@ -1,19 +1,23 @@
-"""A realistic night as the daemon sees it: the child's events and its RunSummary (contract shapes).
+"""A realistic night as the daemon sees it: the child's events and its RunSummary, typed by the contract.
 
 Shared by tests/test_metrics.py and tests/test_deploy_prometheus.py, so the exposition
 that promtool lints and the names the dashboard/rules are checked against come from
-the same feed.
+the same feed. The events are written as the JSON lines the child sends and read back
+through `parse_event`, as the supervisor reads the pipe.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+from jobs.contract import ChildEvent, GpuEvent, HotswapEvent, HotswapOutcome, RunSummary, parse_event
 
 T0 = 1_795_000_000.0  # a night's start (unix seconds)
 GIB = 1 << 30
 
 
-def summary(**over: Any) -> dict[str, Any]:
+def summary(**over: Any) -> RunSummary:
     s: dict[str, Any] = {
         "run_id": "2026-11-21-a1b2c3",
         "night": "2026-11-21",
@@ -61,10 +65,10 @@ def summary(**over: Any) -> dict[str, Any]:
         "adapter_path": "/state/adapters/tiny-v0003",
     }
     s.update(over)
-    return s
+    return RunSummary.model_validate(s)
 
 
-def gpu_event(ts: float, energy_total: float, power: float = 250.0, **over: Any) -> dict[str, Any]:
+def gpu_event(ts: float, energy_total: float, power: float | None = 250.0, **over: Any) -> GpuEvent:
     ev = {
         "event": "gpu",
         "ts": ts,
@@ -76,11 +80,19 @@ def gpu_event(ts: float, energy_total: float, power: float = 250.0, **over: Any)
         "temperature_celsius": 71.0,
     }
     ev.update(over)
-    return ev
+    parsed = parse_event(ev)
+    assert isinstance(parsed, GpuEvent)
+    return parsed
 
 
-def night_events(gpu: bool = True) -> list[dict[str, Any]]:
-    """Phases, progress and (optionally) 1 Hz GPU readings, then the result."""
+def hotswap_event(kind: str, ok: bool, *, version: int = 3, ts: float = T0, **over: Any) -> HotswapEvent:
+    """One target's answer, as the child reports it."""
+    outcome = HotswapOutcome.model_validate({"target": f"{kind}-1", "kind": kind, "ok": ok, **over})
+    return HotswapEvent(ts=ts, version=version, outcome=outcome)
+
+
+def night_events(gpu: bool = True) -> list[ChildEvent]:
+    """Phases, progress and (optionally) 1 Hz GPU readings, an event the series ignore, then the result."""
     evs: list[dict[str, Any]] = []
     t = T0
     for phase, secs in (("pull", 2.0), ("plan", 0.1), ("load", 5.0)):
@@ -104,8 +116,9 @@ def night_events(gpu: bool = True) -> list[dict[str, Any]]:
             }
         )
         if gpu:
-            evs.append(gpu_event(t + i, 1_000_000.0 + 250.0 * i))
+            evs.append(gpu_event(t + i, 1_000_000.0 + 250.0 * i).model_dump(mode="json"))
     evs.append({"event": "phase", "ts": t + 36, "phase": "train", "state": "end", "seconds": 36.0})
-    evs.append({"event": "log", "ts": t + 36, "message": "ignored"})
-    evs.append({"event": "result", "ts": T0 + 48, "summary": summary(gpu=summary()["gpu"] if gpu else None)})
-    return evs
+    evs.append({"event": "oom_split", "ts": t + 36, "tokens": 4_096, "halves": [2_048, 2_048]})  # ignored
+    result = summary() if gpu else summary(gpu=None)
+    evs.append({"event": "result", "ts": T0 + 48, "summary": result.model_dump(mode="json")})
+    return [parse_event(json.dumps(e)) for e in evs]

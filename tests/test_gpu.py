@@ -14,6 +14,7 @@ import structlog
 from pydantic import ValidationError
 
 from jobs import gpu as gpu_mod
+from jobs.contract import GpuEvent, GpuSummary
 from jobs.gpu import GpuConfig, GpuSampler, energy_fields
 
 GIB = 1 << 30
@@ -112,20 +113,23 @@ def _fresh_log_once() -> Iterator[None]:
     gpu_mod._logged.clear()
 
 
-def drive(nvml: FakeNvml, samples: int, **kw: Any) -> tuple[list[dict[str, Any]], Any]:
+def drive(nvml: FakeNvml, samples: int, **kw: Any) -> tuple[list[GpuEvent], GpuSummary]:
     """start (1 reading), `samples` readings, stop (1 reading), one second apart."""
-    events: list[dict[str, Any]] = []
+    events: list[Any] = []
     s = GpuSampler(events.append, nvml=nvml, clock=Clock(), **kw)
     assert s.start(background=False)
     for _ in range(samples):
         s.sample()
-    return events, s.stop()
+    summary = s.stop()
+    assert all(isinstance(e, GpuEvent) for e in events)
+    assert isinstance(summary, GpuSummary)
+    return events, summary
 
 
 def test_units_of_one_reading() -> None:
     events, _ = drive(FakeNvml([250_500], [7_000_000]), 0)
     ev = events[0]
-    assert ev == {
+    assert ev.model_dump() == {
         "event": "gpu",
         "ts": 1_000.0,
         "power_watts": 250.5,
@@ -139,15 +143,15 @@ def test_units_of_one_reading() -> None:
 
 def test_memory_v1_on_drivers_without_v2() -> None:
     events, _ = drive(FakeNvml([1_000], [1_000], memory_v2=False), 2)
-    assert [e["vram_used_bytes"] for e in events] == [31 * GIB] * 4
+    assert [e.vram_used_bytes for e in events] == [31 * GIB] * 4
 
 
 def test_run_energy_is_the_counter_delta_and_mean_power_follows() -> None:
     # 1 kJ of card history before the run; then 250 J, 300 J, 350 J in three one-second steps
     nvml = FakeNvml([250_000, 260_000, 270_000, 280_000], [1_000_000, 1_250_000, 1_550_000, 1_900_000])
     events, summary = drive(nvml, 2, peak_memory=lambda: (20 * GIB, 24 * GIB))
-    assert [e["energy_joules_total"] for e in events] == [1_000.0, 1_250.0, 1_550.0, 1_900.0]
-    assert summary == {
+    assert [e.energy_joules_total for e in events] == [1_000.0, 1_250.0, 1_550.0, 1_900.0]
+    assert summary.model_dump() == {
         "mean_power_watts": pytest.approx(300.0),
         "energy_joules": pytest.approx(900.0),
         "peak_allocated_bytes": 20 * GIB,
@@ -162,16 +166,16 @@ def test_without_the_energy_counter_power_is_integrated() -> None:
     nvml = FakeNvml([100_000, 200_000, 300_000], None)
     events, summary = drive(nvml, 1)
     # trapezoids: (100+200)/2 * 1 s + (200+300)/2 * 1 s
-    assert [e["energy_joules_total"] for e in events] == [0.0, 150.0, 400.0]
-    assert summary["energy_joules"] == pytest.approx(400.0)
-    assert summary["mean_power_watts"] == pytest.approx(200.0)
-    assert summary["peak_allocated_bytes"] is None
+    assert [e.energy_joules_total for e in events] == [0.0, 150.0, 400.0]
+    assert summary.energy_joules == pytest.approx(400.0)
+    assert summary.mean_power_watts == pytest.approx(200.0)
+    assert summary.peak_allocated_bytes is None
     assert nvml.calls.get("energy", 0) == 0  # not supported: asked once, then never again
 
 
 def test_a_counter_reset_mid_run_falls_back_to_integration() -> None:
     _, summary = drive(FakeNvml([100_000, 100_000, 100_000], [5_000_000, 5_100_000, 20_000]), 1)
-    assert summary["energy_joules"] == pytest.approx(200.0)  # 100 W over 2 s
+    assert summary.energy_joules == pytest.approx(200.0)  # 100 W over 2 s
 
 
 def test_one_reading_only_gives_the_power_it_saw() -> None:
@@ -180,8 +184,8 @@ def test_one_reading_only_gives_the_power_it_saw() -> None:
     assert s.start(background=False)
     summary = s.stop()
     assert summary is not None
-    assert summary["energy_joules"] == 0.0
-    assert summary["mean_power_watts"] == pytest.approx(123.0)
+    assert summary.energy_joules == 0.0
+    assert summary.mean_power_watts == pytest.approx(123.0)
 
 
 def test_no_nvml_is_absent_cleanly_and_logged_once() -> None:
@@ -221,12 +225,12 @@ def test_device_by_uuid_name_in_bytes_and_failing_peak_memory() -> None:
     assert s._handle == "handle:GPU-abcd-1234"
     summary = s.stop()
     assert summary is not None
-    assert summary["name"] == "Old Driver GPU"
-    assert summary["peak_reserved_bytes"] is None
+    assert summary.name == "Old Driver GPU"
+    assert summary.peak_reserved_bytes is None
 
 
 def test_a_failing_emit_does_not_stop_the_readings() -> None:
-    def closed(_: dict[str, Any]) -> None:
+    def closed(_: Any) -> None:
         raise BrokenPipeError("daemon went away")
 
     s = GpuSampler(closed, nvml=FakeNvml([1_000], [1_000]), clock=Clock())
@@ -236,13 +240,13 @@ def test_a_failing_emit_does_not_stop_the_readings() -> None:
 
 
 def test_the_background_thread_samples_at_the_configured_rate() -> None:
-    events: list[dict[str, Any]] = []
+    events: list[Any] = []
     s = GpuSampler(events.append, hz=20, nvml=FakeNvml([100_000], None))
     assert s.start()
     time.sleep(0.3)
     summary = s.stop()
     assert 4 <= len(events) <= 12  # ~6 at 20 Hz plus start and stop readings
-    assert summary is not None and summary["mean_power_watts"] == pytest.approx(100.0)
+    assert summary is not None and summary.mean_power_watts == pytest.approx(100.0)
 
 
 def test_config_and_rate_limits() -> None:
@@ -256,14 +260,14 @@ def test_config_and_rate_limits() -> None:
 
 
 def test_energy_fields_for_the_manifest() -> None:
-    g = {
-        "mean_power_watts": 250.0,
-        "energy_joules": 10_000.0,
-        "peak_allocated_bytes": 1,
-        "peak_reserved_bytes": 2,
-        "total_memory_bytes": 3,
-        "name": "x",
-    }
+    g = GpuSummary(
+        mean_power_watts=250.0,
+        energy_joules=10_000.0,
+        peak_allocated_bytes=1,
+        peak_reserved_bytes=2,
+        total_memory_bytes=3,
+        name="x",
+    )
     assert energy_fields(g, 45_000) == {"energy_joules": 10_000.0, "mean_power_watts": 250.0, "tokens_per_joule": 4.5}
     assert energy_fields(None, 45_000) == {"energy_joules": None, "mean_power_watts": None, "tokens_per_joule": None}
 
@@ -276,7 +280,7 @@ def test_real_gpu_figures_agree_with_nvidia_smi() -> None:
         pytest.skip("needs CUDA")
     from jobs.gpu import torch_device_uuid, torch_peak_memory
 
-    events: list[dict[str, Any]] = []
+    events: list[GpuEvent] = []
     s = GpuSampler(events.append, hz=4, device=torch_device_uuid() or 0, peak_memory=torch_peak_memory)
     assert s.start()
     a = torch.randn(8192, 8192, device="cuda")
@@ -300,20 +304,20 @@ def test_real_gpu_figures_agree_with_nvidia_smi() -> None:
     summary = s.stop()
     assert summary is not None
     smi_power, smi_used, smi_total = (float(x) for x in smi.stdout.strip().split(","))
-    busy = [e for e in events if e["power_watts"] is not None]
+    busy = [e for e in events if e.power_watts is not None]
     print(
-        f"\nGPU {summary['name']}: {len(events)} readings; mean power {summary['mean_power_watts']:.1f} W, "
-        f"energy {summary['energy_joules']:.1f} J over ~6 s, peak allocated "
-        f"{summary['peak_allocated_bytes'] / GIB:.2f} GiB, reserved {summary['peak_reserved_bytes'] / GIB:.2f} GiB, "
-        f"NVML used {busy[-1]['vram_used_bytes'] / GIB:.2f} GiB of {summary['total_memory_bytes'] / GIB:.2f} GiB; "
+        f"\nGPU {summary.name}: {len(events)} readings; mean power {summary.mean_power_watts:.1f} W, "
+        f"energy {summary.energy_joules:.1f} J over ~6 s, peak allocated "
+        f"{summary.peak_allocated_bytes / GIB:.2f} GiB, reserved {summary.peak_reserved_bytes / GIB:.2f} GiB, "
+        f"NVML used {busy[-1].vram_used_bytes / GIB:.2f} GiB of {summary.total_memory_bytes / GIB:.2f} GiB; "
         f"nvidia-smi: {smi_power:.1f} W, {smi_used:.0f} MiB used of {smi_total:.0f} MiB; "
-        f"util {max(e['utilization_ratio'] or 0 for e in events):.2f}, "
-        f"temp {max(e['temperature_celsius'] or 0 for e in events):.0f} C"
+        f"util {max(e.utilization_ratio or 0 for e in events):.2f}, "
+        f"temp {max(e.temperature_celsius or 0 for e in events):.0f} C"
     )
-    assert summary["total_memory_bytes"] == pytest.approx(smi_total * 2**20, rel=0.01)
-    assert 30 < summary["mean_power_watts"] < 1500
-    assert summary["energy_joules"] > 100
-    assert summary["peak_allocated_bytes"] >= 2 * 8192 * 8192 * 4  # a and a @ a
-    assert summary["peak_reserved_bytes"] >= summary["peak_allocated_bytes"]
-    assert busy[-1]["vram_used_bytes"] == pytest.approx(smi_used * 2**20, rel=0.1)
-    assert max(e["utilization_ratio"] for e in events) > 0.5
+    assert summary.total_memory_bytes == pytest.approx(smi_total * 2**20, rel=0.01)
+    assert 30 < summary.mean_power_watts < 1500
+    assert summary.energy_joules > 100
+    assert summary.peak_allocated_bytes >= 2 * 8192 * 8192 * 4  # a and a @ a
+    assert summary.peak_reserved_bytes >= summary.peak_allocated_bytes
+    assert busy[-1].vram_used_bytes == pytest.approx(smi_used * 2**20, rel=0.1)
+    assert max(e.utilization_ratio for e in events) > 0.5

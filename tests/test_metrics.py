@@ -1,16 +1,20 @@
-"""daemon/metrics.py against a fresh CollectorRegistry: events and summaries land in the right series."""
+"""daemon/metrics against a fresh CollectorRegistry: typed events and summaries land in the right series."""
 
 from __future__ import annotations
 
+import re
 import urllib.request
-from typing import Any
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from daemon.metrics import OUTCOMES, QUARANTINE_REASONS, MetricsConfig, NightshiftMetrics, serve
-from tests.metrics_samples import GIB, T0, gpu_event, night_events, summary
+from daemon.metrics import OUTCOMES, QUARANTINE_REASONS, MetricsConfig, NightshiftMetrics, catalog, serve
+from jobs.contract import Outcome, Phase, PhaseEvent, ProgressEvent, ResultEvent, RunSummary, parse_event
+from tests.metrics_samples import GIB, T0, gpu_event, hotswap_event, night_events, summary
+
+DAEMON = Path(__file__).resolve().parents[1] / "daemon"
 
 
 @pytest.fixture()
@@ -60,7 +64,7 @@ def test_fresh_registry_exposes_zero_counters_and_nothing_unknown(reg: Collector
 def test_a_night_with_a_gpu(reg: CollectorRegistry) -> None:
     m = NightshiftMetrics(reg)
     evs = night_events(gpu=True)
-    rest = evs[-3:]  # train end, a log line, the result
+    rest = evs[-3:]  # train end, an OOM split (no series of its own), the result
     for ev in evs[:-3]:
         m.on_event(ev)
     # live, before the result
@@ -137,6 +141,15 @@ def test_a_night_with_a_gpu(reg: CollectorRegistry) -> None:
     assert val(reg, "nightshift_adapter_versions_published_total") == 1
 
 
+def test_what_is_not_a_child_event_never_reaches_the_series() -> None:
+    """The supervisor validates each line with parse_event: a line the contract does not know is refused
+    there (and logged), so NightshiftMetrics only ever sees typed events."""
+    with pytest.raises(ValueError, match="not a child event"):
+        parse_event('{"event": "log", "ts": 1, "message": "hello"}')
+    with pytest.raises(ValueError, match="not a child event"):
+        parse_event({"event": "progress", "fraction": "off"})
+
+
 def test_gpu_series_are_absent_without_a_gpu(reg: CollectorRegistry) -> None:
     m = NightshiftMetrics(reg)
     for ev in night_events(gpu=False):
@@ -183,30 +196,21 @@ def test_energy_counter_adds_positive_deltas_and_survives_resets(reg: CollectorR
 def test_a_resumed_run_counts_each_trained_token_once(reg: CollectorRegistry) -> None:
     m = NightshiftMetrics(reg)
 
-    def prog(tokens: int, samples: int) -> dict[str, Any]:
-        return {
-            "event": "progress",
-            "ts": T0,
-            "version": 3,
-            "fraction": 0.5,
-            "tokens": tokens,
-            "samples": samples,
-            "steps": 1,
-            "tokens_per_second": 1.0,
-            "eta": None,
-        }
+    def prog(tokens: int, samples: int) -> ProgressEvent:
+        return ProgressEvent(
+            ts=T0, version=3, fraction=0.5, tokens=tokens, samples=samples, steps=1, tokens_per_second=1.0, eta=None
+        )
 
     m.on_event(prog(1_000, 10))
     m.on_event(prog(2_000, 20))
     m.on_event(
-        {
-            "event": "result",
-            "ts": T0,
-            "summary": summary(outcome="interrupted", trained_tokens=2_000, trained_samples=20, ended_at=T0 + 10),
-        }
+        ResultEvent(
+            ts=T0,
+            summary=summary(outcome="interrupted", trained_tokens=2_000, trained_samples=20, ended_at=T0 + 10),
+        )
     )
     m.on_event(prog(3_000, 30))  # the retry resumes from the checkpoint's figures
-    m.on_event({"event": "result", "ts": T0, "summary": summary(trained_tokens=4_000, trained_samples=40)})
+    m.on_event(ResultEvent(ts=T0, summary=summary(trained_tokens=4_000, trained_samples=40)))
     assert val(reg, "nightshift_trained_tokens_total") == 4_000
     assert val(reg, "nightshift_trained_samples_total") == 40
     assert val(reg, "nightshift_runs_total", outcome="interrupted") == 1
@@ -217,7 +221,7 @@ def test_a_resumed_run_counts_each_trained_token_once(reg: CollectorRegistry) ->
 def test_the_same_summary_twice_counts_once(reg: CollectorRegistry) -> None:
     m = NightshiftMetrics(reg)
     s = summary()
-    m.on_event({"event": "result", "ts": T0, "summary": s})
+    m.on_event(ResultEvent(ts=T0, summary=s))
     m.on_summary(s)  # the supervisor also hands ChildOutcome.summary over
     assert val(reg, "nightshift_runs_total", outcome="succeeded") == 1
     assert val(reg, "nightshift_ingested_files_total") == 4
@@ -226,8 +230,8 @@ def test_the_same_summary_twice_counts_once(reg: CollectorRegistry) -> None:
 
 def test_a_crash_reported_as_a_minimal_summary(reg: CollectorRegistry) -> None:
     m = NightshiftMetrics(reg, clock=lambda: T0 + 99)
-    m.on_event({"event": "phase", "ts": T0, "phase": "load", "state": "start", "seconds": None})
-    m.on_summary({"outcome": "failed"})
+    m.on_event(PhaseEvent(ts=T0, phase=Phase.load, state="start"))
+    m.on_summary(RunSummary(outcome=Outcome.failed))
     assert val(reg, "nightshift_runs_total", outcome="failed") == 1
     assert val(reg, "nightshift_last_run_outcome", outcome="failed") == 1
     assert val(reg, "nightshift_last_run_timestamp_seconds") == T0 + 99
@@ -284,7 +288,7 @@ def test_overrun_is_measured_against_the_window_end(reg: CollectorRegistry) -> N
     m.set_window(True, T0 + 86_400, end=T0 + 40)
     assert val(reg, "nightshift_window_open") == 1
     assert val(reg, "nightshift_next_window_start_timestamp_seconds") == T0 + 86_400
-    m.on_event({"event": "phase", "ts": T0, "phase": "pull", "state": "start", "seconds": None})
+    m.on_event(PhaseEvent(ts=T0, phase=Phase.pull, state="start"))
     m.set_window(False, T0 + 86_400)
     assert val(reg, "nightshift_window_open") == 0
     m.on_summary(summary())  # ended at T0 + 48
@@ -296,19 +300,7 @@ def test_overrun_is_measured_against_the_window_end(reg: CollectorRegistry) -> N
 def test_hotswap_and_adapter_and_backlog(reg: CollectorRegistry) -> None:
     m = NightshiftMetrics(reg, hotswap_kinds=["vllm", "webhook"])
     m.on_hotswap("vllm", False)
-    m.on_event(
-        {
-            "event": "hotswap",
-            "ts": T0,
-            "target": "gpu-box",
-            "kind": "vllm",
-            "ok": False,
-            "attempts": 3,
-            "seconds": 1.0,
-            "error": "503",
-            "detail": {},
-        }
-    )
+    m.on_event(hotswap_event("vllm", False, target="gpu-box", attempts=3, seconds=1.0, error="503"))
     assert val(reg, "nightshift_hotswap_attempts_total", kind="vllm", outcome="failure") == 2
     assert val(reg, "nightshift_hotswap_consecutive_failures", kind="vllm") == 2
     m.on_hotswap("vllm", True)
@@ -366,3 +358,43 @@ def test_serve_on_loopback_and_shut_down(reg: CollectorRegistry) -> None:
     finally:
         srv.close()
     assert not srv.thread.is_alive()
+
+
+# ---- the catalogue -------------------------------------------------------------------------------
+def test_the_catalogue_names_each_series_once_by_the_conventions() -> None:
+    constants = {
+        k: v for k, v in vars(catalog).items() if k.isupper() and isinstance(v, str) and v.startswith("nightshift_")
+    }
+    names = [spec.name for spec in catalog.SPECS]
+    assert len(names) == len(set(names))
+    assert sorted(constants.values()) == sorted(names)  # one constant per series, each in SPECS
+    for const, name in constants.items():
+        assert const == name.removeprefix("nightshift_").upper(), const
+    for spec in catalog.SPECS:
+        assert re.fullmatch(r"nightshift_[a-z0-9_]+", spec.name), spec.name
+        assert spec.name.endswith("_total") == (spec.kind == catalog.COUNTER), spec.name
+        assert bool(spec.buckets) == (spec.kind == catalog.HISTOGRAM), spec.name
+    assert tuple(o.value for o in Outcome) == catalog.OUTCOMES
+    assert tuple(p.value for p in Phase) == catalog.PHASES
+
+
+def test_every_registered_series_is_catalogued(reg: CollectorRegistry) -> None:
+    m = NightshiftMetrics(reg, sources=["inbox"], hotswap_kinds=["vllm"])
+    for ev in night_events(gpu=True):
+        m.on_event(ev)
+    exposed = {s.name for fam in reg.collect() for s in fam.samples}
+    assert exposed <= catalog.SERIES, sorted(exposed - catalog.SERIES)
+    assert {f.name for f in reg.collect()} <= {s.name.removesuffix("_total") for s in catalog.SPECS}
+
+
+def test_no_metric_name_is_written_outside_the_catalogue() -> None:
+    """The exporter and the translation name series through catalog's constants only."""
+    literal = re.compile(r"""["']nightshift_[a-z0-9_]+["']""")
+    found = [
+        f"{path.relative_to(DAEMON.parent)}:{n}: {line.strip()}"
+        for path in sorted(DAEMON.rglob("*.py"))
+        if path != DAEMON / "metrics" / "catalog.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if literal.search(line)
+    ]
+    assert not found, found

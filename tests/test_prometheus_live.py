@@ -6,6 +6,13 @@ Prometheus (tests/prom_server.py) scrapes it every second from before the window
 until after the run. The tests then compare what Prometheus stored with the ledger and
 the manifest, lint the live /metrics text with promtool, and stop the daemon as systemd
 does.
+
+The night's live series exist only between the child's first event and its result: on this
+tiny CPU night that is often less than one scrape interval (pull to publish in ~0.8 s), so
+whether a 1 s scrape landed inside it was a coin toss. The night therefore announces its
+adapter to a `command` hot-swap target that waits for a gate file: the child sits in its
+hotswap phase, its run in progress, until Prometheus has stored that, and only then does the
+fixture open the gate.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -35,6 +43,16 @@ GOOD_SAMPLES = 20
 # starts: its discovery manager batches target updates) fit before it
 OPENS_IN = 12
 BAD_LINES = 1
+# the hot-swap command: waits for the gate file, then writes down the adapter it was told about
+GATE_SCRIPT = """
+import os, sys, time
+gate, told = sys.argv[1:3]
+while not os.path.exists(gate):
+    time.sleep(0.05)
+with open(told, "w") as f:
+    f.write(os.environ["NIGHTSHIFT_ADAPTER_NAME"])
+"""
+LIVE = 'nightshift_run_phase{phase="hotswap"} == 1 and on (instance, job) nightshift_run_in_progress == 1'
 
 
 @dataclass
@@ -50,6 +68,7 @@ class LiveNight:
     metrics_text: str
     stderr: list[str] = field(default_factory=list)
     scraped_closed_window: bool = False  # Prometheus' first scrape came before the window opened
+    hotswap_told: str | None = None  # the adapter name the hot-swap command received
 
 
 def metrics_url(lines: list[str]) -> str:
@@ -84,10 +103,25 @@ def fetch(url: str) -> str:
         return r.read().decode()
 
 
+def gated_hotswap(gate: Path, told: Path) -> str:
+    """A [[hotswap.targets]] command that holds the night in its hotswap phase until `gate` exists."""
+    argv = [sys.executable, "-c", GATE_SCRIPT, str(gate), str(told)]
+    return f"""
+[[hotswap.targets]]
+kind = "command"
+name = "gate"
+argv = {json.dumps(argv)}
+timeout_s = 300
+retries = 0
+"""
+
+
 @pytest.fixture(scope="module")
 def live_night(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[LiveNight]:
     tmp = tmp_path_factory.mktemp("live")
     cfg, inbox = write_config(tmp, tiny_model, opens_in=OPENS_IN, lasts=300)
+    gate, told = tmp / "hotswap-gate", tmp / "hotswap-told"
+    cfg.write_text(cfg.read_text() + gated_hotswap(gate, told))
     records: list[Any] = [alpaca(i) for i in range(GOOD_SAMPLES)]
     records.insert(5, '{"instruction": "cut off')  # planted: one line that is not JSON
     write_jsonl(inbox / "a.jsonl", records)
@@ -96,6 +130,7 @@ def live_night(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> It
         proc = start(cfg)
         stack.callback(proc.wait, 10)
         stack.callback(proc.kill)
+        stack.callback(gate.touch)  # whatever happens, the night is never left waiting on the gate
         lines = proc.lines  # start() drains the daemon's stderr
         wait_for(lambda: any('"metrics_serving"' in x for x in lines), 60, "the metrics_serving log line", proc)
         url = metrics_url(lines)
@@ -106,6 +141,11 @@ def live_night(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> It
             prom.wait_for('up{job="nightshift"} == 1')
             first = prom.wait_for("nightshift_window_open")
             scraped_closed_window = first[0]["value"][1] == "0"
+            # the child waits in its hotswap phase until Prometheus has stored the run in progress
+            wait_for(lambda: bool(prom.query(LIVE)), 180, "Prometheus to see the run in progress", proc)
+        else:
+            wait_for(lambda: "nightshift_run_in_progress 1.0" in fetch(url), 180, "the run in progress", proc)
+        gate.touch()
         wait_for(lambda: any(r["status"] == "succeeded" for r in runs(state)), 180, "a succeeded run", proc)
         (run,) = runs(state)
         if prom is not None:  # the daemon's view after the night: the result counted, the child gone
@@ -128,6 +168,7 @@ def live_night(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> It
             metrics_text=fetch(url),
             stderr=lines,
             scraped_closed_window=scraped_closed_window,
+            hotswap_told=told.read_text() if told.exists() else None,
         )
         yield night
 
@@ -165,8 +206,11 @@ def test_prometheus_finds_the_nights_metrics_with_the_ledgers_values(live_night:
     assert phases == pytest.approx(s["phase_seconds"])
     assert phases["train"] == pytest.approx(led["phases"]["train"]) and phases["train"] > 0
     assert phases["publish"] == pytest.approx(led["phases"]["publish"]) and phases["publish"] > 0
-    # Prometheus watched the run as it went, and the window open (it scraped before the window opened)
+    # Prometheus watched the run as it went (the hot-swap gate held it until then), and the window open
+    # (when it scraped before the window opened)
     assert prom.value("max_over_time(nightshift_run_in_progress[10m])") == 1
+    assert prom.value('max_over_time(nightshift_run_phase{phase="hotswap"}[10m])') == 1
+    assert prom.query("nightshift_run_phase") == []  # the child is gone: no phase
     if live_night.scraped_closed_window:  # not when a loaded machine started things late
         assert prom.value("min_over_time(nightshift_window_open[10m])") == 0
 
@@ -204,6 +248,12 @@ def test_prometheus_finds_the_nights_metrics_with_the_ledgers_values(live_night:
     assert info["metric"]["base_model"] == manifest["base_model"]["path"]
     assert prom.value("nightshift_adapter_versions_published_total") == 1
     assert prom.value("nightshift_build_info") == 1
+    # hot-swap: the command target was told about the new version, once, and it took it
+    assert live_night.hotswap_told == "tiny-v0001"
+    assert [(h["kind"], h["ok"]) for h in s["hotswap"]] == [("command", True)]
+    assert prom.value('nightshift_hotswap_attempts_total{kind="command",outcome="success"}') == 1
+    assert prom.value('nightshift_hotswap_attempts_total{kind="command",outcome="failure"}') == 0
+    assert prom.value('nightshift_hotswap_consecutive_failures{kind="command"}') == 0
 
     # no GPU on this machine: no GPU series at all, rather than zeros
     assert prom.query('{__name__=~"nightshift_(last_run_)?gpu_.*"}') == []

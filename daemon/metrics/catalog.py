@@ -1,0 +1,184 @@
+"""The one catalogue of nightshift's Prometheus series: names, kinds, help, labels, bounded label values.
+
+Every other module (the exporter, the translation of the night into series, the tests of the
+dashboard and the alert rules) names a series through the constants here, never by a literal.
+
+Conventions: `nightshift_` prefix, base units (seconds, bytes, joules, watts, ratios 0..1),
+counters end in `_total`, `*_info` gauges are 1 and carry their facts as labels; label values
+are bounded by code (outcome, phase, reason, loss kind/stage) or by config (source, target kind).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from jobs.contract import Outcome, Phase
+
+Kind = Literal["gauge", "counter", "histogram"]
+GAUGE: Kind = "gauge"
+COUNTER: Kind = "counter"
+HISTOGRAM: Kind = "histogram"
+
+# ---- runs ----------------------------------------------------------------------------------------
+RUNS_TOTAL = "nightshift_runs_total"
+RUN_DURATION_SECONDS = "nightshift_run_duration_seconds"
+LAST_RUN_OUTCOME = "nightshift_last_run_outcome"
+LAST_SUCCESS_TIMESTAMP_SECONDS = "nightshift_last_success_timestamp_seconds"
+LAST_RUN_TIMESTAMP_SECONDS = "nightshift_last_run_timestamp_seconds"
+LAST_RUN_PHASE_DURATION_SECONDS = "nightshift_last_run_phase_duration_seconds"
+LAST_RUN_OVERRUN_SECONDS = "nightshift_last_run_overrun_seconds"
+RUN_IN_PROGRESS = "nightshift_run_in_progress"
+RUN_PHASE = "nightshift_run_phase"
+RUN_PROGRESS_RATIO = "nightshift_run_progress_ratio"
+WINDOW_OPEN = "nightshift_window_open"
+NEXT_WINDOW_START_TIMESTAMP_SECONDS = "nightshift_next_window_start_timestamp_seconds"
+# ---- training (last_run_*: the most recent run, updated live while it runs) -----------------------
+TRAINED_TOKENS_TOTAL = "nightshift_trained_tokens_total"
+TRAINED_SAMPLES_TOTAL = "nightshift_trained_samples_total"
+LAST_RUN_STEPS = "nightshift_last_run_steps"
+LAST_RUN_TOKENS_PER_SECOND = "nightshift_last_run_tokens_per_second"
+LAST_RUN_SAMPLES_PER_HOUR = "nightshift_last_run_samples_per_hour"
+LAST_RUN_LOSS = "nightshift_last_run_loss"
+# ---- budget ----------------------------------------------------------------------------------------
+LAST_RUN_PREDICTED_TRAIN_SECONDS = "nightshift_last_run_predicted_train_seconds"
+LAST_RUN_ACTUAL_TRAIN_SECONDS = "nightshift_last_run_actual_train_seconds"
+LAST_RUN_BUDGET_RATIO = "nightshift_last_run_budget_ratio"
+LAST_RUN_DEFERRED_SAMPLES = "nightshift_last_run_deferred_samples"
+BACKLOG_SAMPLES = "nightshift_backlog_samples"
+BACKLOG_TOKENS = "nightshift_backlog_tokens"
+# ---- data ------------------------------------------------------------------------------------------
+INGESTED_SAMPLES_TOTAL = "nightshift_ingested_samples_total"
+QUARANTINED_SAMPLES_TOTAL = "nightshift_quarantined_samples_total"
+INGESTED_FILES_TOTAL = "nightshift_ingested_files_total"
+DUPLICATE_SAMPLES_TOTAL = "nightshift_duplicate_samples_total"
+# ---- GPU (absent without one) ----------------------------------------------------------------------
+GPU_INFO = "nightshift_gpu_info"
+GPU_POWER_WATTS = "nightshift_gpu_power_watts"
+GPU_ENERGY_JOULES_TOTAL = "nightshift_gpu_energy_joules_total"
+GPU_MEMORY_USED_BYTES = "nightshift_gpu_memory_used_bytes"
+GPU_MEMORY_TOTAL_BYTES = "nightshift_gpu_memory_total_bytes"
+GPU_UTILIZATION_RATIO = "nightshift_gpu_utilization_ratio"
+GPU_TEMPERATURE_CELSIUS = "nightshift_gpu_temperature_celsius"
+LAST_RUN_GPU_MEAN_POWER_WATTS = "nightshift_last_run_gpu_mean_power_watts"
+LAST_RUN_GPU_ENERGY_JOULES = "nightshift_last_run_gpu_energy_joules"
+LAST_RUN_TOKENS_PER_JOULE = "nightshift_last_run_tokens_per_joule"
+LAST_RUN_GPU_PEAK_ALLOCATED_BYTES = "nightshift_last_run_gpu_peak_allocated_bytes"
+LAST_RUN_GPU_PEAK_RESERVED_BYTES = "nightshift_last_run_gpu_peak_reserved_bytes"
+# ---- adapters and the daemon -------------------------------------------------------------------------
+ADAPTER_INFO = "nightshift_adapter_info"
+ADAPTER_VERSION = "nightshift_adapter_version"
+ADAPTER_VERSIONS_PUBLISHED_TOTAL = "nightshift_adapter_versions_published_total"
+HOTSWAP_ATTEMPTS_TOTAL = "nightshift_hotswap_attempts_total"
+HOTSWAP_CONSECUTIVE_FAILURES = "nightshift_hotswap_consecutive_failures"
+BUILD_INFO = "nightshift_build_info"
+
+# ---- bounded label values --------------------------------------------------------------------------
+OUTCOMES = tuple(o.value for o in Outcome)
+PHASES = tuple(p.value for p in Phase)
+QUARANTINE_REASONS = (  # jobs/data: RecordError reasons
+    "invalid_json",
+    "invalid_utf8",
+    "bad_file",
+    "missing_field",
+    "empty_field",
+    "wrong_type",
+    "too_long",
+)
+HOTSWAP_OUTCOMES = ("success", "failure")
+# RunSummary.losses field -> (kind, stage) labels of LAST_RUN_LOSS
+LOSS_LABELS = {
+    "train": ("train", "after"),
+    "heldout_before": ("heldout", "before"),
+    "heldout_after": ("heldout", "after"),
+    "regression_before": ("regression", "before"),
+    "regression_after": ("regression", "after"),
+}
+# minutes to hours: a skipped night takes seconds, a full window up to ~8 h
+RUN_DURATION_BUCKETS = (30, 60, 300, 600, 1200, 1800, 3600, 5400, 7200, 10800, 14400, 21600, 28800, 43200)
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()  # histograms only
+
+    def series(self) -> tuple[str, ...]:
+        """The names PromQL sees: a histogram is its _bucket, _sum and _count series (and the
+        _created gauge prometheus_client adds); a counter's name already ends in _total."""
+        if self.kind == HISTOGRAM:
+            return tuple(self.name + suffix for suffix in ("_bucket", "_sum", "_count", "_created"))
+        return (self.name,)
+
+
+G, C, H = GAUGE, COUNTER, HISTOGRAM
+SPECS: tuple[Spec, ...] = (
+    # runs
+    Spec(RUNS_TOTAL, C, "Finished night runs by outcome.", ("outcome",)),
+    Spec(RUN_DURATION_SECONDS, H, "Wall time of finished night runs.", buckets=RUN_DURATION_BUCKETS),
+    Spec(LAST_RUN_OUTCOME, G, "1 for the outcome of the last finished run, 0 for the others.", ("outcome",)),
+    Spec(LAST_SUCCESS_TIMESTAMP_SECONDS, G, "End of the last run that succeeded (unix seconds)."),
+    Spec(LAST_RUN_TIMESTAMP_SECONDS, G, "End of the last finished run, any outcome (unix seconds)."),
+    Spec(LAST_RUN_PHASE_DURATION_SECONDS, G, "Seconds each phase took in the last run.", ("phase",)),
+    Spec(LAST_RUN_OVERRUN_SECONDS, G, "Seconds the last run ended after its window's end (0: in time)."),
+    Spec(RUN_IN_PROGRESS, G, "1 while a night's child runs."),
+    Spec(RUN_PHASE, G, "1 for the phase the running child is in.", ("phase",)),
+    Spec(RUN_PROGRESS_RATIO, G, "Fraction of the planned training done by the running child."),
+    Spec(WINDOW_OPEN, G, "1 while inside the configured training window."),
+    Spec(NEXT_WINDOW_START_TIMESTAMP_SECONDS, G, "Start of the next training window (unix seconds)."),
+    # training
+    Spec(TRAINED_TOKENS_TOTAL, C, "Tokens trained on (real tokens, padding excluded)."),
+    Spec(TRAINED_SAMPLES_TOTAL, C, "Samples trained on."),
+    Spec(LAST_RUN_STEPS, G, "Optimizer steps of the last run."),
+    Spec(LAST_RUN_TOKENS_PER_SECOND, G, "Training throughput of the last run."),
+    Spec(LAST_RUN_SAMPLES_PER_HOUR, G, "Samples per hour of training in the last run."),
+    Spec(
+        LAST_RUN_LOSS,
+        G,
+        "Losses of the last run: kind=train|heldout|regression; stage=before (adapter in service) or after "
+        "(the candidate; for train, the run's mean training loss).",
+        ("kind", "stage"),
+    ),
+    # budget
+    Spec(LAST_RUN_PREDICTED_TRAIN_SECONDS, G, "Train seconds the plan predicted for the last run."),
+    Spec(LAST_RUN_ACTUAL_TRAIN_SECONDS, G, "Train seconds the last run actually took."),
+    Spec(LAST_RUN_BUDGET_RATIO, G, "Actual / predicted train seconds of the last completed training."),
+    Spec(LAST_RUN_DEFERRED_SAMPLES, G, "Pending samples the last run's plan left for a later night."),
+    Spec(BACKLOG_SAMPLES, G, "Samples ingested and not trained yet."),
+    Spec(BACKLOG_TOKENS, G, "Tokens of the samples ingested and not trained yet."),
+    # data
+    Spec(INGESTED_SAMPLES_TOTAL, C, "New samples ingested, by source.", ("source",)),
+    Spec(QUARANTINED_SAMPLES_TOTAL, C, "Records quarantined, by reason.", ("reason",)),
+    Spec(INGESTED_FILES_TOTAL, C, "Inbox files ingested."),
+    Spec(DUPLICATE_SAMPLES_TOTAL, C, "Records skipped as already seen."),
+    # GPU
+    Spec(GPU_INFO, G, "The card the last run trained on.", ("name",)),
+    Spec(GPU_POWER_WATTS, G, "Card power draw now (NVML, while a child runs)."),
+    Spec(GPU_ENERGY_JOULES_TOTAL, C, "Energy the card used while nights ran (NVML counter deltas)."),
+    Spec(GPU_MEMORY_USED_BYTES, G, "Card memory in use now, all processes (NVML)."),
+    Spec(GPU_MEMORY_TOTAL_BYTES, G, "Card memory size (NVML)."),
+    Spec(GPU_UTILIZATION_RATIO, G, "Card utilisation now, 0..1 (NVML)."),
+    Spec(GPU_TEMPERATURE_CELSIUS, G, "Card temperature now (NVML)."),
+    Spec(LAST_RUN_GPU_MEAN_POWER_WATTS, G, "Mean card power over the last run."),
+    Spec(LAST_RUN_GPU_ENERGY_JOULES, G, "Card energy used by the last run."),
+    Spec(LAST_RUN_TOKENS_PER_JOULE, G, "Tokens trained per joule in the last run."),
+    Spec(LAST_RUN_GPU_PEAK_ALLOCATED_BYTES, G, "torch max memory allocated in the last run."),
+    Spec(LAST_RUN_GPU_PEAK_RESERVED_BYTES, G, "torch max memory reserved in the last run."),
+    # adapters and the daemon
+    Spec(ADAPTER_INFO, G, "The adapter version in service.", ("version", "name", "base_model")),
+    Spec(ADAPTER_VERSION, G, "Version number of the adapter in service."),
+    Spec(ADAPTER_VERSIONS_PUBLISHED_TOTAL, C, "Adapter versions published (promoted or not)."),
+    Spec(
+        HOTSWAP_ATTEMPTS_TOTAL,
+        C,
+        "Hot-swap notifications by target kind and outcome (one per target per swap, after its retries).",
+        ("kind", "outcome"),
+    ),
+    Spec(HOTSWAP_CONSECUTIVE_FAILURES, G, "Failed hot-swaps since the last success, by target kind.", ("kind",)),
+    Spec(BUILD_INFO, G, "Build of the running daemon.", ("version", "python_version")),
+)
+BY_NAME: dict[str, Spec] = {s.name: s for s in SPECS}
+SERIES: frozenset[str] = frozenset(n for s in SPECS for n in s.series())  # every name PromQL may see

@@ -1,0 +1,126 @@
+"""The exposition side: a collector of catalogued values, and the /metrics HTTP endpoint.
+
+Why a collector of our own (`_Values`) rather than prometheus_client's Gauge/Counter objects:
+unknown is absent, not zero. A family is yielded only while it holds samples, so a GPU series
+exists only once a GPU reported and a last-run figure only once a run gave it (a 0 W card or a
+0 s success would be a lie that alerts believe). Samples are keyed by catalogued name and
+checked against the catalogue's labels, so a typo is an error at the call, not a new series.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from threading import Thread
+from typing import Any, NamedTuple
+from wsgiref.simple_server import WSGIServer
+
+import structlog
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, ConfigDict, Field
+
+from daemon.metrics.catalog import COUNTER, GAUGE, Spec
+
+log = structlog.get_logger("nightshift.metrics")
+
+
+class MetricsConfig(BaseModel):
+    """[metrics]: the /metrics endpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+    address: str = Field("127.0.0.1", description="listen address (loopback: scrape through a local Prometheus)")
+    port: int = Field(9464, ge=0, le=65535, description="listen port (0: any free port, for tests)")
+
+
+class _Values(Collector):
+    """Samples by metric name and label values; a family is exposed only while it holds samples."""
+
+    def __init__(self, specs: Iterable[Spec]) -> None:
+        self.specs = {s.name: s for s in specs}
+        for spec in self.specs.values():
+            if spec.kind not in (GAUGE, COUNTER):
+                raise ValueError(f"{spec.name}: a {spec.kind} is not a plain value")
+        self._data: dict[str, dict[tuple[str, ...], float]] = {n: {} for n in self.specs}
+        self._lock = threading.Lock()
+
+    def _key(self, metric: str, labels: Mapping[str, Any]) -> tuple[str, ...]:
+        spec = self.specs[metric]
+        if set(labels) != set(spec.labels):
+            raise ValueError(f"{metric} takes labels {spec.labels}, got {tuple(labels)}")
+        return tuple(str(labels[k]) for k in spec.labels)
+
+    def set(self, metric: str, value: float | None, /, **labels: Any) -> None:
+        """Set a sample; None removes it (unknown is absent)."""
+        key = self._key(metric, labels)
+        with self._lock:
+            if value is None:
+                self._data[metric].pop(key, None)
+            else:
+                self._data[metric][key] = float(value)
+
+    def inc(self, metric: str, amount: float = 1.0, /, **labels: Any) -> None:
+        if amount < 0:
+            raise ValueError(f"{metric}: counters only go up (got {amount})")
+        key = self._key(metric, labels)
+        with self._lock:
+            self._data[metric][key] = self._data[metric].get(key, 0.0) + amount
+
+    def setdefault(self, metric: str, value: float, /, **labels: Any) -> None:
+        key = self._key(metric, labels)
+        with self._lock:
+            self._data[metric].setdefault(key, float(value))
+
+    def clear(self, metric: str) -> None:
+        with self._lock:
+            self._data[metric].clear()
+
+    def get(self, metric: str, /, **labels: Any) -> float | None:
+        key = self._key(metric, labels)
+        with self._lock:
+            return self._data[metric].get(key)
+
+    def _family(self, spec: Spec) -> Metric:
+        cls = CounterMetricFamily if spec.kind == COUNTER else GaugeMetricFamily
+        return cls(spec.name, spec.help, labels=spec.labels)
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            snapshot = {n: dict(v) for n, v in self._data.items() if v}
+        for name, values in snapshot.items():
+            fam = self._family(self.specs[name])
+            for key, value in sorted(values.items()):
+                fam.add_metric(list(key), value)  # type: ignore[attr-defined]
+            yield fam
+
+    def describe(self) -> Iterator[Metric]:
+        for spec in self.specs.values():
+            yield self._family(spec)
+
+
+class MetricsServer(NamedTuple):
+    """prometheus_client's HTTP server and its thread; `close()` shuts it down."""
+
+    server: WSGIServer
+    thread: Thread
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_port)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def serve(cfg: MetricsConfig, registry: CollectorRegistry) -> MetricsServer | None:
+    """Serve /metrics from `registry` on cfg.address:cfg.port (None when disabled)."""
+    if not cfg.enabled:
+        return None
+    server, thread = start_http_server(cfg.port, addr=cfg.address, registry=registry)
+    srv = MetricsServer(server, thread)
+    log.info("metrics_serving", url=f"http://{cfg.address}:{srv.port}/metrics")
+    return srv
