@@ -176,6 +176,7 @@ class Service:
         child = NightChild(self.s.night_config().model_dump_json(), night=window.night,
                            deadline=deadline.timestamp(), on_event=on_event)
         child.start()
+        self.metrics.on_child_start()
         # a child still busy at the window's end is told to stop and save, and killed after the grace
         out = wait_interruptibly(child, self.stop, grace=self.s.daemon.stop_grace_seconds, on_tick=self.ping,
                                  stop_at=window.end.timestamp(), clock=lambda: self.clock().timestamp())

@@ -28,6 +28,18 @@ class Outcome(StrEnum):
     interrupted = "interrupted"
 
 
+class QuarantineReason(StrEnum):
+    """Why a record (or a whole file) was quarantined (a metric label: keep the set small)."""
+
+    invalid_json = "invalid_json"
+    invalid_utf8 = "invalid_utf8"
+    bad_file = "bad_file"
+    missing_field = "missing_field"
+    empty_field = "empty_field"
+    wrong_type = "wrong_type"
+    too_long = "too_long"
+
+
 class Phase(StrEnum):
     pull = "pull"
     plan = "plan"

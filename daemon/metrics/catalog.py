@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from jobs.contract import Outcome, Phase
+from jobs.contract import Outcome, Phase, QuarantineReason
 
 Kind = Literal["gauge", "counter", "histogram"]
 GAUGE: Kind = "gauge"
@@ -76,15 +76,7 @@ BUILD_INFO = "nightshift_build_info"
 # ---- bounded label values --------------------------------------------------------------------------
 OUTCOMES = tuple(o.value for o in Outcome)
 PHASES = tuple(p.value for p in Phase)
-QUARANTINE_REASONS = (  # jobs/data: RecordError reasons
-    "invalid_json",
-    "invalid_utf8",
-    "bad_file",
-    "missing_field",
-    "empty_field",
-    "wrong_type",
-    "too_long",
-)
+QUARANTINE_REASONS = tuple(r.value for r in QuarantineReason)  # jobs/data: RecordError reasons
 HOTSWAP_OUTCOMES = ("success", "failure")
 # RunSummary.losses field -> (kind, stage) labels of LAST_RUN_LOSS
 LOSS_LABELS = {

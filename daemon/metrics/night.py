@@ -176,6 +176,11 @@ class NightshiftMetrics:
             self.values.setdefault(m.GPU_ENERGY_JOULES_TOTAL, 0.0)
         self._energy_last, self._energy_ts = energy, ts
 
+    def on_child_start(self) -> None:
+        """A night's child was started: it runs from now (its first event comes after its imports)."""
+        with self._lock:
+            self._begin_run()
+
     def on_child_exit(self) -> None:
         """The child is gone (finished, crashed or killed): live series become absent."""
         with self._lock:

@@ -14,6 +14,8 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from jobs.contract import QuarantineReason
+
 Format = Literal["auto", "alpaca", "chat", "prompt_completion", "text"]
 ROLES = {"system", "user", "assistant"}
 
@@ -23,7 +25,7 @@ class RecordError(ValueError):
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
-        self.reason = reason
+        self.reason = QuarantineReason(reason).value  # a reason outside the contract's set is a bug
         self.detail = detail
 
 
