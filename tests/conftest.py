@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from tests.fixtures.lora_servers import servers  # noqa: F401  (a fixture: loopback vLLM/SGLang servers)
+
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_INBOX = REPO / "config" / "sample-inbox"
 

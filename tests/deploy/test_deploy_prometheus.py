@@ -22,10 +22,10 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest, start_h
 
 from daemon.metrics import SPECS, MetricsConfig, NightshiftMetrics, catalog, serve
 from jobs.contract import ResultEvent
-from tests.metrics_samples import T0, hotswap_event, night_events, summary
-from tests.prom_server import NO_PROMETHEUS, NO_PROMTOOL, PROMETHEUS, PROMTOOL, prometheus_server
+from tests.fixtures.metrics_samples import T0, hotswap_event, night_events, summary
+from tests.fixtures.prom_server import NO_PROMETHEUS, NO_PROMTOOL, PROMETHEUS, PROMTOOL, prometheus_server
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROM_DIR = REPO / "deploy" / "prometheus"
 RULES = PROM_DIR / "rules.yml"
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "nightshift.json"

@@ -12,9 +12,9 @@ from pydantic import ValidationError
 
 from daemon.metrics import OUTCOMES, QUARANTINE_REASONS, MetricsConfig, NightshiftMetrics, catalog, serve
 from jobs.contract import Outcome, Phase, PhaseEvent, ProgressEvent, ResultEvent, RunSummary, parse_event
-from tests.metrics_samples import GIB, T0, gpu_event, hotswap_event, night_events, summary
+from tests.fixtures.metrics_samples import GIB, T0, gpu_event, hotswap_event, night_events, summary
 
-DAEMON = Path(__file__).resolve().parents[1] / "daemon"
+DAEMON = Path(__file__).resolve().parents[2] / "daemon"
 
 
 @pytest.fixture()

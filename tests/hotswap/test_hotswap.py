@@ -1,26 +1,16 @@
-"""Hot-swap against real loopback HTTP servers that behave as vLLM / SGLang document.
-
-The fakes follow vllm/entrypoints/openai/serving_models.py (400 on a name already loaded,
-404 on an unknown unload or a missing adapter path, /v1/models lists data[].id/root/parent)
-and SGLang's http_server.py (/load_lora_adapter -> {"success", "error_message",
-"loaded_adapters"}, 400 on failure, adapters listed by /v1/models).
-"""
+"""Hot-swap against real loopback HTTP servers that behave as vLLM / SGLang document
+(tests/fixtures/lora_servers.py)."""
 
 from __future__ import annotations
 
 import datetime
-import hashlib
-import hmac
 import ipaddress
 import json
 import os
 import ssl
 import sys
-import threading
 import time
 import tomllib
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -36,157 +26,7 @@ from jobs.hotswap import (
     plan_unloads,
     verify_signature,
 )
-from jobs.hotswap.webhook import SIGNATURE_HEADER, TIMESTAMP_HEADER
-
-BASE = "tiny-base"
-
-
-class Fake:
-    """One loopback server; `behaviour` picks what it is (vllm, sglang, fail, hang, webhook, redirect)."""
-
-    def __init__(
-        self,
-        behaviour: str,
-        *,
-        api_key: str | None = None,
-        secret: str | None = None,
-        tls: ssl.SSLContext | None = None,
-        status: int = 500,
-        redirect_to: str = "",
-    ) -> None:
-        self.behaviour, self.api_key, self.secret = behaviour, api_key, secret
-        self.status, self.redirect_to = status, redirect_to
-        self.loaded: dict[str, str] = {}
-        self.requests: list[dict[str, Any]] = []
-        self.release = threading.Event()
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                fake._handle(self, "GET")
-
-            def do_POST(self) -> None:
-                fake._handle(self, "POST")
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        if tls is not None:
-            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
-        scheme = "https" if tls else "http"
-        self.url = f"{scheme}://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.release.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-    def posts(self, suffix: str) -> list[dict[str, Any]]:
-        return [r for r in self.requests if r["method"] == "POST" and r["path"].endswith(suffix)]
-
-    # -- request handling ------------------------------------------------------------
-    def _handle(self, h: BaseHTTPRequestHandler, method: str) -> None:
-        raw = h.rfile.read(int(h.headers.get("Content-Length") or 0))
-        body = json.loads(raw) if raw and self.behaviour != "webhook" else None
-        self.requests.append({"method": method, "path": h.path, "body": body, "raw": raw, "headers": dict(h.headers)})
-        if self.behaviour == "hang":
-            self.release.wait(5)
-            return self._send(h, 200, {})
-        if self.behaviour == "fail":
-            return self._send(h, self.status, {"object": "error", "message": "engine is sleeping"})
-        if self.behaviour == "redirect":
-            h.send_response(302)
-            h.send_header("Location", self.redirect_to)
-            h.send_header("Content-Length", "0")
-            h.end_headers()
-            return None
-        if self.behaviour == "webhook":
-            return self._webhook(h, raw)
-        if self.api_key and h.headers.get("Authorization") != f"Bearer {self.api_key}":
-            return self._send(h, 401, {"error": "Unauthorized"})
-        if method == "GET" and h.path == "/v1/models":
-            cards = [{"id": BASE, "object": "model", "root": BASE, "parent": None}]
-            cards += [{"id": n, "object": "model", "root": p, "parent": BASE} for n, p in self.loaded.items()]
-            return self._send(h, 200, {"object": "list", "data": cards})
-        prefix = "/v1" if self.behaviour == "vllm" else ""
-        if method == "POST" and h.path == f"{prefix}/load_lora_adapter":
-            return self._load(h, body or {})
-        if method == "POST" and h.path == f"{prefix}/unload_lora_adapter":
-            return self._unload(h, body or {})
-        return self._send(h, 404, {"detail": "Not Found"})
-
-    def _load(self, h: BaseHTTPRequestHandler, body: dict[str, Any]) -> None:
-        name, path = body.get("lora_name"), body.get("lora_path")
-        if not name or not path:
-            return self._error(h, 400, "Both 'lora_name' and 'lora_path' must be provided.")
-        if name in self.loaded:
-            return self._error(h, 400, f"The lora adapter '{name}' has already been loaded.")
-        if not os.path.isdir(path):
-            return self._error(h, 404, f"No adapter found for {path}")
-        self.loaded[name] = path
-        if self.behaviour == "sglang":
-            return self._send(h, 200, {"success": True, "error_message": None, "loaded_adapters": self.loaded})
-        return self._send(h, 200, f"Success: LoRA adapter '{name}' added successfully.")
-
-    def _unload(self, h: BaseHTTPRequestHandler, body: dict[str, Any]) -> None:
-        name = body.get("lora_name")
-        if name not in self.loaded:
-            return self._error(
-                h, 404 if self.behaviour == "vllm" else 400, f"The lora adapter '{name}' cannot be found."
-            )
-        del self.loaded[name]
-        if self.behaviour == "sglang":
-            return self._send(h, 200, {"success": True, "loaded_adapters": self.loaded})
-        return self._send(h, 200, f"Success: LoRA adapter '{name}' removed successfully.")
-
-    def _error(self, h: BaseHTTPRequestHandler, status: int, message: str) -> None:
-        if self.behaviour == "sglang":
-            return self._send(h, status, {"success": False, "error_message": message})
-        return self._send(h, status, {"object": "error", "message": message, "type": "x", "code": status})
-
-    def _webhook(self, h: BaseHTTPRequestHandler, raw: bytes) -> None:
-        """A receiver that checks the bearer token and the HMAC on its own (not via our helper)."""
-        if self.api_key and h.headers.get("Authorization") != f"Bearer {self.api_key}":
-            return self._send(h, 401, {"error": "bad token"})
-        if self.secret:
-            ts = h.headers.get(TIMESTAMP_HEADER, "")
-            want = "sha256=" + hmac.new(self.secret.encode(), f"{ts}.".encode() + raw, hashlib.sha256).hexdigest()
-            if not hmac.compare_digest(h.headers.get(SIGNATURE_HEADER, ""), want):
-                return self._send(h, 401, {"error": "bad signature"})
-        return self._send(h, 204, None)
-
-    @staticmethod
-    def _send(h: BaseHTTPRequestHandler, status: int, payload: Any) -> None:
-        if payload is None:
-            data = b""
-        else:
-            data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
-        try:
-            h.send_response(status)
-            h.send_header("Content-Type", "application/json")
-            h.send_header("Content-Length", str(len(data)))
-            h.end_headers()
-            h.wfile.write(data)
-        except OSError:  # the client gave up (timeout test)
-            pass
-
-
-@pytest.fixture
-def servers() -> Iterator[list[Fake]]:
-    started: list[Fake] = []
-    yield started
-    for s in started:
-        s.close()
-
-
-def start(servers: list[Fake], behaviour: str, **kw: Any) -> Fake:
-    s = Fake(behaviour, **kw)
-    servers.append(s)
-    return s
+from tests.fixtures.lora_servers import BASE, Fake, start
 
 
 def adapter(tmp_path: Path, version: int, prefix: str = "tiny") -> AdapterRef:

@@ -33,8 +33,8 @@ import pytest
 
 from jobs.store.ledger import Ledger
 from tests.conftest import alpaca, write_jsonl
-from tests.prom_server import NO_PROMETHEUS, NO_PROMTOOL, PROMETHEUS, PROMTOOL, PromServer, prometheus_server
-from tests.test_service import runs, start, wait_for, write_config
+from tests.fixtures.daemon_proc import runs, start, wait_for, write_config
+from tests.fixtures.prom_server import NO_PROMETHEUS, NO_PROMTOOL, PROMETHEUS, PROMTOOL, PromServer, prometheus_server
 
 pytestmark = pytest.mark.slow
 

@@ -1,111 +1,17 @@
 """`nightshift run` as systemd runs it: a real subprocess, a window seconds away, NOTIFY_SOCKET."""
 
-import datetime as dt
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
 from jobs.store.ledger import Ledger
-from tests.conftest import REPO, alpaca, toml_config, write_jsonl
+from tests.conftest import alpaca, write_jsonl
+from tests.fixtures.daemon_proc import Notify, child_pids, runs, start, wait_for, write_config
 
 pytestmark = pytest.mark.slow
-
-
-class Notify:
-    """A unix datagram socket standing in for systemd's NOTIFY_SOCKET."""
-
-    def __init__(self, path):
-        self.path = str(path)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        self.sock.settimeout(0.2)
-        self.messages: list[str] = []
-        self._stop = False
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self):
-        while not self._stop:
-            try:
-                self.messages.append(self.sock.recv(4096).decode())
-            except TimeoutError:
-                continue
-
-    def close(self):
-        self._stop = True
-        self.thread.join()
-        self.sock.close()
-
-    def having(self, prefix):
-        return [m for m in self.messages if m.startswith(prefix)]
-
-
-def write_config(tmp_path, tiny_model, *, opens_in=3, lasts=300, **train):
-    """A window opening `opens_in` seconds from now and lasting `lasts` seconds (UTC wall clock)."""
-    now = dt.datetime.now(dt.UTC)
-    start = (now + dt.timedelta(seconds=opens_in)).strftime("%H:%M:%S")
-    end = (now + dt.timedelta(seconds=opens_in + lasts)).strftime("%H:%M:%S")
-    return toml_config(tmp_path, tiny_model, **train, more=f"""
-[window]
-start = "{start}"
-end = "{end}"
-timezone = "UTC"
-save_margin_minutes = 0.1
-min_run_minutes = 0.1
-[metrics]
-port = 0
-[daemon]
-stop_grace_seconds = 30
-retry_backoff_seconds = 1
-""")
-
-
-def start(cfg, notify=None, watchdog_usec=None):
-    """The daemon as a subprocess; its log lines are drained into `proc.lines` (a full pipe would block it)."""
-    env = {**os.environ}
-    if notify:
-        env["NOTIFY_SOCKET"] = notify.path
-    if watchdog_usec:
-        env["WATCHDOG_USEC"] = str(watchdog_usec)
-    proc = subprocess.Popen([sys.executable, "-m", "daemon", "--config", str(cfg), "run"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    proc.lines = []
-
-    def drain():
-        for line in proc.stderr:
-            proc.lines.append(line)
-
-    threading.Thread(target=drain, daemon=True).start()
-    return proc
-
-
-def child_pids(proc):
-    """The night children's pids, from the daemon's JSON log lines."""
-    return [json.loads(line)["pid"] for line in list(proc.lines) if '"child_started"' in line]
-
-
-def wait_for(cond, timeout, what, proc=None):
-    end = time.time() + timeout
-    while not cond():
-        assert time.time() < end, f"timed out waiting for {what}"
-        if proc is not None:
-            assert proc.poll() is None, f"the daemon exited ({proc.returncode}) while waiting for {what}"
-        time.sleep(0.1)
-
-
-def runs(state):
-    led = Ledger(state / "ledger.sqlite")
-    try:
-        return [dict(r) for r in led.db.execute("SELECT * FROM runs ORDER BY started_at")]
-    finally:
-        led.close()
 
 
 def counts(state):

@@ -1,6 +1,6 @@
 """GPU checks of the unsloth backend (run through the device tool; skipped without CUDA/unsloth).
 
-python -m pytest tests/test_gpu_unsloth.py -q -m gpu
+python -m pytest tests/training/test_gpu_unsloth.py -q -m gpu
 """
 
 from __future__ import annotations

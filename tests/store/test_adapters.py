@@ -24,7 +24,7 @@ from jobs.store.adapters import RegistryConfig
 from jobs.store.ledger import Ledger
 from jobs.store.locking import StateLock
 from jobs.store.registry import Registry, version_name
-from tests.test_hotswap import Fake
+from tests.fixtures.lora_servers import Fake
 
 NAME = "tiny"
 
@@ -379,7 +379,7 @@ def test_the_cli_module_imports_no_torch() -> None:
         capture_output=True,
         text=True,
         check=True,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert out.stdout.strip() == "[]"
 

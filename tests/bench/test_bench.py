@@ -18,7 +18,7 @@ from jobs.bench.settings import BenchSettings
 from jobs.training.architectures import ARCHITECTURES, MARKER, build_random_model, make_config, matmul_params
 from jobs.training.synthetic import PROFILES, make_samples, sample_lengths
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("profile", list(PROFILES))
