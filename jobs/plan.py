@@ -15,9 +15,9 @@ nothing (no replay-only nights).
 
 Held-out samples (kept out of training to measure each version on unseen data) are chosen by
 content hash among *all* pending samples, deferred ones included: with no backlog every such
-sample is held out tonight; under a backlog tonight takes its share of them (in proportion to
-the samples it trains, at least `min_heldout`) and leaves the rest for the nights that train
-the rest of the backlog, so every night has held-out data.
+sample is held out tonight; under a backlog tonight takes its share of them (the share of the
+trainable backlog it trains, at least `min_heldout`) and leaves the rest for the nights that
+train the rest of the backlog, so every night has held-out data.
 
 When recent throughput measurements differ by more than 10 %, the plan uses a low quantile of
 them (`throughput_quantile`) instead of the median, and says so in its basis.
@@ -131,8 +131,7 @@ def make_plan(pending: list[SampleRow], *, now: float, deadline: float, history:
         tokens += s.n_tokens
     rest = trainable[cut:]
     if rest:  # a backlog: tonight's share of the held-out candidates, the others wait for their nights
-        h = cfg.heldout_share
-        k = max(min_heldout, math.ceil(len(train) * h / (1 - h))) if train and h > 0 else 0
+        k = max(min_heldout, math.ceil(len(candidates) * len(train) / len(trainable))) if train else 0
         heldout, rest = candidates[:k], rest + candidates[k:]
     else:
         heldout = candidates

@@ -223,7 +223,7 @@ def train(
         stopped=stopped, resumed_from_step=resumed_from,
         detail={"batches": len(batches), "batches_done": int(state["next_batch"]), "halved": state["halved"],
                 "tokens_per_step": shape.tokens_per_step, "gradient_checkpointing": shape.gradient_checkpointing,
-                "step_shape_basis": shape.basis, "batching": cfg.batching},
+                "step_shape_basis": shape.basis, "batching": cfg.batching, "cuts": state["cuts"]},
     )
 
 
