@@ -29,7 +29,8 @@ def test_a_ledger_written_before_is_migrated_once_keeping_every_row(tmp_path: Pa
     old = sqlite3.connect(path, isolation_level=None)
     old.executescript(SCHEMA)
     old.executemany("INSERT INTO samples (hash, source, record, n_tokens, status, version, created_at) "
-                    "VALUES (?, 's', '{}', 5, ?, ?, 0)", [("a", "trained", 1), ("b", "heldout", 1), ("c", "pending", None)])
+                    "VALUES (?, 's', '{}', 5, ?, ?, 0)",
+                    [("a", "trained", 1), ("b", "heldout", 1), ("c", "pending", None)])
     old.close()
     led = Ledger(path)
     assert statuses(led) == {1: "trained", 2: "heldout", 3: "pending"}
