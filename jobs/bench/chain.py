@@ -32,12 +32,19 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN = {"backend": "hf", "lora_rank": 8, "lora_alpha": 16, "learning_rate": 2e-3, "epochs": 3, "batching": "padded",
          "batch_size": 16, "max_tokens_per_batch": 4096, "max_seq_length": 64, "gradient_checkpointing": False}
 AB = ((TASK_A, 1), (TASK_A, 2), (TASK_A, 3), (TASK_B, 4), (TASK_B, 5), (TASK_B, 6))  # (task, night number)
+# night 4 brings task A's prompts with every answer wrong: the gate must reject it, its samples must come back
+WRONG = ((TASK_A, 1), (TASK_A, 2), (TASK_A, 3), (TASK_A.scrambled(), 4), (TASK_B, 5), (TASK_B, 6))
+SCHEDULES = {"wrong labels on night 4 (defaults)": WRONG}
 CHAINS: dict[str, dict[str, Any]] = {  # name -> config overrides; "gate": [] turns the gate off
-    "no replay, no gate": {"plan": {"replay_share": 0.0}, "eval": {"gate": []}},
+    "no replay nor gate": {"plan": {"replay_share": 0.0}, "eval": {"gate": []}},
+    "replay 0.1 without gate": {"plan": {"replay_share": 0.1}, "eval": {"gate": []}},
+    "replay 0.3 without gate": {"plan": {"replay_share": 0.3}, "eval": {"gate": []}},
+    "replay 0.5 without gate": {"eval": {"gate": []}},
     "no replay": {"plan": {"replay_share": 0.0}},
     "replay 0.1": {"plan": {"replay_share": 0.1}},
     "replay 0.3": {"plan": {"replay_share": 0.3}},
     "replay 0.5 (default)": {},
+    "wrong labels on night 4 (defaults)": {},
 }
 
 
@@ -100,7 +107,8 @@ def run_chain(workdir: Path, model: Path, schedule: Sequence[tuple[Task, int]], 
                       stop=threading.Event())
         current = workdir / "state" / "current"
         gate = s.gate
-        row = {"night": i + 1, "task": task.name, "outcome": s.outcome.value, "promoted": s.promoted,
+        row = {"night": i + 1, "task": task.name, "wrong": task.codes != (TASK_A if task.name == "A" else TASK_B).codes,
+               "outcome": s.outcome.value, "promoted": s.promoted,
                "version": s.version, "trained": s.trained_samples, "replayed": s.replay_samples,
                "heldout": s.heldout_samples, "returned": s.returned_samples, "set_aside": s.set_aside_samples,
                "regression_samples": s.regression_samples, "failed": gate.failed() if gate else "",
@@ -122,8 +130,10 @@ def cell(row: dict[str, Any]) -> str:
 
 def report(results: dict[str, list[dict[str, Any]]]) -> str:
     n = max(len(r) for r in results.values())
-    head = ["chain", *[f"night {i + 1} ({next(iter(results.values()))[i]['task']})" for i in range(n)]]
-    return markdown(head, [[name, *[cell(r) for r in rows]] for name, rows in results.items()])
+    head = ["chain", *[f"night {i + 1}" for i in range(n)]]
+    label = {True: " wrong", False: ""}
+    return markdown(head, [[name, *[f"{r['task']}{label[bool(r.get('wrong'))]}: {cell(r)}" for r in rows]]
+                           for name, rows in results.items()])
 
 
 def machine() -> dict[str, Any]:
@@ -154,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             shutil.rmtree(work)
         print(f"chain: {name}", flush=True)
-        results[name] = run_chain(work, model, AB, per_night=args.per_night, over=CHAINS[name],
+        results[name] = run_chain(work, model, SCHEDULES.get(name, AB), per_night=args.per_night, over=CHAINS[name],
                                   on_night=lambda r: print(f"  night {r['night']} ({r['task']}): {cell(r)} "
                                                            f"{r['outcome']} {r['seconds']} s", flush=True))
     table = report(results)

@@ -8,9 +8,11 @@ step. `apply` is safe to call on every open, on a new ledger and on one written 
   so the table is rebuilt once, in one transaction, keeping every row and id;
 - samples gain `rejections` (how many rejected nights trained them) and `reason` (the last one);
 - regression_set: the held-out samples of promoted nights that every later candidate is measured
-  on, one slice per night and source;
+  on, one slice per night and source; created from the held-out samples of the promoted versions
+  a ledger already has (32 per version and source, the default cap);
 - loss_curve: each run's training loss per optimizer step;
-- references: the history of the reference version (the best promoted so far) of the gate.
+- references_history: the gate's reference version (the best promoted so far); on a ledger that
+  has promotions already, it starts at the version promoted last.
 """
 
 from __future__ import annotations
@@ -40,8 +42,24 @@ CREATE TABLE IF NOT EXISTS references_history (
 """
 
 
+BACKFILL = """
+INSERT OR IGNORE INTO regression_set (sample_id, night, source, version, added_at)
+SELECT id, night, source, version, strftime('%s', 'now') FROM (
+  SELECT s.id, COALESCE(r.night, 'v' || s.version) AS night, s.source, s.version,
+         ROW_NUMBER() OVER (PARTITION BY s.version, s.source ORDER BY s.id) AS n
+  FROM samples s JOIN versions v ON v.version = s.version LEFT JOIN runs r ON r.id = v.run_id
+  WHERE s.status = 'heldout' AND v.promoted_at IS NOT NULL)
+WHERE n <= 32;
+INSERT INTO references_history (at, version, run_id, detail)
+SELECT strftime('%s', 'now'), version, run_id, '{"from": "the last promotion before the reference existed"}'
+FROM promotions ORDER BY id DESC LIMIT 1;
+"""
+
+
 def apply(db: sqlite3.Connection) -> None:
     """Bring the ledger to this schema (a no-op when it is there already)."""
+    new_regression_set = not db.execute(
+        "SELECT 1 FROM sqlite_master WHERE type='table' AND name='regression_set'").fetchone()
     if "'set_aside'" not in _samples_sql(db):
         db.execute("BEGIN IMMEDIATE")
         try:
@@ -52,6 +70,8 @@ def apply(db: sqlite3.Connection) -> None:
             db.execute("ROLLBACK")
             raise
     db.executescript(TABLES)
+    if new_regression_set:
+        db.executescript(BACKFILL)
 
 
 def _samples_sql(db: sqlite3.Connection) -> str:

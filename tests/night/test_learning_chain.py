@@ -7,6 +7,7 @@ wrong night must be rejected without using up or replaying its samples, B must b
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +81,9 @@ def test_every_night_has_held_out_data_under_a_backlog(night_env):
     assert counts["trained"] == 180 and counts["heldout"] == sum(s["heldout_samples"] for s in summaries)
     assert summaries[-1]["regression_samples"] == counts["heldout"]  # each promoted night's held-out samples joined
     assert summaries[2]["metrics"]["regression_before"]["samples"] == sum(s["heldout_samples"] for s in summaries[:2])
+    # each night's loss curve, per step: in the ledger and in the manifest under `loss_curve`
+    manifest = json.loads((cfg.state_dir / "current" / "manifest.json").read_text())
+    curve = manifest["loss_curve"]
+    assert [p["step"] for p in curve] == list(range(1, summaries[-1]["steps"] + 1))
+    assert all(isinstance(p["loss"], float) and p["loss"] > 0 for p in curve)
+    assert learning.loss_curve(led, summaries[-1]["run_id"]) == [(p["step"], p["loss"]) for p in curve]

@@ -31,9 +31,15 @@ def test_a_ledger_written_before_is_migrated_once_keeping_every_row(tmp_path: Pa
     old.executemany("INSERT INTO samples (hash, source, record, n_tokens, status, version, created_at) "
                     "VALUES (?, 's', '{}', 5, ?, ?, 0)",
                     [("a", "trained", 1), ("b", "heldout", 1), ("c", "pending", None)])
+    old.execute("INSERT INTO runs (id, night, status, started_at) VALUES ('r1', '2026-11-20', 'succeeded', 0)")
+    old.execute("INSERT INTO versions (version, name, run_id, status, created_at, promoted_at) "
+                "VALUES (1, 't-v0001', 'r1', 'promoted', 0, 1)")
+    old.execute("INSERT INTO promotions (at, version, action) VALUES (1, 1, 'night')")
     old.close()
     led = Ledger(path)
     assert statuses(led) == {1: "trained", 2: "heldout", 3: "pending"}
+    assert learning.regression_ids(led, 10) == [(2, "2026-11-20/s")]  # the held-out sample of a promoted night
+    assert learning.reference_version(led) == 1  # the version in service when the reference began
     assert led.db.execute("SELECT version FROM samples WHERE id=1").fetchone()[0] == 1
     with pytest.raises(sqlite3.IntegrityError):  # the CHECK constraint is still there, with the new statuses
         led.db.execute("UPDATE samples SET status='forgotten' WHERE id=1")
