@@ -109,6 +109,11 @@ def _fig(x: Any) -> str:
     return "—" if x is None else f"{x:.4f}" if isinstance(x, float) else str(x)
 
 
+def _token_accuracy(metrics: dict[str, Any]) -> float | None:
+    """Reply token accuracy; manifests written before it have next-token "accuracy"."""
+    return metrics.get("token_accuracy", metrics.get("accuracy"))
+
+
 def _row(i: VersionInfo) -> dict[str, Any]:
     m = i.manifest
     gate = m.get("gate") or {}
@@ -122,7 +127,7 @@ def _row(i: VersionInfo) -> dict[str, Any]:
         "gate": None if not gate else ("passed" if gate.get("passed") else "failed"),
         "heldout_loss": losses.get("heldout_after"),
         "regression_loss": losses.get("regression_after"),
-        "heldout_accuracy": ((m.get("metrics") or {}).get("heldout_after") or {}).get("accuracy"),
+        "heldout_accuracy": _token_accuracy((m.get("metrics") or {}).get("heldout_after") or {}),
         "samples": (m.get("data") or {}).get("samples"),
         "parent": i.parent,
         "created_at": i.created_at,
@@ -147,7 +152,7 @@ def cmd_list(args: argparse.Namespace, ad: Adapters) -> int:
          _fig(r["regression_loss"]), _fig(r["heldout_accuracy"]), _fig(r["samples"]), _when(r["created_at"]),
          _when(r["promoted_at"]), "pinned" if r["pinned"] else "")
         for r in rows]))
-    print("\n* in service (the `current` link); HELDOUT/REGRESSION: loss after training; HELD-ACC: next-token accuracy")
+    print("\n* in service (the `current` link); HELDOUT/REGRESSION: loss after training; HELD-ACC: reply tokens right")
     return 0
 
 

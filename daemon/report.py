@@ -16,6 +16,17 @@ def _loss(x: float | None) -> str:
     return "—" if x is None else f"{x:.4f}"
 
 
+def _answers(s: RunSummary, data: str, metric: str = "exact_match") -> str:
+    """A metric of the adapter in service -> the candidate (the reference, the base), or why none."""
+    def pct(stage: str) -> str:
+        m = s.metrics.get(f"{data}_{stage}")
+        return "—" if not m or m.get(metric) is None else f"{m[metric]:.1%}"
+
+    if data in s.not_evaluated:
+        return f"not evaluated: {s.not_evaluated[data]}"
+    return f"{pct('before')} -> {pct('after')} (reference {pct('reference')}, base {pct('base')})"
+
+
 def plan_table(p: Plan) -> str:
     return key_values([
         ("new samples to train", _num(len(p.train_ids))),
@@ -60,6 +71,12 @@ def summary_table(s: RunSummary) -> str:
         ("loss: train", _loss(losses.train)),
         ("loss: held-out", f"{_loss(losses.heldout_before)} -> {_loss(losses.heldout_after)}"),
         ("loss: regression", f"{_loss(losses.regression_before)} -> {_loss(losses.regression_after)}"),
+        ("exact match: held-out", _answers(s, "heldout")),
+        ("exact match: regression", _answers(s, "regression")),
+        ("reply tokens: held-out", _answers(s, "heldout", "token_accuracy")),
+        ("reply tokens: regression", _answers(s, "regression", "token_accuracy")),
+        *([("rejected night's samples", f"{s.returned_samples:,} put back, {s.set_aside_samples:,} set aside")]
+          if s.returned_samples else []),
         ("version", version),
         ("phases", ", ".join(f"{k} {v:.1f}s" for k, v in s.phase_seconds.items())),
     ])

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.settings import Settings
+from jobs.store import learning
 from jobs.store.ledger import Ledger
 from jobs.store.registry import Registry
 from jobs.tables import grid, key_values
@@ -33,7 +34,13 @@ def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:
         current = Registry(Path(s.state_dir)).current_version()
         row = ledger.version(current) if current else None
         manifest = json.loads(row["manifest"]) if row and row["manifest"] else {}
+        aside = learning.set_aside(ledger)
+        regression = learning.regression_size(ledger)
         return {
+            "learning": {"set_aside": aside["samples"], "set_aside_reasons": aside["reasons"],
+                         "ever_rejected": aside["ever_rejected"],
+                         "reference_version": learning.reference_version(ledger),
+                         "regression_samples": regression[0], "regression_slices": regression[1]},
             "window": s.window.describe(),
             "window_open": w is not None,
             "tonight_done": ledger.night_done(w.night) if w else None,
@@ -52,6 +59,19 @@ def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:
         ledger.close()
 
 
+def _learning(info: dict[str, Any]) -> list[tuple[str, str]]:
+    """The regression set, the gate's reference, and the samples rejected nights gave back or set aside."""
+    if not info:
+        return []
+    ref = info["reference_version"]
+    out = [("regression set", f"{info['regression_samples']:,} samples from {info['regression_slices']:,} "
+                              "night/source slices"),
+           ("gate reference", f"v{ref:04d} (best promoted so far)" if ref else "the base model (none promoted yet)"),
+           ("rejected nights", f"{info['ever_rejected']:,} samples were in one; {info['set_aside']:,} set aside")]
+    out += [("  set aside", f"{n:,}: {why}") for why, n in sorted(info["set_aside_reasons"].items())][:5]
+    return out
+
+
 def render(info: dict[str, Any]) -> str:
     svc = info["in_service"]
     head = key_values([
@@ -60,6 +80,7 @@ def render(info: dict[str, Any]) -> str:
         ("adapter in service", f"{svc['name']} (promoted {svc['promoted']})" if svc else "none yet"),
         ("backlog", f"{info['backlog']['samples']:,} samples, {info['backlog']['tokens']:,} tokens"),
         ("samples", ", ".join(f"{k} {v:,}" for k, v in sorted(info["samples"].items())) or "none"),
+        *_learning(info.get("learning") or {}),
     ])
     cols = ("night", "status", "version", "trained_samples", "seconds", "started", "error")
     rows = [[r[c] for c in cols] for r in info["runs"]]

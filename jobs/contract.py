@@ -182,7 +182,8 @@ class GateCheck(BaseModel):
     """One rule's numbers and verdict, as written to the manifest and the log."""
 
     model_config = ConfigDict(extra="forbid")
-    name: str  # "<data>.<metric>"
+    name: str  # "<data>.<metric>", then " vs reference" / " vs base" when not against the adapter in service
+    against: Literal["service", "reference", "base"] = "service"  # whose figures `before` holds
     before: float | None
     after: float | None
     change: float | None  # after - before (positive: the metric went up)
@@ -197,6 +198,14 @@ class GateResult(BaseModel):
     passed: bool
     checks: list[GateCheck] = Field(default_factory=list)
     held_back: str | None = None  # passed, but not promoted (and why)
+    reference_version: int | None = None  # the best promoted version so far (None: the base model)
+    reference: str | None = None  # the anchor of the cumulative rules, in words
+    new_reference: bool = False  # the candidate, promoted, became the reference
+
+    def failed(self) -> str:
+        """The failed checks in a line (why a night was rejected)."""
+        return "; ".join(f"{c.name} {c.before:.4g} -> {c.after:.4g} ({c.rule})" if c.before is not None
+                         and c.after is not None else f"{c.name}: {c.skipped}" for c in self.checks if not c.passed)
 
 
 class HotswapOutcome(BaseModel):
@@ -212,7 +221,8 @@ class HotswapOutcome(BaseModel):
     detail: dict[str, Any] = Field(default_factory=dict)
 
 
-EvalMetrics = dict[str, float]  # loss, perplexity, accuracy (as measured)
+# loss, perplexity (over trained tokens), token_accuracy (reply tokens), exact_match (whole replies), samples
+EvalMetrics = dict[str, float]
 
 
 class RunSummary(BaseModel):
@@ -242,7 +252,11 @@ class RunSummary(BaseModel):
     trained_tokens: int = 0
     replay_samples: int = 0
     heldout_samples: int = 0
-    deferred_samples: int | None = None  # None: unknown (no plan was made)
+    deferred_samples: int | None = None  # None: unknown (no plan was made); includes samples cut by the trainer
+    cut_samples: int = 0  # new samples the trainer deferred whole when time ran short (of deferred_samples)
+    returned_samples: int = 0  # samples of a rejected night put back (to pending, or to 'rejected')
+    set_aside_samples: int = 0  # of those: rejected too often, set aside with their reason
+    regression_samples: int | None = None  # in the regression set after this run (None: unknown)
     backlog_samples: int | None = None  # None: unknown (a crash report)
     backlog_tokens: int | None = None
     steps: int | None = None
@@ -255,7 +269,9 @@ class RunSummary(BaseModel):
     load_info: dict[str, Any] = Field(default_factory=dict)  # backend's own figures (parameter counts, cache)
     # evaluation and publication
     losses: Losses = Field(default_factory=Losses)
-    metrics: dict[str, EvalMetrics | None] = Field(default_factory=dict)  # "<data>_<before|after>"
+    # "<data>_<stage>": stage before (adapter in service), after (candidate), reference, base
+    metrics: dict[str, EvalMetrics | None] = Field(default_factory=dict)
+    not_evaluated: dict[str, str] = Field(default_factory=dict)  # data set -> why it was not evaluated
     gate: GateResult | None = None
     hotswap: list[HotswapOutcome] = Field(default_factory=list)
     hotswap_error: str | None = None

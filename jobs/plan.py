@@ -9,15 +9,25 @@ Replay (against forgetting): `replay_share` of the night's training tokens are s
 already trained on earlier nights, mixed in with the new ones. New samples get
 (1 - replay_share) of the capacity; replay tokens then top the night up to the share
 (replay = new x share / (1 - share)), so a small night gets a small replay and the
-total still fits the capacity. Replay is chosen by a hash of (seed, sample hash):
-deterministic for a run, independent of the pool's order, and a sample's rank does not
-change when the pool grows. A night with no new sample trains nothing (no replay-only nights).
+total still fits the capacity. The choice is stratified by night and source, with a minimum
+per stratum, and seeded by the night (jobs/replay.py). A night with no new sample trains
+nothing (no replay-only nights).
+
+Held-out samples (kept out of training to measure each version on unseen data) are chosen by
+content hash among *all* pending samples, deferred ones included: with no backlog every such
+sample is held out tonight; under a backlog tonight takes its share of them (the share of the
+trainable backlog it trains, at least `min_heldout`) and leaves the rest for the nights that
+train the rest of the backlog, so every night has held-out data.
+
+When recent throughput measurements differ by more than 10 %, the plan uses a low quantile of
+them (`throughput_quantile`) instead of the median, and says so in its basis.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import statistics
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -25,6 +35,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jobs.contract import Plan
+from jobs.replay import choose_replay
 from jobs.store.ledger import SampleRow
 
 
@@ -39,10 +50,19 @@ class PlanConfig(BaseModel):
     safety_factor: float = Field(0.9, gt=0, le=1, description="plan for this share of the estimated capacity")
     max_samples: int | None = Field(None, ge=1)
     heldout_share: float = Field(0.05, ge=0, lt=1, description="share of new samples kept out for evaluation")
-    # 0.1: one token in ten revisits earlier nights' data, a common rehearsal ratio for continual
-    # fine-tuning; it costs 10% of the night's capacity. 0 turns replay off.
-    replay_share: float = Field(0.1, ge=0, le=0.9, description="share of the night's training tokens "
+    # 0.5: measured on the two-task chain (README, "Learning that holds"): 0.1 and 0.3 let a conflicting
+    # second task take the first one down to 12-75 % exact match; 0.5 kept it >= 92 % and learned the
+    # second as fast. It costs half of a night's capacity when there is a backlog. 0 turns replay off.
+    replay_share: float = Field(0.5, ge=0, le=0.9, description="share of the night's training tokens "
                                 "drawn from samples trained on earlier nights (against forgetting)")
+    replay_min_per_stratum: int = Field(2, ge=0, description="replayed samples per earlier night and source "
+                                        "at least (capacity allowing)")
+    throughput_quantile: float = Field(0.2, ge=0, le=0.5, description="when recent throughputs vary by more "
+                                       "than 10 %, plan with this quantile of them instead of the median")
+    rejected_samples: Literal["pending", "rejected"] = Field(
+        "pending", description="a rejected night's samples: back to pending (trained again), or to 'rejected' "
+        "(kept, never trained nor replayed)")
+    set_aside_after: int = Field(2, ge=1, description="a sample in this many rejected nights is set aside")
 
 
 def throughput_key(parts: dict[str, Any]) -> str:
@@ -56,6 +76,9 @@ def is_heldout(sample_hash: str, share: float) -> bool:
     return share > 0 and int(sample_hash[:8], 16) / 0xFFFFFFFF < share
 
 
+VARY = 0.10  # recent throughputs that differ by more than this (of their median) are not trusted to the median
+
+
 def estimate(history: list[Any], cfg: PlanConfig) -> tuple[float, float, str, bool]:
     """tokens/s, overhead seconds, basis text, measured? from throughput history rows (newest first)."""
     rows = history[: cfg.history_runs]
@@ -64,61 +87,62 @@ def estimate(history: list[Any], cfg: PlanConfig) -> tuple[float, float, str, bo
                 f"prior from config ({cfg.prior_tokens_per_second:g} tok/s, "
                 f"{cfg.prior_overhead_seconds:g} s overhead): nothing measured yet for this model/device/config",
                 False)
-    tps = statistics.median(float(r["tokens_per_second"]) for r in rows)
+    values = sorted(float(r["tokens_per_second"]) for r in rows)
+    tps = statistics.median(values)
     overheads = [float(r["overhead_seconds"]) for r in rows if r["overhead_seconds"] is not None]
     overhead = statistics.median(overheads) if overheads else cfg.prior_overhead_seconds
-    origins = sorted({str(r["origin"]) for r in rows})
-    return tps, overhead, f"measured: median of {len(rows)} ({', '.join(origins)}): {tps:,.0f} tok/s", True
+    origins = ", ".join(sorted({str(r["origin"]) for r in rows}))
+    spread = (values[-1] - values[0]) / tps if tps > 0 else 0.0
+    if len(values) > 1 and spread > VARY:
+        median, tps = tps, quantile(values, cfg.throughput_quantile)
+        return tps, overhead, (f"measured: {len(rows)} ({origins}) vary by {spread:.0%}: their "
+                               f"{cfg.throughput_quantile:.0%} quantile {tps:,.0f} tok/s (median {median:,.0f})"), True
+    return tps, overhead, f"measured: median of {len(rows)} ({origins}): {tps:,.0f} tok/s", True
 
 
-def replay_rank(seed: str, sample_hash: str) -> str:
-    return hashlib.sha256(f"{seed}:{sample_hash}".encode()).hexdigest()
-
-
-def choose_replay(pool: Sequence[SampleRow], budget_tokens: float, seed: str) -> list[SampleRow]:
-    """Samples of the pool in seeded-hash order, each taken if it still fits the budget."""
-    out: list[SampleRow] = []
-    tokens = 0
-    for s in sorted(pool, key=lambda s: replay_rank(seed, s.hash)):
-        if tokens + s.n_tokens <= budget_tokens:
-            out.append(s)
-            tokens += s.n_tokens
-        if budget_tokens - tokens < 1:
-            break
-    return sorted(out, key=lambda s: s.id)
+def quantile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default)."""
+    pos = q * (len(sorted_values) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 def make_plan(pending: list[SampleRow], *, now: float, deadline: float, history: list[Any], cfg: PlanConfig,
-              epochs: int, key: str, replay_pool: Sequence[SampleRow] = (), seed: str = "") -> Plan:
-    """`replay_pool`: samples trained on earlier nights (ledger.replay_pool()); `seed`: the run."""
+              epochs: int, key: str, replay_pool: Sequence[SampleRow] = (), seed: str = "",
+              min_heldout: int = 0) -> Plan:
+    """`replay_pool`: samples trained on earlier nights (jobs.store.learning.replay_pool); `seed`: the
+    night; `min_heldout`: held-out samples a night under a backlog takes at least (when there are)."""
     tps, overhead, basis, measured = estimate(history, cfg)
     available = max(0.0, deadline - now - overhead)
     total_capacity = available * tps * cfg.safety_factor / max(1, epochs)  # real tokens we may plan
     share = cfg.replay_share if replay_pool else 0.0
     capacity = total_capacity * (1 - share)  # what the new samples may take
+    candidates = [s for s in pending if is_heldout(s.hash, cfg.heldout_share)]
+    trainable = [s for s in pending if not is_heldout(s.hash, cfg.heldout_share)]
     train: list[int] = []
-    heldout: list[int] = []
     tokens = 0
-    cut = len(pending)
-    for i, s in enumerate(pending):
-        if cfg.max_samples is not None and len(train) >= cfg.max_samples:
-            cut = i
-            break
-        if is_heldout(s.hash, cfg.heldout_share):
-            heldout.append(s.id)
-            continue
-        if tokens + s.n_tokens > capacity:
+    cut = len(trainable)
+    for i, s in enumerate(trainable):
+        if (cfg.max_samples is not None and len(train) >= cfg.max_samples) or tokens + s.n_tokens > capacity:
             cut = i
             break
         train.append(s.id)
         tokens += s.n_tokens
-    rest = pending[cut:]
+    rest = trainable[cut:]
+    if rest:  # a backlog: tonight's share of the held-out candidates, the others wait for their nights
+        k = max(min_heldout, math.ceil(len(candidates) * len(train) / len(trainable))) if train else 0
+        heldout, rest = candidates[:k], rest + candidates[k:]
+    else:
+        heldout = candidates
     replay_budget = min(tokens * share / (1 - share), total_capacity - tokens) if train and share else 0.0
-    replay = choose_replay(replay_pool, replay_budget, seed) if replay_budget >= 1 else []
+    replay = (choose_replay(replay_pool, replay_budget, seed, min_per_stratum=cfg.replay_min_per_stratum,
+                            quota_cap=min(tokens, total_capacity - tokens))  # a quota never outweighs the new
+              if replay_budget >= 1 else [])
     replay_tokens = sum(s.n_tokens for s in replay)
     total = tokens + replay_tokens
     return Plan(
-        key=key, train_ids=train, heldout_ids=heldout, train_tokens=total,
+        key=key, train_ids=train, heldout_ids=[s.id for s in heldout], train_tokens=total,
         deferred_samples=len(rest), deferred_tokens=sum(s.n_tokens for s in rest),
         tokens_per_second=tps, overhead_seconds=overhead, available_seconds=available,
         predicted_train_seconds=total * max(1, epochs) / tps, epochs=max(1, epochs),

@@ -40,6 +40,12 @@ LAST_RUN_STEPS = "nightshift_last_run_steps"
 LAST_RUN_TOKENS_PER_SECOND = "nightshift_last_run_tokens_per_second"
 LAST_RUN_SAMPLES_PER_HOUR = "nightshift_last_run_samples_per_hour"
 LAST_RUN_LOSS = "nightshift_last_run_loss"
+# ---- what was learned (answer-level metrics of the gate's models) ----------------------------------
+LAST_RUN_EXACT_MATCH_RATIO = "nightshift_last_run_exact_match_ratio"
+LAST_RUN_TOKEN_ACCURACY_RATIO = "nightshift_last_run_token_accuracy_ratio"
+REGRESSION_SET_SAMPLES = "nightshift_regression_set_samples"
+SAMPLES_RETURNED_TOTAL = "nightshift_samples_returned_total"
+SAMPLES_SET_ASIDE_TOTAL = "nightshift_samples_set_aside_total"
 # ---- budget ----------------------------------------------------------------------------------------
 LAST_RUN_PREDICTED_TRAIN_SECONDS = "nightshift_last_run_predicted_train_seconds"
 LAST_RUN_ACTUAL_TRAIN_SECONDS = "nightshift_last_run_actual_train_seconds"
@@ -86,6 +92,9 @@ LOSS_LABELS = {
     "regression_before": ("regression", "before"),
     "regression_after": ("regression", "after"),
 }
+# RunSummary.metrics stage -> the `model` label of the answer-level series
+EVAL_MODELS = {"before": "service", "after": "candidate", "reference": "reference", "base": "base"}
+EVAL_DATA = ("heldout", "regression")
 # minutes to hours: a skipped night takes seconds, a full window up to ~8 h
 RUN_DURATION_BUCKETS = (30, 60, 300, 600, 1200, 1800, 3600, 5400, 7200, 10800, 14400, 21600, 28800, 43200)
 
@@ -134,6 +143,14 @@ SPECS: tuple[Spec, ...] = (
         "(the candidate; for train, the run's mean training loss).",
         ("kind", "stage"),
     ),
+    # what was learned
+    Spec(LAST_RUN_EXACT_MATCH_RATIO, G, "Share of replies the model gets exactly right (teacher-forced), last run: "
+         "data=heldout|regression, model=service|candidate|reference|base.", ("data", "model")),
+    Spec(LAST_RUN_TOKEN_ACCURACY_RATIO, G, "Share of reply tokens (template markers excluded) the model predicts, "
+         "last run: data=heldout|regression, model=service|candidate|reference|base.", ("data", "model")),
+    Spec(REGRESSION_SET_SAMPLES, G, "Samples in the regression set (earlier promoted nights' held-out samples)."),
+    Spec(SAMPLES_RETURNED_TOTAL, C, "Samples of rejected nights put back (to pending, or kept out as rejected)."),
+    Spec(SAMPLES_SET_ASIDE_TOTAL, C, "Samples set aside after too many rejected nights."),
     # budget
     Spec(LAST_RUN_PREDICTED_TRAIN_SECONDS, G, "Train seconds the plan predicted for the last run."),
     Spec(LAST_RUN_ACTUAL_TRAIN_SECONDS, G, "Train seconds the last run actually took."),

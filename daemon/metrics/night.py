@@ -61,6 +61,8 @@ ZERO_AT_START = (
     m.DUPLICATE_SAMPLES_TOTAL,
     m.ADAPTER_VERSIONS_PUBLISHED_TOTAL,
     m.RUN_IN_PROGRESS,
+    m.SAMPLES_RETURNED_TOTAL,
+    m.SAMPLES_SET_ASIDE_TOTAL,
 )
 COMPLETED = (Outcome.succeeded, Outcome.rejected)  # an interrupted run's time says nothing of the plan
 
@@ -233,6 +235,7 @@ class NightshiftMetrics:
         v.clear(m.LAST_RUN_LOSS)
         for field, (kind, stage) in m.LOSS_LABELS.items():
             v.set(m.LAST_RUN_LOSS, getattr(s.losses, field), kind=kind, stage=stage)
+        self._answers(s)
         predicted, actual = s.predicted_train_seconds, s.actual_train_seconds
         completed = s.outcome in COMPLETED
         v.set(m.LAST_RUN_PREDICTED_TRAIN_SECONDS, predicted)
@@ -256,6 +259,21 @@ class NightshiftMetrics:
             v.inc(m.ADAPTER_VERSIONS_PUBLISHED_TOTAL)
         if s.promoted and version is not None:
             self.set_adapter_in_service(version, s.version_name or str(version), s.base_model)
+
+    def _answers(self, s: RunSummary) -> None:
+        """Exact match and reply token accuracy of every model the gate compared; rejected nights' samples."""
+        v = self.values
+        v.clear(m.LAST_RUN_EXACT_MATCH_RATIO)
+        v.clear(m.LAST_RUN_TOKEN_ACCURACY_RATIO)
+        for stage, model in m.EVAL_MODELS.items():
+            for data in m.EVAL_DATA:
+                figures = s.metrics.get(f"{data}_{stage}") or {}
+                v.set(m.LAST_RUN_EXACT_MATCH_RATIO, _num(figures.get("exact_match")), data=data, model=model)
+                v.set(m.LAST_RUN_TOKEN_ACCURACY_RATIO, _num(figures.get("token_accuracy")), data=data, model=model)
+        v.inc(m.SAMPLES_RETURNED_TOTAL, s.returned_samples)
+        v.inc(m.SAMPLES_SET_ASIDE_TOTAL, s.set_aside_samples)
+        if s.regression_samples is not None:
+            v.set(m.REGRESSION_SET_SAMPLES, s.regression_samples)
 
     def _summary_gpu(self, gpu: GpuSummary | None, tokens: int) -> None:
         v = self.values

@@ -18,6 +18,9 @@ class TokenizedSample:
     sample_id: int
     input_ids: list[int]
     labels: list[int]  # IGNORE_INDEX where not trained on
+    # True where a trained token is the reply's own text, False for the template's markers around it
+    # (end of turn, newline): what answer-level metrics count. None: every trained token is reply.
+    reply_mask: list[bool] | None = None
 
     @property
     def n_tokens(self) -> int:

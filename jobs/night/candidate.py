@@ -2,24 +2,24 @@
 
 Kept apart from intake (pull, plan) so that those never import torch. A run killed while
 training resumes from its last checkpoint; the "before" evaluation of an interrupted attempt is
-kept next to the checkpoints, so the candidate is always judged against the adapter it started from.
+kept next to the checkpoints, so the candidate is always judged against the adapter it started from
+(what is measured, under which models: jobs/night/measure.py).
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import structlog
 
-from jobs import evaluate
 from jobs.contract import ChildEvent, EvalMetrics, Phase, ProgressEvent, StepShape
 from jobs.data.batching import TokenizedSample
 from jobs.data.render import tokenize_record
 from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun
+from jobs.night.measure import EvalSets, build_sets, measure_all
 from jobs.training.checkpoints import latest_checkpoint
 from jobs.training.load import Loaded, load_for_training
 from jobs.training.loop import TrainResult, train
@@ -38,9 +38,9 @@ class Prepared:
     train_set: list[TokenizedSample]  # plan order: replay mixed in
     replay_ids: set[int]  # trained again, never re-marked
     heldout_ids: list[int]
-    heldout: list[TokenizedSample]
-    regression: list[TokenizedSample]
+    sets: EvalSets  # held-out and regression samples, the reference version
     resume: Path | None  # the checkpoint this attempt continues from
+    slices: dict[str, dict[str, Any]] = field(default_factory=dict)  # regression slice -> stage -> metrics
 
 
 def load_model_and_data(ctx: RunContext, planned: PlannedRun) -> Prepared:
@@ -60,37 +60,23 @@ def load_model_and_data(ctx: RunContext, planned: PlannedRun) -> Prepared:
             loaded=loaded, shape=shape,
             train_set=[tokenize_record(tok, r.id, r.record, **tk) for r in ledger.samples_by_id(train_ids)],
             replay_ids={sid for sid, role in planned.roles if role == "replay"},
-            heldout_ids=heldout_ids,
-            heldout=[tokenize_record(tok, r.id, r.record, **tk)
-                     for r in ledger.samples_by_id(heldout_ids[: cfg.eval.max_eval_samples])],
-            regression=(evaluate.load_regression_set(cfg.eval.regression_set, tok, limit=cfg.eval.max_eval_samples,
-                                                     max_seq_length=cfg.train.max_seq_length,
-                                                     cache_dir=ctx.state / "cache" / "datasets")
-                        if cfg.eval.regression_set else []),
-            resume=resume)
+            heldout_ids=heldout_ids, sets=build_sets(ctx, tok, heldout_ids, planned.parent), resume=resume)
     ctx.summary.load_info, ctx.summary.step_shape = loaded.info, shape
     return prepared
 
 
 def evaluate_candidate(ctx: RunContext, prep: Prepared, when: Literal["before", "after"]) -> Measured:
-    """Held-out and regression metrics of the model as it is now: the adapter in service before
-    training, the candidate after. "before" is measured once per run (kept across attempts)."""
-    kept = ctx.checkpoints / "before.json"
+    """Held-out and regression metrics: of the adapter in service, the base and the reference before
+    training (measured once per run, kept across attempts); of the candidate after."""
     with ctx.phase(Phase.evaluate):
-        if when == "before" and kept.exists():
-            measured: Measured = json.loads(kept.read_text())
-        else:
-            kw = {"pad_id": prep.loaded.tokenizer.pad_token_id, "device": prep.loaded.device,
-                  "max_tokens_per_batch": ctx.cfg.eval.max_tokens_per_batch}
-            measured = {f"heldout_{when}": evaluate.eval_metrics(prep.loaded.model, prep.heldout, **kw),
-                        f"regression_{when}": evaluate.eval_metrics(prep.loaded.model, prep.regression, **kw)}
-            if when == "before":
-                kept.parent.mkdir(parents=True, exist_ok=True)
-                kept.write_text(json.dumps(measured))
+        measured, slices = measure_all(ctx, prep.loaded, prep.sets, when)
+    for name, stages in slices.items():
+        prep.slices.setdefault(name, {}).update(stages)
     s = ctx.summary
     s.metrics.update(measured)
     for k, m in measured.items():
-        setattr(s.losses, k, (m or {}).get("loss"))
+        if k.endswith(("_before", "_after")):
+            setattr(s.losses, k, (m or {}).get("loss"))
     return measured
 
 
@@ -104,6 +90,8 @@ def train_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun) -> Tra
     s = ctx.summary
     s.trained_samples = sum(1 for i in result.trained_ids if i not in prep.replay_ids)
     s.replay_samples = len(result.trained_ids) - s.trained_samples
+    s.cut_samples = sum(1 for i in result.cut_ids + result.partial_ids if i not in prep.replay_ids)
+    s.deferred_samples = (s.deferred_samples or 0) + s.cut_samples
     s.trained_tokens, s.steps, s.actual_train_seconds, s.stopped = (result.tokens, result.steps, result.seconds,
                                                                     result.stopped)
     s.losses.train = result.mean_loss

@@ -11,6 +11,7 @@ from jobs import plan as budget
 from jobs.contract import Phase, Plan, PlanEvent, version_name
 from jobs.data.pull import PullResult, Quarantine, pull
 from jobs.night.context import RunContext
+from jobs.store import learning
 
 log = structlog.get_logger("nightshift.night")
 
@@ -54,8 +55,8 @@ def plan_night(ctx: RunContext, *, key: str, backend: str, device: str) -> Plann
         else:
             plan = budget.make_plan(ledger.pending(order=cfg.plan.order), now=ctx.clock(), deadline=ctx.deadline,
                                     history=ledger.throughput_history(key, cfg.plan.history_runs), cfg=cfg.plan,
-                                    epochs=cfg.train.epochs, key=key, replay_pool=ledger.replay_pool(),
-                                    seed=ctx.run_id)
+                                    epochs=cfg.train.epochs, key=key, replay_pool=learning.replay_pool(ledger),
+                                    seed=ctx.night, min_heldout=cfg.eval.min_eval_samples)
             plan = plan.model_copy(update={"version": ledger.next_version(),
                                            "parent_version": ctx.registry.current_version(),
                                            "backend": backend, "device": device})

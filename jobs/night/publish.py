@@ -1,5 +1,11 @@
 """The night's last steps: judge the candidate, publish it as an immutable version, announce it.
 
+A promoted night's samples are marked trained and its held-out samples join the regression set;
+the candidate becomes the gate's reference when it is at least as good as the reference was. A
+rejected night's samples were never learned by the adapter in service: they go back to pending
+(or to 'rejected'), counted, and a sample rejected too often is set aside with its reasons; none
+of them is ever replayed. Both keep the night's loss curve (ledger, manifest `loss_curve`).
+
 Crash safety:
 - killed after the version directory was renamed but before the ledger recorded it: that
   directory was never recorded nor served, so it is replaced on the rerun;
@@ -33,6 +39,7 @@ from jobs.gpu import energy_fields
 from jobs.night.candidate import Prepared
 from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun
+from jobs.store import learning
 from jobs.store.adapters import announce
 from jobs.store.locking import StateLock
 from jobs.training.loop import TrainResult
@@ -40,8 +47,12 @@ from jobs.training.loop import TrainResult
 log = structlog.get_logger("nightshift.night")
 
 
-def judge(ctx: RunContext) -> GateResult:
-    verdict = evaluate.gate(ctx.summary.losses, ctx.cfg.eval, ctx.summary.metrics)
+def judge(ctx: RunContext, prep: Prepared | None = None) -> GateResult:
+    verdict = evaluate.gate(ctx.summary.losses, ctx.cfg.eval, ctx.summary.metrics,
+                            not_evaluated=ctx.summary.not_evaluated)
+    ref = prep.sets.reference if prep is not None else None
+    verdict.reference_version = ref
+    verdict.reference = f"v{ref} (the best promoted version so far)" if ref else "the base model (none promoted yet)"
     log.info("gate", passed=verdict.passed, checks=[c.model_dump() for c in verdict.checks])
     ctx.summary.gate = verdict
     return verdict
@@ -59,6 +70,7 @@ def publish_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun, resu
     cfg, ledger, registry, s = ctx.cfg, ctx.ledger, ctx.registry, ctx.summary
     new_ids = [i for i in result.trained_ids if i not in prep.replay_ids]
     replayed = [i for i in result.trained_ids if i in prep.replay_ids]
+    partial = [i for i in result.partial_ids if i not in prep.replay_ids]  # stay pending either way
     ctx.stop_gpu()  # the version's energy: load, train and evaluate
     with ctx.phase(Phase.publish), StateLock(ctx.state / "lock", what="publish"):
         registry.clean_stale()
@@ -74,16 +86,30 @@ def publish_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun, resu
             shutil.rmtree(final)
         tmp = registry.new_tmp_dir(version_name(cfg.model.name, planned.version))
         prep.loaded.model.save_pretrained(str(tmp))
+        verdict.new_reference = passed and evaluate.at_least_as_good(s.metrics.get("regression_after"),
+                                                                     s.metrics.get("regression_reference"))
         manifest = _manifest(ctx, prep, planned, result, new_ids, replayed, passed)
         path = registry.publish(tmp, cfg.model.name, planned.version, manifest)
         with ledger.tx() as c:
             ledger.set_version(c, planned.version, status="promoted" if passed else "rejected", path=str(path),
                                manifest=manifest, promoted=passed)
-            ledger.mark_trained(c, new_ids, planned.version)
-            ledger.mark_heldout(c, prep.heldout_ids, planned.version)
+            learning.record_loss_curve(c, ctx.run_id, result.loss_curve)
             if passed:
+                ledger.mark_trained(c, new_ids, planned.version)
+                ledger.mark_heldout(c, prep.heldout_ids, planned.version)
+                learning.add_regression_slices(ledger, c, ledger.samples_by_id(prep.heldout_ids), night=ctx.night,
+                                               version=planned.version, per_slice=cfg.eval.regression_per_slice)
                 ledger.record_promotion(c, planned.version, action="night", from_version=in_service,
                                         run_id=ctx.run_id)
+                if verdict.new_reference:
+                    learning.set_reference(ledger, c, planned.version, run_id=ctx.run_id,
+                                           detail={"regression": s.metrics.get("regression_after")})
+            else:
+                s.returned_samples, s.set_aside_samples = learning.return_rejected(
+                    ledger, c, new_ids + partial + prep.heldout_ids, version=planned.version,
+                    reason=verdict.held_back or verdict.failed() or "rejected", mode=cfg.plan.rejected_samples,
+                    set_aside_after=cfg.plan.set_aside_after, count=verdict.held_back is None)
+            s.regression_samples = learning.regression_size(ledger)[0]
         if passed:
             registry.promote(path)
     s.promoted, s.adapter_path = passed, str(path)
@@ -112,10 +138,12 @@ def _manifest(ctx: RunContext, prep: Prepared, planned: PlannedRun, result: Trai
                      **result.detail, **prep.loaded.info},
         "losses": s.losses.model_dump(), "metrics": s.metrics,
         "gate": s.gate.model_dump() if s.gate else None, "promoted": promoted,
+        "not_evaluated": s.not_evaluated, "regression_slices": prep.slices,
+        "loss_curve": loss_curve_points(result.loss_curve),
         "phase_seconds": s.phase_seconds,
         "plan": {"predicted_train_seconds": p.predicted_train_seconds, "tokens_per_second": p.tokens_per_second,
                  "basis": p.basis, "train_tokens": p.train_tokens, "deferred_samples": p.deferred_samples},
-        "replay_share": cfg.plan.replay_share,
+        "replay_share": cfg.plan.replay_share, "cut_samples": s.cut_samples,
         "config": cfg.model_dump(mode="json"),
     }
 
@@ -174,6 +202,20 @@ def _moved_on(ctx: RunContext, version: int) -> bool:
     transaction as the version): leave `current` where the operator put it."""
     history = ctx.ledger.promotions()
     return bool(history) and int(history[-1]["version"]) != version
+
+
+MAX_CURVE_POINTS = 5000  # beyond, the manifest's curve averages buckets of steps (the ledger keeps every step)
+
+
+def loss_curve_points(curve: list[tuple[int, float]]) -> list[dict[str, float | int]]:
+    """The manifest's `loss_curve`: [{"step": int, "loss": float}], every step up to MAX_CURVE_POINTS;
+    longer runs average consecutive steps (each point at the bucket's last step)."""
+    k = max(1, -(-len(curve) // MAX_CURVE_POINTS))
+    out: list[dict[str, float | int]] = []
+    for i in range(0, len(curve), k):
+        bucket = curve[i : i + k]
+        out.append({"step": int(bucket[-1][0]), "loss": sum(v for _, v in bucket) / len(bucket)})
+    return out
 
 
 def data_fingerprint(hashes: list[str]) -> str:

@@ -84,7 +84,7 @@ def _steps(ctx: RunContext) -> None:
         ctx.finish("skipped", "the deadline left no time for a single step")
         return
     evaluate_candidate(ctx, prep, "after")
-    published = publish_candidate(ctx, prep, planned, result, judge(ctx))
+    published = publish_candidate(ctx, prep, planned, result, judge(ctx, prep))
     if published.promoted:
         announce_version(ctx, published.version, published.path)
     close_run(ctx, planned, result, published)

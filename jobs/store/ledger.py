@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.contract import CalibrationRecord, HotswapOutcome, Plan, RunSummary
+from jobs.store import learning_schema
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -81,6 +82,7 @@ class SampleRow:
     record: dict[str, Any]
     n_tokens: int
     source: str
+    version: int | None = None  # the version that trained it (the replay pool's strata)
 
 
 class Ledger:
@@ -94,6 +96,7 @@ class Ledger:
         self.db.execute("PRAGMA synchronous=FULL")  # a committed 'trained' must survive power loss
         self.db.execute("PRAGMA foreign_keys=ON")
         self.db.executescript(SCHEMA)
+        learning_schema.apply(self.db)  # issue 12: statuses rejected/set_aside, regression set, loss curves
 
     def close(self) -> None:
         self.db.close()

@@ -4,6 +4,13 @@ BPE tokenizer trained on the shipped sample data.
 It exercises the exact code path of a real local Hugging Face model directory
 (config.json, safetensors, tokenizer.json with a chat template) with nothing
 downloaded, so a fresh CPU machine can run a whole night in about a minute.
+
+A model that can learn: LoRA trains the attention and MLP layers, never the output layer, so
+the output layer is initialised at a scale where one token can take nearly all the probability
+(std 1.5/sqrt(hidden) instead of 0.02). With the usual 0.02 the logits of a 128-wide model stay
+within a few units whatever the hidden state, every token's probability is capped near 0.7 % and
+no loss falls below ~5.1 nats, so a task learned to 99 % exact match still read as loss 5.16.
+With this scale a learned answer's loss falls to ~0.02 and the gate's loss figures mean something.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ TINY_LLAMA = {  # ~1.3 M parameters: seconds per epoch of the sample data on 2 C
     "rms_norm_eps": 1e-5,
     "tie_word_embeddings": False,
 }
+# output layer init: logit of token t = w_t . h with |h| ~ sqrt(hidden) after the final norm; rows of
+# norm ~1.5 let an aligned hidden state give one token a logit ~17 against N(0, 1.5) for the rest
+OUTPUT_INIT_SCALE = 1.5
 
 
 def texts_for_tokenizer(paths: Iterable[Path]) -> list[str]:
@@ -100,6 +110,8 @@ def build_tiny_llama(out_dir: Path, corpus_files: Iterable[Path], *, seed: int =
             pad_token_id=tok.pad_token_id,
         )
         model = LlamaForCausalLM(cfg)
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0.0, OUTPUT_INIT_SCALE / TINY_LLAMA["hidden_size"] ** 0.5)
         model.save_pretrained(tmp)
         fsync_tree(tmp)
         if out_dir.exists():

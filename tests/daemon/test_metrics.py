@@ -398,3 +398,22 @@ def test_no_metric_name_is_written_outside_the_catalogue() -> None:
         if literal.search(line)
     ]
     assert not found, found
+
+
+def test_what_was_learned_and_rejected_nights_samples_become_series(reg: CollectorRegistry) -> None:
+    m = NightshiftMetrics(reg)
+    assert val(reg, catalog.SAMPLES_RETURNED_TOTAL) == 0 and val(reg, catalog.SAMPLES_SET_ASIDE_TOTAL) == 0
+    m.on_summary(summary())
+    em, acc = catalog.LAST_RUN_EXACT_MATCH_RATIO, catalog.LAST_RUN_TOKEN_ACCURACY_RATIO
+    assert val(reg, em, data="regression", model="service") == 0.9
+    assert val(reg, em, data="regression", model="candidate") == 0.925
+    assert val(reg, em, data="regression", model="reference") == 0.9
+    assert val(reg, em, data="regression", model="base") == 0.0
+    assert val(reg, acc, data="heldout", model="candidate") == 0.8
+    assert val(reg, em, data="heldout", model="reference") is None  # not measured: absent, not 0
+    assert val(reg, catalog.REGRESSION_SET_SAMPLES) == 40
+    assert val(reg, catalog.SAMPLES_RETURNED_TOTAL) == 12 and val(reg, catalog.SAMPLES_SET_ASIDE_TOTAL) == 3
+    m.on_summary(summary(run_id="next", outcome="skipped", metrics={}, returned_samples=0, set_aside_samples=0,
+                         regression_samples=None))
+    assert val(reg, em, data="regression", model="candidate") is None  # the last run measured nothing
+    assert val(reg, catalog.SAMPLES_RETURNED_TOTAL) == 12 and val(reg, catalog.REGRESSION_SET_SAMPLES) == 40

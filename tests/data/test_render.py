@@ -38,3 +38,15 @@ def test_truncation_that_leaves_no_answer_is_rejected(tokenizer):
     rec = {"messages": [{"role": "user", "content": "long " * 100}, {"role": "assistant", "content": "ok"}]}
     with pytest.raises(RecordError):
         tokenize_record(tokenizer, 1, rec, max_seq_length=16, overlong="truncate")
+
+
+def test_the_reply_mask_marks_the_replies_own_tokens_not_the_templates_markers(tokenizer):
+    rec = {"messages": [{"role": "user", "content": "Capital of Norway?"},
+                        {"role": "assistant", "content": "Oslo"}, {"role": "user", "content": "And Peru?"},
+                        {"role": "assistant", "content": "Lima."}]}
+    s = tokenize_record(tokenizer, 1, rec, max_seq_length=256)
+    reply = tokenizer.decode([i for i, r in zip(s.input_ids, s.reply_mask, strict=True) if r])
+    assert reply == "OsloLima." and trained_text(tokenizer, s) == "Oslo<|end|>\nLima.<|end|>\n"
+    assert all(lab != IGNORE_INDEX for lab, r in zip(s.labels, s.reply_mask, strict=True) if r)
+    text = tokenize_record(tokenizer, 1, {"text": "hello world"}, max_seq_length=256)
+    assert text.reply_mask[1:] == [True] * (text.n_tokens - 2) + [False]  # the appended end-of-sequence is not

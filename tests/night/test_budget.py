@@ -21,7 +21,7 @@ def test_prior_when_nothing_measured_and_says_so():
 
 def test_measured_history_median_and_epochs():
     cfg = PlanConfig(heldout_share=0, safety_factor=1)
-    history = [hist(1000, 100), hist(50, 100), hist(200, 300)]  # median 200 tok/s, 100 s overhead
+    history = [hist(205, 100), hist(195, 100), hist(200, 300)]  # within 10 %: median 200 tok/s, 100 s overhead
     tps, overhead, basis, measured = estimate(history, cfg)
     assert (tps, overhead, measured) == (200, 100, True) and "median of 3" in basis
     p = make_plan(rows(100), now=0, deadline=600, history=history, cfg=cfg, epochs=2, key="k")
@@ -47,3 +47,35 @@ def test_no_time_left_defers_everything():
 
 def test_heldout_share_zero():
     assert not is_heldout("ffffffff", 0)
+
+
+def test_throughputs_that_vary_plan_with_a_low_quantile_and_say_so():
+    cfg = PlanConfig(heldout_share=0, safety_factor=1, history_runs=5)
+    history = [hist(1000, 0), hist(400, 0), hist(900, 0), hist(950, 0), hist(1000, 0)]  # median 950, spread 63 %
+    tps, _, basis, measured = estimate(history, cfg)
+    assert measured and tps == 400 + (900 - 400) * 0.8  # the 20 % quantile of 400, 900, 950, 1000, 1000
+    assert "vary by 63%" in basis and "20% quantile 800 tok/s (median 950)" in basis
+    assert estimate(history, PlanConfig(throughput_quantile=0.5, history_runs=5))[0] == 950
+
+
+def test_heldout_comes_from_the_whole_backlog_so_every_night_has_some():
+    """A backlog: each night trains its share and holds out in proportion, from all pending samples
+    (deferred included); the held-out candidates it does not take wait for the following nights."""
+    cfg = PlanConfig(heldout_share=0.1, safety_factor=1, prior_tokens_per_second=100, prior_overhead_seconds=0)
+    pending = rows(1000)
+    candidates = [s.id for s in pending if is_heldout(s.hash, 0.1)]
+    nights = []
+    while pending:
+        p = make_plan(pending, now=0, deadline=50, history=[], cfg=cfg, epochs=1, key="k", min_heldout=3)
+        if not p.train_ids:
+            break
+        nights.append(p)
+        done = set(p.train_ids) | set(p.heldout_ids)
+        pending = [s for s in pending if s.id not in done]
+    assert len(nights) >= 10 and all(len(p.train_ids) == 50 for p in nights[:-1])
+    # each night holds out its share of the candidates (~50 trained of ~900 trainable: ~6 of 100); the last the rest
+    assert all(4 <= len(p.heldout_ids) <= 7 for p in nights), [len(p.heldout_ids) for p in nights]
+    taken = [i for p in nights for i in p.heldout_ids]
+    assert sorted(taken) == sorted(candidates) and len(set(taken)) == len(taken)
+    small = make_plan(rows(1000), now=0, deadline=5, history=[], cfg=cfg, epochs=1, key="k", min_heldout=3)
+    assert len(small.train_ids) == 5 and len(small.heldout_ids) == 3  # at least min_heldout

@@ -17,7 +17,7 @@ def ledger_of(cfg):
 
 def test_two_nights_quarantine_publish_continue_and_load(night_env, tiny_model):
     inbox, make = night_env
-    cfg = make()
+    cfg = make(eval={"min_eval_samples": 1})  # 3 held-out samples: evaluate them anyway
     write_jsonl(inbox / "good.jsonl", [alpaca(i) for i in range(40)])
     write_jsonl(inbox / "bad.jsonl", [alpaca(100), "{oops", {"instruction": "no output"}])
     s1 = run(cfg)

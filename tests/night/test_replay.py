@@ -40,7 +40,7 @@ def plan(pending=NEW, pool=POOL, *, share=0.2, deadline=100.0, epochs=1, seed="r
 
 
 def test_default_share_is_documented_and_bounded():
-    assert PlanConfig().replay_share == 0.1
+    assert PlanConfig().replay_share == 0.5  # measured: README, "Learning that holds night after night"
     with pytest.raises(ValueError):
         PlanConfig(replay_share=1.0)
 
@@ -113,3 +113,69 @@ def test_ledger_pool_roles_and_replayed_samples_stay_in_their_version(tmp_path: 
         led.mark_trained(c, [1], version=2)  # even if it were passed, a trained sample is never re-marked
     versions = dict(led.db.execute("SELECT id, version FROM samples WHERE status='trained'").fetchall())
     assert versions == {1: 1, 2: 1, 3: 1, 4: 2, 5: 2}
+
+
+# ---- stratified by night and source -------------------------------------------------------------
+def strata_pool() -> list[SampleRow]:
+    """Night 1 trained 400 samples of source a, night 2 50 of a and 50 of b, night 3 4 of a."""
+    out, i = [], 5000
+    for version, source, n in ((1, "a", 400), (2, "a", 50), (2, "b", 50), (3, "a", 4)):
+        for _ in range(n):
+            out.append(SampleRow(i, f"{i * 2654435761 % 2**32:08x}" + "0" * 56, {}, 10, source, version))
+            i += 1
+    return out
+
+
+def test_replay_gives_every_earlier_night_and_source_its_turn():
+    from collections import Counter
+
+    from jobs.replay import choose_replay
+
+    pool = strata_pool()
+    picked = choose_replay(pool, 400, "2026-12-01")  # 40 samples of 10 tokens
+    by = Counter((s.version, s.source) for s in picked)
+    assert sum(by.values()) == 40
+    assert by[(3, "a")] == 4  # the small night is replayed whole
+    assert by[(1, "a")] == by[(2, "a")] == by[(2, "b")] == 12  # the rest shared evenly, not 400 : 50 : 50
+    uniform_share = 400 / len(pool)  # what a uniform draw would have given night 1: 79 %
+    assert by[(1, "a")] / 40 < uniform_share / 2
+
+
+def test_a_minimum_per_stratum_raises_a_small_budget_up_to_its_cap():
+    from jobs.replay import choose_replay
+
+    pool = strata_pool()
+    assert len(choose_replay(pool, 20, "n")) == 2  # 20 tokens: two samples
+    quota = choose_replay(pool, 20, "n", min_per_stratum=2, quota_cap=1000)
+    assert len(quota) == 8 and {(s.version, s.source) for s in quota} == {(1, "a"), (2, "a"), (2, "b"), (3, "a")}
+    assert len(choose_replay(pool, 20, "n", min_per_stratum=2, quota_cap=50)) == 5  # the cap wins
+
+
+def test_replay_is_seeded_by_the_night_not_the_run():
+    from jobs.replay import choose_replay
+
+    pool = strata_pool()
+    shuffled = list(pool)
+    random.Random(3).shuffle(shuffled)
+    a = [s.id for s in choose_replay(pool, 300, "2026-12-01")]
+    assert a == [s.id for s in choose_replay(shuffled, 300, "2026-12-01")]  # same night, any pool order
+    assert a != [s.id for s in choose_replay(pool, 300, "2026-12-02")]
+    cfg = PlanConfig(prior_tokens_per_second=100, prior_overhead_seconds=0, safety_factor=1, heldout_share=0)
+    plans = [make_plan(NEW[:20], now=0, deadline=1e6, history=[], cfg=cfg, epochs=1, key="k", replay_pool=pool,
+                       seed="2026-12-01") for _ in range(2)]
+    assert plans[0].replay_ids == plans[1].replay_ids and plans[0].replay_tokens == 2000  # share 0.5: as much as new
+
+
+def test_the_pool_leaves_out_samples_of_rejected_versions(tmp_path: Path):
+    from jobs.store import learning
+
+    led = Ledger(tmp_path / "ledger.sqlite")
+    with led.tx() as c:
+        for i in range(6):
+            led.add_sample(c, hash=f"{i:064x}", source="s", file_id=1, line=i, record={"text": f"t{i}"}, n_tokens=10)
+        led.mark_trained(c, [1, 2], version=1)
+        led.mark_trained(c, [3, 4], version=2)
+    for v, status in ((1, "promoted"), (2, "rejected")):
+        led.db.execute("INSERT INTO versions (version, name, status, created_at) VALUES (?,?,?,0)",
+                       (v, f"t-v{v:04d}", status))
+    assert [(s.id, s.version) for s in learning.replay_pool(led)] == [(1, 1), (2, 1)]

@@ -1,0 +1,161 @@
+"""What the gate reads: the night's evaluation sets, measured under every model it compares.
+
+Sets: `heldout` (tonight's new samples kept out of training) and `regression` (the held-out slices
+of earlier promoted nights from the ledger, round-robin under `max_eval_samples`, plus the optional
+fixed `[eval] regression_set` file as slice "file"). A set with fewer than `min_eval_samples`
+samples is not evaluated, and says why.
+
+Models (the stage names of the metrics "<data>_<stage>"): `before` (the adapter in service),
+`base` (its adapter disabled), `reference` (the best promoted version so far: its weights loaded
+into the adapter for the measurement, then the service's put back; the base while there is none),
+then `after` (the candidate). Everything measured before training is kept next to the checkpoints,
+so a resumed night is judged against what it started from.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+
+from jobs import evaluate
+from jobs.data.batching import TokenizedSample
+from jobs.data.render import tokenize_record
+from jobs.night.context import RunContext
+from jobs.store import learning
+
+log = structlog.get_logger("nightshift.night")
+Measured = dict[str, dict[str, float] | None]
+FILE_SLICE = "file"
+
+
+@dataclass
+class EvalSets:
+    heldout: list[TokenizedSample]
+    regression: list[TokenizedSample]
+    slices: dict[int, str] = field(default_factory=dict)  # regression sample id -> "<night>/<source>" | "file"
+    reference: int | None = None  # the reference version (None: the base model)
+    reference_path: Path | None = None
+    service: int | None = None  # the version in service the candidate was trained from
+
+
+def build_sets(ctx: RunContext, tokenizer: Any, heldout_ids: list[int], parent: int | None) -> EvalSets:
+    cfg, ledger = ctx.cfg, ctx.ledger
+    tk = {"max_seq_length": cfg.train.max_seq_length, "overlong": "truncate"}
+    cap = cfg.eval.max_eval_samples
+    heldout = [tokenize_record(tokenizer, r.id, r.record, **tk) for r in ledger.samples_by_id(heldout_ids[:cap])]
+    picked = learning.regression_ids(ledger, cap)
+    slices = dict(picked)
+    regression = [tokenize_record(tokenizer, r.id, r.record, **tk)
+                  for r in ledger.samples_by_id([sid for sid, _ in picked])]
+    if cfg.eval.regression_set:
+        extra = evaluate.load_regression_set(cfg.eval.regression_set, tokenizer, limit=cap,
+                                             max_seq_length=cfg.train.max_seq_length,
+                                             cache_dir=ctx.state / "cache" / "datasets")
+        regression += extra
+        slices.update({s.sample_id: FILE_SLICE for s in extra})
+    ref = learning.reference_version(ledger)
+    ref_path = ctx.registry.path_of(cfg.model.name, ref) if ref is not None else None
+    if ref_path is not None and not (ref_path / "adapter_model.safetensors").is_file():
+        log.warning("reference_not_on_disk", version=ref, note="the base model serves as the reference")
+        ref, ref_path = None, None
+    return EvalSets(heldout, regression, slices, ref, ref_path, parent)
+
+
+def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
+                when: Literal["before", "after"]) -> tuple[Measured, dict[str, dict[str, Any]]]:
+    """The metrics of `when`'s models and the regression slices' figures ({slice: {stage: metrics}})."""
+    kept = ctx.checkpoints / "before.json"
+    if when == "before" and kept.exists():
+        saved = json.loads(kept.read_text())
+        ctx.summary.not_evaluated.update(saved.get("not_evaluated", {}))
+        sets.reference = saved.get("reference")
+        return saved["metrics"], saved["slices"]
+    sized = _sized(ctx, {"heldout": sets.heldout, "regression": sets.regression})
+    model = loaded.model
+    measured: Measured = {}
+    slices: dict[str, dict[str, Any]] = {}
+
+    def run(stage: str) -> None:
+        for data, samples in sized.items():
+            scores = _scores(ctx, loaded, samples)
+            measured[f"{data}_{stage}"] = evaluate.summarize(scores.values()) if samples else None
+            if data == "regression":
+                for name, m in _by_slice(scores, sets.slices).items():
+                    slices.setdefault(name, {})[stage] = m
+
+    if when == "after":
+        run("after")
+        return measured, slices
+    run("before")
+    with model.disable_adapter():
+        run("base")
+    if sets.reference is None or sets.reference == sets.service:
+        for data in sized:
+            measured[f"{data}_reference"] = measured[f"{data}_{'base' if sets.reference is None else 'before'}"]
+    else:
+        service = _swap_in(model, sets.reference_path)
+        if service is None:  # another adapter shape (rank, targets): compare with the base instead
+            log.warning("reference_incompatible", version=sets.reference, note="the base model serves instead")
+            sets.reference, sets.reference_path = None, None
+            for data in sized:
+                measured[f"{data}_reference"] = measured[f"{data}_base"]
+        else:
+            try:
+                run("reference")
+            finally:
+                _restore(model, service)
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_text(json.dumps({"metrics": measured, "slices": slices, "reference": sets.reference,
+                                "not_evaluated": ctx.summary.not_evaluated}))
+    return measured, slices
+
+
+def _sized(ctx: RunContext, sets: dict[str, list[TokenizedSample]]) -> dict[str, list[TokenizedSample]]:
+    """Sets with too few samples are not evaluated (the gate skips them, or fails a required rule)."""
+    least = ctx.cfg.eval.min_eval_samples
+    out = {}
+    for data, samples in sets.items():
+        if len(samples) < least:
+            ctx.summary.not_evaluated[data] = f"{len(samples)} {data} samples < min_eval_samples {least}"
+            out[data] = []
+        else:
+            out[data] = samples
+    return out
+
+
+def _scores(ctx: RunContext, loaded: Any, samples: list[TokenizedSample]) -> dict[int, evaluate.SampleScore]:
+    return evaluate.score_samples(loaded.model, samples, pad_id=loaded.tokenizer.pad_token_id,
+                                  device=loaded.device, max_tokens_per_batch=ctx.cfg.eval.max_tokens_per_batch)
+
+
+def _by_slice(scores: dict[int, evaluate.SampleScore], slices: dict[int, str]) -> dict[str, Any]:
+    groups: dict[str, list[evaluate.SampleScore]] = {}
+    for sid, sc in scores.items():
+        groups.setdefault(slices.get(sid, FILE_SLICE), []).append(sc)
+    return {name: evaluate.summarize(g) for name, g in sorted(groups.items())}
+
+
+def _swap_in(model: Any, path: Path | None) -> dict[str, Any] | None:
+    """Load another version's adapter weights into the model's adapter; returns the weights it had
+    (to put back), or None when the shapes differ."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    if path is None:
+        return None
+    current = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+    other = load_file(str(path / "adapter_model.safetensors"))
+    if set(other) != set(current) or any(other[k].shape != current[k].shape for k in other):
+        return None
+    set_peft_model_state_dict(model, other)
+    return current
+
+
+def _restore(model: Any, weights: dict[str, Any]) -> None:
+    from peft import set_peft_model_state_dict
+
+    set_peft_model_state_dict(model, weights)

@@ -1,0 +1,103 @@
+"""Cut samples, not epochs: when time runs short the loop defers whole samples it has not reached,
+so every sample it counts as trained got all its epochs; and every step's loss is kept.
+
+A fake clock: each training step takes one "second", nothing else does.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from jobs.contract import StepShape  # noqa: E402
+from jobs.data.batching import TokenizedSample  # noqa: E402
+from jobs.training import step as step_module  # noqa: E402
+from jobs.training.config import TrainConfig  # noqa: E402
+from jobs.training.load import Loaded  # noqa: E402
+from jobs.training.loop import plan_batches, train  # noqa: E402
+
+CFG = TrainConfig(batching="padded", batch_size=4, max_tokens_per_batch=4096, max_seq_length=16, epochs=3,
+                  warmup_steps=0)
+SHAPE = StepShape(tokens_per_step=4096, gradient_checkpointing=False, basis="test")
+
+
+def samples(n: int, length: int = 10) -> list[TokenizedSample]:
+    return [TokenizedSample(i, [1 + (i + j) % 60 for j in range(length)], [-100] + [1 + (i + j) % 60
+            for j in range(1, length)]) for i in range(n)]
+
+
+def tiny() -> Loaded:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    return Loaded(model, SimpleNamespace(pad_token_id=0), "hf", "cpu", {})
+
+
+class StepClock:
+    """Time advances by one second per training step."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.t = 1000.0
+        real = step_module.train_step
+
+        def timed(*args, **kwargs):
+            st = real(*args, **kwargs)
+            self.t += 1.0
+            st.seconds = 1.0
+            return st
+
+        monkeypatch.setattr(step_module, "train_step", timed)
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_when_time_runs_short_whole_samples_are_cut_and_the_rest_get_every_epoch(monkeypatch, tmp_path: Path):
+    clock = StepClock(monkeypatch)
+    data = samples(40)  # 10 batches an epoch, 30 steps: the deadline leaves room for 20
+    res = train(tiny(), data, CFG, ckpt_root=tmp_path, deadline=clock.t + 20, stop=threading.Event(), shape=SHAPE,
+                clock=clock, save_seconds=0)
+    assert res.cut_ids and res.stopped is None and not res.partial_ids  # finished what it kept
+    assert sorted(res.trained_ids + res.cut_ids) == list(range(40))
+    assert res.cut_ids == sorted(res.cut_ids)[::-1] and min(res.cut_ids) > max(res.trained_ids)  # from the tail
+    batches = plan_batches(data, CFG, 0, 4096, cuts=[(at, ids) for at, ids in res.detail["cuts"]])
+    seen = Counter(sid for b in batches[: res.steps] for sid in b.sample_ids)
+    assert {seen[sid] for sid in res.trained_ids} == {3} and not set(seen) & set(res.cut_ids)  # 3 epochs, or none
+    assert res.steps <= 20 and [s for s, _ in res.loss_curve] == list(range(1, res.steps + 1))
+    assert all(loss > 0 for _, loss in res.loss_curve)
+
+
+def test_a_stop_in_a_later_epoch_leaves_its_unfinished_samples_untrained(monkeypatch, tmp_path: Path):
+    clock = StepClock(monkeypatch)
+    stop = threading.Event()
+    real = step_module.train_step
+
+    def stop_after_15(*args, **kwargs):
+        st = real(*args, **kwargs)
+        if clock.t >= 1015:
+            stop.set()
+        return st
+
+    monkeypatch.setattr(step_module, "train_step", stop_after_15)
+    res = train(tiny(), samples(40), CFG, ckpt_root=tmp_path, deadline=clock.t + 1e6, stop=stop, shape=SHAPE,
+                clock=clock, save_seconds=0)
+    assert res.stopped == "signal" and res.steps == 15 and not res.cut_ids
+    assert res.trained_ids == [] and len(res.partial_ids) == 40  # all in epoch 2: none finished its epochs
+
+
+def test_a_cut_keeps_the_batches_already_trained():
+    data = samples(40)
+    whole = plan_batches(data, CFG, 0, 4096)
+    cut = plan_batches(data, CFG, 0, 4096, cuts=[(3, [39, 38, 37, 36, 35])])
+    assert [b.sample_ids for b in cut[:3]] == [b.sample_ids for b in whole[:3]]
+    counts = Counter(sid for b in cut for sid in b.sample_ids)
+    assert all(counts[i] == 3 for i in range(35)) and not any(counts[i] for i in range(35, 40))
+    assert plan_batches(data, CFG, 0, 4096, cuts=[]) == whole
