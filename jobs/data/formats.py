@@ -42,6 +42,10 @@ def _text(value: Any, field: str, *, required: bool = True) -> str:
         return ""
     if not isinstance(value, str):
         raise RecordError("wrong_type", f"field '{field}' must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON's "\ud800": text no tokenizer, file or database can hold
+        raise RecordError("invalid_utf8", f"field '{field}' holds invalid Unicode ({e.reason} at {e.start})") from None
     value = unicodedata.normalize("NFC", value).strip()
     if required and not value:
         raise RecordError("empty_field", f"field '{field}' is empty")

@@ -8,6 +8,7 @@ kept next to the checkpoints, so the candidate is always judged against the adap
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -20,6 +21,8 @@ from jobs.data.batching import TokenizedSample
 from jobs.data.render import tokenize_record
 from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun
+from jobs.store.files import PRIVATE_DIR, make_dir
+from jobs.store.integrity import verified
 from jobs.training.checkpoints import latest_checkpoint
 from jobs.training.load import Loaded, load_for_training
 from jobs.training.loop import TrainResult, train
@@ -45,15 +48,18 @@ class Prepared:
 
 def load_model_and_data(ctx: RunContext, planned: PlannedRun) -> Prepared:
     cfg, ledger = ctx.cfg, ctx.ledger
-    parent_path = ctx.registry.path_of(cfg.model.name, planned.parent) if planned.parent else None
-    resume = latest_checkpoint(ctx.checkpoints)
+    parent_path = (verified(ctx.registry, ledger, planned.parent, role="parent adapter")  # sha256 checked
+                   if planned.parent else None)
+    # a checkpoint continues the adapter the "before" figures were measured on: without them, start over
+    resume = latest_checkpoint(ctx.checkpoints) if _kept_before(ctx) is not None else None
     with ctx.phase(Phase.load):
         shape = resolve_step(cfg.train, ledger.calibration(planned.key))
         log.info("step_shape", tokens_per_step=shape.tokens_per_step,
                  gradient_checkpointing=shape.gradient_checkpointing, basis=shape.basis)
         loaded = load_for_training(ctx.model_path, cfg.train, adapter=resume or parent_path, shape=shape,
                                    cache_dir=ctx.state / "models")
-        tok, tk = loaded.tokenizer, {"max_seq_length": cfg.train.max_seq_length, "overlong": cfg.train.overlong}
+        tok, tk = loaded.tokenizer, {"max_seq_length": cfg.train.max_seq_length, "overlong": cfg.train.overlong,
+                                     "special_tokens": cfg.train.special_tokens}
         train_ids = [sid for sid, role in planned.roles if role in ("train", "replay")]
         heldout_ids = [sid for sid, role in planned.roles if role == "heldout"]
         prepared = Prepared(
@@ -77,21 +83,32 @@ def evaluate_candidate(ctx: RunContext, prep: Prepared, when: Literal["before", 
     training, the candidate after. "before" is measured once per run (kept across attempts)."""
     kept = ctx.checkpoints / "before.json"
     with ctx.phase(Phase.evaluate):
-        if when == "before" and kept.exists():
-            measured: Measured = json.loads(kept.read_text())
-        else:
+        measured: Measured | None = _kept_before(ctx) if when == "before" else None
+        if measured is None:
             kw = {"pad_id": prep.loaded.tokenizer.pad_token_id, "device": prep.loaded.device,
                   "max_tokens_per_batch": ctx.cfg.eval.max_tokens_per_batch}
             measured = {f"heldout_{when}": evaluate.eval_metrics(prep.loaded.model, prep.heldout, **kw),
                         f"regression_{when}": evaluate.eval_metrics(prep.loaded.model, prep.regression, **kw)}
             if when == "before":
-                kept.parent.mkdir(parents=True, exist_ok=True)
-                kept.write_text(json.dumps(measured))
+                make_dir(kept.parent.parent, PRIVATE_DIR)
+                make_dir(kept.parent, PRIVATE_DIR)
+                tmp = kept.with_suffix(".tmp")
+                tmp.write_text(json.dumps(measured))
+                os.replace(tmp, kept)
     s = ctx.summary
     s.metrics.update(measured)
     for k, m in measured.items():
         setattr(s.losses, k, (m or {}).get("loss"))
     return measured
+
+
+def _kept_before(ctx: RunContext) -> Measured | None:
+    """The "before" figures an earlier attempt of this run measured (None: none, or unreadable)."""
+    try:
+        kept = json.loads((ctx.checkpoints / "before.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return kept if isinstance(kept, dict) else None
 
 
 def train_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun) -> TrainResult:
