@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jobs.data.formats import Format
 from jobs.data.readers import READERS, Limits, RawRecord, read_stream
@@ -38,6 +38,14 @@ class SourceConfig(BaseModel):
     allow_symlinks_to: list[Path] = Field(
         default_factory=list, description="directories symbolic links in the inbox may point into (default: only "
         "the inbox itself); any other link is reported and not read")
+
+    @field_validator("patterns")
+    @classmethod
+    def _inside_the_inbox(cls, v: list[str]) -> list[str]:
+        for pat in v:
+            if not pat.strip() or pat.startswith(("/", "~")) or ".." in Path(pat).parts:
+                raise ValueError(f"pattern {pat!r} must name files inside the inbox (no '/' at the start, no '..')")
+        return v
 
     def limits(self, excerpt_bytes: int = 16384) -> Limits:
         return Limits(max_record_bytes=self.max_record_bytes, excerpt_bytes=excerpt_bytes)

@@ -33,10 +33,12 @@ def parse_version(dirname: str) -> int | None:
 
 
 class Registry:
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, *, create: bool = True) -> None:
         self.state_dir = Path(state_dir)
         self.adapters = self.state_dir / "adapters"
         self.current_link = self.state_dir / "current"
+        if not create:
+            return
         if not self.state_dir.exists():
             make_dir(self.state_dir, SHARED_DIR)  # the inference server's group traverses it to the versions
         make_dir(self.adapters, SHARED_DIR)
