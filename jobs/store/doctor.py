@@ -182,6 +182,10 @@ def _leftovers(state: Path, running: set[str]) -> list[Finding]:
     if closed:
         out.append(Finding("note", "checkpoints", f"{len(closed)} checkpoint dir(s) of closed runs",
                            "removed when the next night starts"))
+    for p in (state, state / "adapters"):
+        if p.exists() and p.stat().st_mode & 0o050 != 0o050:
+            out.append(Finding("note", "permissions", f"{p} cannot be entered by its group: the inference "
+                               "server's user (in the group) cannot reach the versions", f"chmod g+rx {p}"))
     for p in (state / "ledger.sqlite", state / "quarantine", ckpt):
         if p.exists() and p.stat().st_mode & 0o077:
             out.append(Finding("note", "permissions", f"{p} is readable by other users (raw user data)",

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from jobs.store.files import SHARED_DIR, make_dir
+
 NIGHT_LOCK = "night.lock"
 REGISTRY_LOCK = "lock"
 LOCK_FD_ENV = "NIGHTSHIFT_NIGHT_LOCK_FD"  # the night's child: the inherited night lock's descriptor
@@ -62,7 +64,8 @@ class StateLock:
         self.fd: int | None = None
 
     def __enter__(self) -> StateLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.path.parent.exists():
+            make_dir(self.path.parent, SHARED_DIR)  # the state directory: its group reads the versions in it
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         end = time.monotonic() + self.timeout
         while True:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobs.contract import parse_version_name
-from jobs.store.files import PRIVATE_FILE, DamagedState, chmod_quietly
+from jobs.store.files import PRIVATE_FILE, SHARED_DIR, DamagedState, chmod_quietly, make_dir
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -124,7 +124,8 @@ def open_database(path: Path, *, timeout: float = 30.0) -> sqlite3.Connection:
             "Restore the ledger from a backup, or move the whole state directory aside to start over; "
             "`nightshift doctor` lists what it finds")
     if size is None:
-        state.mkdir(parents=True, exist_ok=True)
+        if not state.exists():
+            make_dir(state, SHARED_DIR)  # the inference server's group traverses it to the versions
         os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE))  # WAL and SHM inherit it
     chmod_quietly(path, PRIVATE_FILE)
     db = sqlite3.connect(path, timeout=timeout, isolation_level=None, check_same_thread=False)

@@ -192,7 +192,8 @@ def test_doctor_finds_every_inconsistency_and_says_how_to_repair_it(tmp_path):
     r = doctor(tmp_path, state, "--json")
     assert r.returncode == 1, r.stderr
     report = json.loads(r.stdout)
-    problems = {(x["subject"], x["text"].split(":")[0]): x["fix"] for x in report["findings"] if x["level"] == "problem"}
+    problems = {(x["subject"], x["text"].split(":")[0]): x["fix"]
+                for x in report["findings"] if x["level"] == "problem"}
     assert not report["ok"] and len(problems) == 3, problems
     assert any("tiny-v0001" in t and "restore" in fix for (_, t), fix in problems.items())
     assert any(s == "current" and "promote tiny-v0002" in fix for (s, _), fix in problems.items())
