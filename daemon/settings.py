@@ -164,6 +164,10 @@ def load_settings(path: Path | None = DEFAULT_CONFIG, **overrides: Any) -> Setti
             tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(path, [f"not valid TOML: {e}"]) from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(path, [f"not UTF-8 text ({e.reason} at byte {e.start})"]) from None
+        except OSError as e:
+            raise ConfigError(path, [f"cannot be read: {e.strerror or e}"]) from None
     config = SettingsConfigDict(**{**Settings.model_config, "toml_file": path})
     cls = type("FileSettings", (Settings,), {"model_config": config, "__module__": __name__})
     problems, masked = env_problems(os.environ)

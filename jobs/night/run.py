@@ -9,6 +9,7 @@ open run with its stored plan, from its last checkpoint, and trains nothing twic
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -41,7 +42,7 @@ def run_night(cfg: NightConfig, *, night: str, deadline: float, emit: Emit, stop
         # The run stays open: its supervisor retries (resuming from the last checkpoint) or
         # closes it as failed once the attempts or the window are used up.
         ctx.summary.outcome, ctx.summary.error = Outcome.failed, failure_text(e)
-        if isinstance(e, DamagedState | OSError):  # the operator's to fix: the message says how, no traceback
+        if isinstance(e, DamagedState | OSError | sqlite3.OperationalError):  # the operator's to fix: no traceback
             log.error("run_failed", error=ctx.summary.error)
         else:
             log.exception("run_failed", error=ctx.summary.error)

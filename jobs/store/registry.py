@@ -68,7 +68,12 @@ class Registry:
         mf = Path(path) / MANIFEST
         if not mf.is_file():
             raise IntegrityError(f"{path}: no {MANIFEST}")
-        manifest = json.loads(mf.read_text())
+        try:
+            manifest = json.loads(mf.read_text())
+        except (OSError, ValueError) as e:
+            raise IntegrityError(f"{path}: {MANIFEST} cannot be read ({e})") from None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files", {}), dict):
+            raise IntegrityError(f"{path}: {MANIFEST} is not a nightshift manifest")
         for fname, digest in manifest.get("files", {}).items():
             f = Path(path) / fname
             if not f.is_file():
