@@ -122,7 +122,7 @@ class Service:
                     continue
                 self.status(f"waiting for window {w.describe()}; next {nxt.start.astimezone(w.zone()):%a %H:%M}"
                             if window is None or self.ledger.night_done(window.night)
-                            else f"night {window.night}: retry at {self.retry_at[window.night]:%H:%M:%S}")
+                            else self._waiting_status(window.night))
                 retry = self.retry_at.get(window.night) if window else None
                 until_retry = (retry - self.clock()).total_seconds() if retry else self.tick
                 self.wake.wait(max(0.05, min(self.tick, until_retry)))
@@ -162,6 +162,12 @@ class Service:
                     lock.__exit__(None, None, None)
             return False
         return True
+
+    def _waiting_status(self, night: str) -> str:
+        if night in self.waiting_reason:
+            return f"night {night}: waiting: {self.waiting_reason[night]}"
+        retry = self.retry_at.get(night)
+        return f"night {night}: " + (f"retry at {retry:%H:%M:%S}" if retry else "waiting")
 
     def _try_night_lock(self, window: Window) -> StateLock | None:
         """The night lock, without waiting (None: `once`, `calibrate` or an older child holds it)."""

@@ -18,6 +18,7 @@ from jobs.contract import QuarantineReason
 
 Format = Literal["auto", "alpaca", "chat", "prompt_completion", "text"]
 ROLES = {"system", "user", "assistant"}
+MAX_MESSAGES = 256  # per conversation: finding the trained spans renders every prefix (quadratic in turns)
 
 
 class RecordError(ValueError):
@@ -109,6 +110,8 @@ def _messages(value: Any) -> list[dict[str, str]]:
         raise RecordError("wrong_type", f"field 'messages' must be a list, got {type(value).__name__}")
     if not value:
         raise RecordError("empty_field", "field 'messages' is empty")
+    if len(value) > MAX_MESSAGES:
+        raise RecordError("too_large", f"field 'messages' has {len(value)} turns (at most {MAX_MESSAGES})")
     out = []
     for i, m in enumerate(value):
         where = f"messages[{i}]"

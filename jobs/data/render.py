@@ -23,6 +23,7 @@ from jobs.data.formats import RecordError
 OverlongPolicy = Literal["reject", "truncate"]
 SpecialTokens = Literal["escape", "reject"]
 _SPECIALS: dict[int, tuple[Any, re.Pattern[str] | None, set[int]]] = {}  # id(tokenizer) -> (it, pattern, ids)
+CHARS_PER_TOKEN_MAX = 64  # no tokenizer's tokens average more characters than this over a whole record
 _MARK = "\ue000"  # private-use characters delimit the content in a template rendered with placeholders
 
 
@@ -122,6 +123,9 @@ def tokenize_record(
     tokenizer: Any, sample_id: int, record: dict[str, Any], *, max_seq_length: int,
     overlong: OverlongPolicy = "reject", special_tokens: SpecialTokens = "escape",
 ) -> TokenizedSample:
+    chars = sum(len(c) for c in _contents(record))
+    if overlong == "reject" and chars > max_seq_length * CHARS_PER_TOKEN_MAX:  # not worth tokenising to know
+        raise RecordError("too_long", f"{chars:,} characters cannot fit in max_seq_length {max_seq_length} tokens")
     text, spans = char_spans(tokenizer, record)
     ids, offsets = _encode(tokenizer, record, text, special_tokens)
     labels = [

@@ -140,6 +140,16 @@ def test_an_unexpected_error_on_one_record_quarantines_that_record_only(env, mon
     assert quarantined()[0]["line"] == 2 and "KeyError" in quarantined()[0]["detail"]
 
 
+def test_records_built_to_be_slow_are_refused_before_the_expensive_part(env):
+    inbox, _, do_pull, quarantined = env
+    turns = [{"role": r, "content": "x"} for _ in range(5000) for r in ("user", "assistant")]  # quadratic to render
+    write_jsonl(inbox / "a.jsonl", [{"messages": turns}, {"text": "word " * 200_000}, alpaca(1)])
+    t0 = time.time()
+    res = do_pull()
+    assert res.ingested["s"] == 1 and [e["reason"] for e in quarantined()] == ["too_large", "too_long"]
+    assert time.time() - t0 < 60
+
+
 # ---- exact data -------------------------------------------------------------------------------------
 
 
