@@ -143,6 +143,7 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
             return
         digest = _hash(fh)
         if ledger.file_known_by_hash(src.name, digest):
+            ledger.remember_stat_key(src.name, f.display, digest, key)  # not hashed again while unchanged
             log.info("file_already_ingested", source=src.name, file=f.display, sha256=digest[:12])
             return
         counts, reasons = Counter[str](), Counter[str]()
@@ -183,7 +184,7 @@ def _one_record(p: _Pull, conn: sqlite3.Connection, src: SourceConfig, file: str
                                       record=norm.record, n_tokens=tokens.n_tokens)
         except RecordError as e:
             err = e
-        except sqlite3.OperationalError:
+        except sqlite3.Error:
             raise  # the ledger (disk full, I/O): stops the pull, the file's transaction is rolled back
         except Exception as e:  # unforeseen: this record is kept aside, the file goes on
             err = RecordError("internal_error", f"{type(e).__name__}: {printable(str(e), 200)}")

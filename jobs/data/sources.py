@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from jobs.data.formats import Format
+from jobs.data.formats import Format, RecordError
 from jobs.data.readers import READERS, Limits, RawRecord, read_stream
 
 __all__ = ["READERS", "Limits", "RawRecord", "SourceConfig", "read_records"]
@@ -56,13 +56,7 @@ def read_records(path: Path, cache_dir: Path | None = None, limits: Limits | Non
     try:
         f = open(path, "rb")  # noqa: SIM115  (closed below; a generator)
     except OSError as e:
-        yield RawRecord(None, None, _unreadable(f"cannot open: {e.strerror or e}"))
+        yield RawRecord(None, None, RecordError("unreadable", f"cannot open: {e.strerror or e}"))
         return
     with f:
         yield from read_stream(f, Path(path).suffix, limits or Limits())
-
-
-def _unreadable(detail: str):  # -> RecordError
-    from jobs.data.formats import RecordError
-
-    return RecordError("unreadable", detail)

@@ -168,8 +168,8 @@ def _current(registry: Registry, ledger: Ledger) -> list[Finding]:
         if want:
             return [Finding("problem", "current", f"`current` is missing; the ledger says {want} is in service", fix)]
         return [Finding("ok", "current", "no version in service yet")]
-    if current != expected:
-        return [Finding("problem", "current", f"`current` points at v{current:04d} but the ledger says "
+    if current != expected or registry.current() != (registry.adapters / str(want)).resolve():
+        return [Finding("problem", "current", f"`current` points at {registry.current()} but the ledger says "
                         + (f"{want} is in service" if want else "none is"),
                         fix or "`nightshift adapters promote` the version you want in service")]
     return [Finding("ok", "current", f"{want} is in service and matches the ledger")]

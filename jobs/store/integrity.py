@@ -89,9 +89,9 @@ def parent_for_night(registry: Registry, ledger: Ledger, *, repair: bool, lock_t
             raise DamagedState((problem or f"`current` points at {registry.current()}")
                                + ", but the ledger has never put a version in service; `nightshift doctor` explains")
         path = verified(registry, ledger, expected, role="version in service")
-        if current == expected and problem is None:
+        if problem is None and registry.current() == path.resolve():  # the very directory, not a copy elsewhere
             return expected
-        was = problem or ("`current` is missing" if current is None else f"`current` points at v{current:04d}")
+        was = problem or ("`current` is missing" if current is None else f"`current` points at {registry.current()}")
         if not repair:
             log.warning("current_disagrees_with_ledger", problem=was, in_service=path.name)
             return expected

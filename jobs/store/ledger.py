@@ -62,6 +62,10 @@ class Ledger:
         q = "SELECT 1 FROM files WHERE source=? AND path=? AND stat_key=?"
         return self.db.execute(q, (source, path, stat_key)).fetchone() is not None
 
+    def remember_stat_key(self, source: str, path: str, sha256: str, stat_key: str) -> None:
+        self.db.execute("UPDATE files SET stat_key=? WHERE source=? AND path=? AND sha256=?",
+                        (stat_key, source, path, sha256))
+
     def file_known_by_hash(self, source: str, sha256: str) -> bool:
         q = "SELECT 1 FROM files WHERE source=? AND sha256=?"
         return self.db.execute(q, (source, sha256)).fetchone() is not None
