@@ -21,7 +21,7 @@ from jobs.data.batching import TokenizedSample
 from jobs.data.render import tokenize_record
 from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun
-from jobs.store.files import PRIVATE_DIR, make_dir
+from jobs.store.files import PRIVATE_DIR, PRIVATE_FILE, make_dir
 from jobs.store.integrity import verified
 from jobs.training.checkpoints import latest_checkpoint
 from jobs.training.load import Loaded, load_for_training
@@ -94,6 +94,7 @@ def evaluate_candidate(ctx: RunContext, prep: Prepared, when: Literal["before", 
                 make_dir(kept.parent, PRIVATE_DIR)
                 tmp = kept.with_suffix(".tmp")
                 tmp.write_text(json.dumps(measured))
+                os.chmod(tmp, PRIVATE_FILE)
                 os.replace(tmp, kept)
     s = ctx.summary
     s.metrics.update(measured)

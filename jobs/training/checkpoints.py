@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from jobs.store.files import PRIVATE_DIR, fsync_tree, make_dir, sha256_file
+from jobs.store.files import PRIVATE_DIR, PRIVATE_FILE, fsync_tree, make_dir, seal_tree, sha256_file
 
 log = structlog.get_logger("nightshift.train")
 CHECKSUMS = "checksums.json"
@@ -72,6 +72,7 @@ def save_checkpoint(ckpt_root: Path, model: Any, optimizer: Any, scheduler: Any,
     sums = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
     (tmp / CHECKSUMS).write_text(json.dumps(sums))
     (tmp / "state.json").write_text(json.dumps(state))  # last: a checkpoint without it is never used
+    seal_tree(tmp, dir_mode=PRIVATE_DIR, file_mode=PRIVATE_FILE)
     fsync_tree(tmp)
     latest, previous = ckpt_root / "latest", ckpt_root / "previous"
     if latest.exists():

@@ -45,6 +45,8 @@ def test_versions_are_group_readable_and_user_data_private_whatever_the_umask(ni
     assert mode(state / "ledger.sqlite") == 0o600
     assert mode(state / "quarantine") == 0o700 and all(mode(p) == 0o600 for p in (state / "quarantine").iterdir())
     assert mode(state / "checkpoints") == 0o700 and mode(state / "checkpoints" / s["run_id"]) == 0o700
+    inside = list((state / "checkpoints").rglob("*"))
+    assert inside and all(mode(p) == (0o700 if p.is_dir() else 0o600) for p in inside)
 
 
 class _StopAtProgress(list):
