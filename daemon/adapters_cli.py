@@ -5,8 +5,9 @@ like the other commands. Imports no torch (jobs.store.adapters, jobs.store.regis
 jobs.hotswap do not), so these stay instant and safe to run next to a night: every change
 takes the state directory's lock, the one the night's publish takes.
 
-Exit codes: 0 done; 1 refused (integrity, unknown version, nothing to roll back to, lock busy);
-4 `current` moved but at least one hot-swap target failed (the move stands; see the ledger).
+Exit codes: 0 done; 1 refused (integrity, unknown version, nothing to roll back to, damaged state);
+4 `current` moved but at least one hot-swap target failed (the move stands; see the ledger);
+5 busy: another nightshift process held the registry lock longer than [registry] lock_timeout_seconds.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from jobs.contract import ExitCode
 from jobs.hotswap import HotswapConfig, HotswapOutcome
 from jobs.store.adapters import AdapterError, Adapters, RegistryConfig, VersionInfo, diff
 from jobs.store.locking import LockTimeout
@@ -27,6 +29,7 @@ from jobs.tables import grid
 
 EXIT_REFUSED = 1
 EXIT_HOTSWAP_FAILED = 4
+EXIT_BUSY = int(ExitCode.BUSY)
 
 
 def add_commands(sub: Any) -> None:
@@ -89,7 +92,10 @@ def _guarded(fn: Callable[[argparse.Namespace, Adapters], int]) -> Callable[[arg
         except IntegrityError as e:
             cur = ad.registry.current()
             print(f"refused: {e}; {cur.name if cur else 'nothing'} stays in service", file=sys.stderr)
-        except (AdapterError, LockTimeout) as e:
+        except LockTimeout as e:
+            print(f"busy: {e}; nothing changed", file=sys.stderr)
+            return EXIT_BUSY
+        except AdapterError as e:
             print(f"refused: {e}", file=sys.stderr)
         finally:
             ad.close()

@@ -14,6 +14,8 @@ from typing import Any
 
 from daemon import report
 from daemon.adapters_cli import add_commands as add_adapter_commands
+from daemon.doctor import add_command as add_doctor_command
+from daemon.preflight import before_a_night, one_line
 from daemon.settings import DEFAULT_CONFIG, ConfigError, Settings, check_paths, load_settings
 from daemon.supervisor import NightChild, child_env, wait_interruptibly
 from daemon.window import Window
@@ -42,12 +44,12 @@ def window_seconds(s: Settings) -> float:
 
 
 def run_child(s: Settings, *, night: str, deadline: float, plan_only: bool,
-              on_event=lambda _: None) -> Any:
+              on_event=lambda _: None, lock_fd: int | None = None) -> Any:
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         child = NightChild(s.night_config().model_dump_json(), night=night, deadline=deadline,
-                           plan_only=plan_only, on_event=on_event)
+                           plan_only=plan_only, on_event=on_event, lock_fd=lock_fd)
         child.start()
         return wait_interruptibly(child, stop, grace=s.daemon.stop_grace_seconds)
     finally:
@@ -64,6 +66,11 @@ def manual_window(args: argparse.Namespace, s: Settings) -> Window:
 
 
 def cmd_once(args: argparse.Namespace, s: Settings) -> int:
+    with before_a_night(s, args.config, "nightshift once") as lock:  # paths, disk, one night at a time, ledger
+        return _once(args, s, lock.fd)
+
+
+def _once(args: argparse.Namespace, s: Settings, lock_fd: int | None) -> int:
     window = manual_window(args, s)
     night, deadline = window.night, window.end.timestamp()
 
@@ -72,7 +79,7 @@ def cmd_once(args: argparse.Namespace, s: Settings) -> int:
             print("plan:\n" + report.plan_table(ev.plan) + "\n", flush=True)
 
     out = run_child(s, night=night, deadline=window.deadline(s.window.save_margin).timestamp(), plan_only=False,
-                    on_event=show_plan)
+                    on_event=show_plan, lock_fd=lock_fd)
     if out.summary is None or out.summary.outcome == Outcome.failed:
         # one attempt for a manual night: close it (a killed `once` leaves it open, and a rerun resumes)
         error = (out.summary.error if out.summary else None) or f"the night's process died ({out.describe_exit()})"
@@ -84,13 +91,16 @@ def cmd_once(args: argparse.Namespace, s: Settings) -> int:
         print("\n".join(out.tail[-15:]), file=sys.stderr)
         return 1
     print("night:\n" + report.summary_table(out.summary))
+    if out.summary.outcome == Outcome.failed:
+        print(f"nightshift once: failed: {out.summary.error}", file=sys.stderr)
     return outcome_exit_code(out.summary.outcome)
 
 
 def cmd_plan(args: argparse.Namespace, s: Settings) -> int:
     now = dt.datetime.now().astimezone()
     deadline = parse_until(args.until, window_seconds(s), now)
-    out = run_child(s, night="plan", deadline=deadline, plan_only=True)
+    with before_a_night(s, args.config, "nightshift plan") as lock:
+        out = run_child(s, night="plan", deadline=deadline, plan_only=True, lock_fd=lock.fd)
     if out.summary is None or out.summary.plan is None:
         print(f"nightshift plan: failed ({out.describe_exit()})", file=sys.stderr)
         print("\n".join(out.tail[-15:]), file=sys.stderr)
@@ -103,6 +113,7 @@ def cmd_plan(args: argparse.Namespace, s: Settings) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace, s: Settings) -> int:
+    """Types (every wrong key, from the file and the environment) were checked when loading; then paths."""
     problems = check_paths(s)
     if problems:
         print(str(ConfigError(args.config, problems)), file=sys.stderr)
@@ -112,8 +123,12 @@ def cmd_check_config(args: argparse.Namespace, s: Settings) -> int:
 
 
 def cmd_run(args: argparse.Namespace, s: Settings) -> int:
+    """Everything a user can get wrong is refused here, before READY: systemd sees the start fail."""
     from daemon.service import Service
 
+    problems = check_paths(s)
+    if problems:
+        raise ConfigError(args.config, problems)
     return Service(s).run()
 
 
@@ -129,7 +144,9 @@ def cmd_calibrate(args: argparse.Namespace, s: Settings) -> int:
     """Our own GPU path, measured in a child process and recorded for the planner."""
     out = args.out or Path(s.state_dir) / "calibrate"
     cmd = [sys.executable, "-m", "jobs.night.calibrate", "--out", str(out), "--seconds", str(args.seconds)]
-    return subprocess.run(cmd, input=s.night_config().model_dump_json(), text=True, env=child_env()).returncode
+    with before_a_night(s, args.config, "nightshift calibrate") as lock:  # the GPU and the ledger: one at a time
+        return subprocess.run(cmd, input=s.night_config().model_dump_json(), text=True, env=child_env(),
+                              pass_fds=(lock.fd,) if lock.fd is not None else ()).returncode
 
 
 def cmd_bench(args: argparse.Namespace, s: Settings) -> int:
@@ -165,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "(its own options follow: `nightshift bench --help`)", add_help=False)
     p.set_defaults(func=cmd_bench)
     add_adapter_commands(sub)
+    add_doctor_command(sub)
     accept_config_after_the_command(ap)
     return ap
 
@@ -194,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         print(str(e), file=sys.stderr)
         return 2
     logs.configure(s.log.level, None if s.log.format == "auto" else s.log.format)
-    return args.func(args, s)
+    return one_line(args.cmd, lambda: args.func(args, s))
 
 
 if __name__ == "__main__":

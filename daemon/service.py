@@ -10,8 +10,8 @@ start inside an unfinished window starts (or resumes) the night at once.
 from __future__ import annotations
 
 import json
-import shutil
 import signal
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
@@ -23,18 +23,20 @@ from prometheus_client import CollectorRegistry
 
 from daemon import sdnotify
 from daemon.metrics import NightshiftMetrics, serve
+from daemon.preflight import disk_problem
 from daemon.scheduler import WakeScheduler
 from daemon.settings import Settings
 from daemon.supervisor import ChildOutcome, NightChild, wait_interruptibly
 from daemon.window import Window, utcnow
-from jobs.contract import ChildEvent, Outcome, PhaseEvent, ProgressEvent, RunSummary
+from jobs.contract import ChildEvent, ExitCode, Outcome, PhaseEvent, ProgressEvent, RunSummary
 from jobs.gpu import free_vram_gb
 from jobs.store.ledger import Ledger
-from jobs.store.locking import LockTimeout, StateLock
+from jobs.store.locking import LockTimeout, StateLock, night_lock
 from jobs.store.outcomes import NightOutcomes
 from jobs.store.registry import Registry
 
 log = structlog.get_logger("nightshift.service")
+LOCK_RETRY_SECONDS = 2.0  # the night lock is tried this often while another process holds it (a flock: cheap)
 
 
 def progress_status(ev: ProgressEvent, zone: Any) -> str:
@@ -76,12 +78,17 @@ class Service:
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> int:
+        """One service per state directory: a second exits at once with status 5 (busy)."""
         try:
-            with StateLock(self.state / "daemon.lock", timeout=0, what="nightshift run"):
-                return self._run()
+            lock = StateLock(self.state / "daemon.lock", timeout=0, what="nightshift run").__enter__()
         except LockTimeout as e:
             log.error("another_daemon_running", error=str(e))
-            return 1
+            print(f"nightshift run: {e}: a service already runs for this state directory", file=sys.stderr)
+            return ExitCode.BUSY
+        try:
+            return self._run()
+        finally:
+            lock.__exit__(None, None, None)
 
     def _run(self) -> int:
         w = self.s.window
@@ -90,7 +97,15 @@ class Service:
         self._restore_metrics()
         now = self.clock()
         self.metrics.set_window(w.window_at(now) is not None, w.next_window(now).start.timestamp())
-        server = serve(self.s.metrics, self.registry)
+        try:
+            server = serve(self.s.metrics, self.registry)
+        except OSError as e:  # before READY: systemd sees the start fail, with this line
+            error = (f"[metrics] address {self.s.metrics.address} port {self.s.metrics.port}: cannot listen: "
+                     f"{e.strerror or e}")
+            log.error("metrics_failed", error=error)
+            print(f"nightshift run: {error}", file=sys.stderr)
+            self.ledger.close()
+            return ExitCode.USAGE
         sched = WakeScheduler(w, lambda _win: self.wake.set(), clock=self.clock)
         sched.start()
         sdnotify.ready(f"waiting for window {w.describe()}", environ=self.environ)
@@ -107,7 +122,7 @@ class Service:
                     continue
                 self.status(f"waiting for window {w.describe()}; next {nxt.start.astimezone(w.zone()):%a %H:%M}"
                             if window is None or self.ledger.night_done(window.night)
-                            else f"night {window.night}: retry at {self.retry_at[window.night]:%H:%M:%S}")
+                            else self._waiting_status(window.night))
                 retry = self.retry_at.get(window.night) if window else None
                 until_retry = (retry - self.clock()).total_seconds() if retry else self.tick
                 self.wake.wait(max(0.05, min(self.tick, until_retry)))
@@ -137,9 +152,33 @@ class Service:
                       "to train")
             if window.night in self.waiting_reason:
                 reason = f"{self.waiting_reason.pop(window.night)} until the latest start; {reason}"
-            self._close_night(window, "skipped", reason)
+            lock = self._try_night_lock(window)
+            try:
+                if lock is None and self.ledger.open_run(window.night) is not None:
+                    return False  # the holder runs this very night (a child of ours that outlived us)
+                self._close_night(window, "skipped", reason)
+            finally:
+                if lock is not None:
+                    lock.__exit__(None, None, None)
             return False
         return True
+
+    def _waiting_status(self, night: str) -> str:
+        if night in self.waiting_reason:
+            return f"night {night}: waiting: {self.waiting_reason[night]}"
+        retry = self.retry_at.get(night)
+        return f"night {night}: " + (f"retry at {retry:%H:%M:%S}" if retry else "waiting")
+
+    def _try_night_lock(self, window: Window) -> StateLock | None:
+        """The night lock, without waiting (None: `once`, `calibrate` or an older child holds it)."""
+        try:
+            return night_lock(self.state, what=f"nightshift run: night {window.night}").__enter__()
+        except LockTimeout as e:
+            reason = f"the state directory is busy ({e})"
+            if self.waiting_reason.get(window.night) != reason:
+                log.warning("night_waiting_for_lock", night=window.night, error=str(e))
+            self.waiting_reason[window.night] = reason
+            return None
 
     def _close_night(self, window: Window, status: str, reason: str, *, count: bool = True) -> None:
         """`count`: also a run in the metrics (not when its failed attempts were already counted)."""
@@ -152,6 +191,18 @@ class Service:
 
     # ---- one night ---------------------------------------------------------------------------
     def _night(self, window: Window) -> None:
+        lock = self._try_night_lock(window)
+        if lock is None:  # retried every few seconds until the latest start; then _due closes the night
+            self.retry_at[window.night] = self.clock() + timedelta(seconds=LOCK_RETRY_SECONDS)
+            self.status(f"night {window.night}: waiting: {self.waiting_reason[window.night]}")
+            return
+        try:
+            self.waiting_reason.pop(window.night, None)
+            self._night_locked(window, lock)
+        finally:
+            lock.__exit__(None, None, None)
+
+    def _night_locked(self, window: Window, lock: StateLock) -> None:
         problem = self._preflight()
         if problem:
             self._close_night(window, "skipped", problem)
@@ -174,7 +225,7 @@ class Service:
                 self.status(f"night {window.night}: {ev.phase.value}")
 
         child = NightChild(self.s.night_config().model_dump_json(), night=window.night,
-                           deadline=deadline.timestamp(), on_event=on_event)
+                           deadline=deadline.timestamp(), on_event=on_event, lock_fd=lock.fd)
         child.start()
         self.metrics.on_child_start()
         # a child still busy at the window's end is told to stop and save, and killed after the grace
@@ -211,10 +262,7 @@ class Service:
     def _preflight(self) -> str | None:
         """Why the night cannot start now, or None."""
         self.state.mkdir(parents=True, exist_ok=True)
-        free_gb = shutil.disk_usage(self.state).free / 1e9
-        if free_gb < self.s.daemon.min_free_disk_gb:
-            return f"only {free_gb:.1f} GB free in {self.state} (need {self.s.daemon.min_free_disk_gb:g} GB)"
-        return None
+        return disk_problem(self.state, self.s.daemon.min_free_disk_gb)
 
     def _gpu_wait(self, window: Window) -> str | None:
         """Not enough free VRAM yet (an inference server may hold some at night): retry later."""

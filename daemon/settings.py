@@ -7,8 +7,13 @@ whole: every wrong key at once, named as the user writes it.
 
 from __future__ import annotations
 
+import difflib
+import json
 import os
+import re
 import tomllib
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,11 +22,13 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
 )
 
 from daemon.metrics import MetricsConfig
 from daemon.window import WindowConfig
+from jobs.data.quarantine import QuarantineConfig
 from jobs.data.sources import SourceConfig
 from jobs.evaluate import EvalConfig
 from jobs.gpu import GpuConfig
@@ -51,6 +58,9 @@ class DaemonConfig(BaseModel):
     max_attempts: int = Field(3, ge=1, description="attempts per night (a crashed child is retried)")
     retry_backoff_seconds: float = Field(60.0, ge=0, description="first retry delay; doubles each time")
     min_free_disk_gb: float = Field(5.0, ge=0, description="pre-flight: free space needed in state_dir")
+    lock_wait_seconds: float = Field(
+        0.0, ge=0, description="once / plan / calibrate: how long to wait for a night that holds the state "
+        "directory before exiting with status 5 (busy)")
 
 
 class Settings(BaseSettings):
@@ -70,6 +80,7 @@ class Settings(BaseSettings):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     daemon: DaemonConfig = Field(default_factory=DaemonConfig)
+    quarantine: QuarantineConfig = Field(default_factory=QuarantineConfig)
 
     @classmethod
     def settings_customise_sources(
@@ -111,8 +122,23 @@ def key_name(loc: tuple[Any, ...]) -> tuple[str, str]:
     return name, ENV_PREFIX + "__".join(p.upper() for p in parts if not p.isdigit())
 
 
+def _union_member(x: Any) -> bool:
+    """A loc segment that names a validator or a union's member type, not a key the user wrote."""
+    return isinstance(x, str) and (x.startswith(("function-", "tagged-union", "constrained-", "literal["))
+                                   or "[" in x or x in ("int", "str", "float", "bool", "none"))
+
+
+def merge_problems(problems: list[str]) -> list[str]:
+    """One line per key: a union's members each complain about the same value ("≥ 1", or "auto")."""
+    merged: dict[str, list[str]] = {}
+    for p in problems:
+        name, sep, rest = p.partition(": ")
+        merged.setdefault(name if sep else p, []).append(rest if sep else "")
+    return [f"{n}: " + "; or: ".join(dict.fromkeys(r)) if any(r) else n for n, r in merged.items()]
+
+
 def format_error(err: dict[str, Any]) -> str:
-    loc = tuple(x for x in err["loc"] if not (isinstance(x, str) and x.startswith(("function-", "tagged-union"))))
+    loc = tuple(x for x in err["loc"] if not _union_member(x))
     name, env = key_name(loc)
     in_list = any(isinstance(x, int) for x in loc)
     if err["type"] == "extra_forbidden":
@@ -138,24 +164,153 @@ def load_settings(path: Path | None = DEFAULT_CONFIG, **overrides: Any) -> Setti
             tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(path, [f"not valid TOML: {e}"]) from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(path, [f"not UTF-8 text ({e.reason} at byte {e.start})"]) from None
+        except OSError as e:
+            raise ConfigError(path, [f"cannot be read: {e.strerror or e}"]) from None
     config = SettingsConfigDict(**{**Settings.model_config, "toml_file": path})
     cls = type("FileSettings", (Settings,), {"model_config": config, "__module__": __name__})
-    try:
-        return cls(**overrides)
-    except ValidationError as e:
-        raise ConfigError(path, [format_error(x) for x in e.errors()]) from None
+    problems, masked = env_problems(os.environ)
+    for _ in range(8):  # a variable pydantic-settings cannot parse stops it: report it, leave it out, go on
+        try:
+            with _without(masked):
+                s = cls(**overrides)
+            if problems:
+                raise ConfigError(path, problems + check_paths(s))
+            return s
+        except ValidationError as e:
+            errors = merge_problems([format_error(x) for x in e.errors()])
+            with _without(masked):
+                more = raw_path_problems(path, bad={p.split(":")[0] for p in errors})
+            raise ConfigError(path, problems + errors + more) from None
+        except SettingsError as e:
+            found = _unparsable(str(e), masked)
+            if not found:
+                raise ConfigError(path, [*problems, f"the environment: {e}"]) from None
+            problems += [p for _, p in found]
+            masked += [name for name, _ in found]
+    raise ConfigError(path, problems)
 
 
 def check_paths(s: Settings) -> list[str]:
     """Problems a config can have beyond its types: things on disk it points at."""
+    return path_problems(state_dir=s.state_dir, model_path=s.model.path, build=s.model.build,
+                         inboxes=[src.inbox for src in s.sources], regression_set=s.eval.regression_set)
+
+
+NOT_CONFIG = {"NIGHTSHIFT_LOG_LEVEL", "NIGHTSHIFT_LOG_FORMAT", "NIGHTSHIFT_CONFIG", "NIGHTSHIFT_NIGHT_LOCK_FD"}
+_MISSING = object()
+
+
+def path_problems(*, state_dir: Any = _MISSING, model_path: Any = _MISSING, build: Any = None,
+                  inboxes: list[Any] | None = None, regression_set: Any = None) -> list[str]:
+    """What the config points at on disk; a value left _MISSING (or not a path) is not checked."""
     problems = []
-    if not (Path(s.model.path) / "config.json").is_file() and s.model.build is None:
-        problems.append(f"[model] path: {s.model.path} is not a local model directory (no config.json)")
-    for i, src in enumerate(s.sources, start=1):
-        if not Path(src.inbox).is_dir():
-            problems.append(f"[[sources]] #{i} inbox: {src.inbox} is not a directory")
-    if s.eval.regression_set is not None and not Path(s.eval.regression_set).is_file():
-        problems.append(f"[eval] regression_set: {s.eval.regression_set} does not exist")
-    if not s.sources:
+    if isinstance(state_dir, str | Path):
+        sd = Path(state_dir)
+        base = next((p for p in (sd, *sd.absolute().parents) if p.exists()), sd)
+        if sd.exists() and not sd.is_dir():
+            problems.append(f"state_dir: {sd} is not a directory")
+        elif not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
+            problems.append(f"state_dir: {sd} is not writable" if base == sd
+                            else f"state_dir: {sd} cannot be created ({base} is not writable)")
+    if isinstance(model_path, str | Path) and build is None and not (Path(model_path) / "config.json").is_file():
+        problems.append(f"[model] path: {model_path} is not a local model directory (no config.json)")
+    for i, inbox in enumerate(inboxes or [], start=1):
+        if not isinstance(inbox, str | Path):
+            continue
+        if not Path(inbox).is_dir():
+            problems.append(f"[[sources]] #{i} inbox: {inbox} is not a directory")
+        elif not os.access(inbox, os.R_OK | os.X_OK):
+            problems.append(f"[[sources]] #{i} inbox: {inbox} is not readable")
+    if isinstance(regression_set, str | Path) and not Path(regression_set).is_file():
+        problems.append(f"[eval] regression_set: {regression_set} does not exist")
+    if inboxes is not None and not inboxes:
         problems.append("[[sources]]: no source configured: nothing would ever be trained")
     return problems
+
+
+def raw_path_problems(path: Path | None, *, bad: set[str]) -> list[str]:
+    """The path checks on the raw config (TOML, then the environment) when it does not validate, so
+    `check-config` reports types and paths together. Keys with a type problem of their own are skipped."""
+    try:
+        raw: dict[str, Any] = tomllib.loads(path.read_text(encoding="utf-8")) if path is not None else {}
+    except (OSError, ValueError):
+        raw = {}
+    env = {k.upper(): v for k, v in os.environ.items()}
+
+    def pick(section: str | None, key: str, label: str) -> Any:
+        if label in bad:
+            return _MISSING
+        name = ENV_PREFIX + (f"{section}__{key}" if section else key).upper()
+        if name in env:
+            return env[name]
+        table = raw.get(section, {}) if section else raw
+        return table.get(key, _MISSING) if isinstance(table, dict) else _MISSING
+
+    sources = raw.get("sources")
+    inboxes = None
+    if "[[sources]]" not in bad and isinstance(sources, list):
+        inboxes = [s.get("inbox") if isinstance(s, dict) and f"[[sources]] #{i} inbox" not in bad else None
+                   for i, s in enumerate(sources, start=1)]
+    build = pick("model", "build", "[model] build")
+    state_dir = pick(None, "state_dir", "state_dir")
+    return path_problems(state_dir="state" if state_dir is _MISSING and "state_dir" not in bad else state_dir,
+                         model_path=pick("model", "path", "[model] path"),
+                         build=None if build is _MISSING else build, inboxes=inboxes,
+                         regression_set=pick("eval", "regression_set", "[eval] regression_set"))
+
+
+def env_problems(environ: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """NIGHTSHIFT_* variables that cannot be right: an unknown section (`NIGHTSHIFT_TRIAN__LORA_RANK`),
+    or a list/table that is not valid JSON. Returns (problems, variables to leave out). A variable
+    without `__` that names no top-level key is not ours to judge (a secret named by `token_env`)."""
+    fields = set(Settings.model_fields)
+    problems, masked = [], []
+    for name, value in sorted(environ.items()):
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in NOT_CONFIG:
+            continue
+        rest = upper[len(ENV_PREFIX):].lower()
+        section = rest.split("__")[0]
+        if "__" in rest and section not in fields:
+            hint = difflib.get_close_matches(section, sorted(fields), n=1)
+            problems.append(f"{name}: unknown section '{section}'" + (f" (did you mean '{hint[0]}'?)" if hint else
+                            f"; sections: {', '.join(sorted(fields))}"))
+            masked.append(name)
+        elif "__" in rest or rest in fields:
+            text = value.strip()
+            if text[:1] in ("[", "{"):
+                try:
+                    json.loads(text)
+                except ValueError as e:
+                    problems.append(f"{name}: not valid JSON ({e}); lists and tables are written as JSON")
+                    masked.append(name)
+    return problems, masked
+
+
+def _unparsable(message: str, masked: list[str]) -> list[tuple[str, str]]:
+    """The variables behind pydantic-settings' 'error parsing value for field "x"' and why."""
+    m = re.search(r'field "([^"]+)"', message)
+    if not m:
+        return []
+    field = m.group(1).upper()
+    names = [n for n in os.environ if n not in masked and
+             (n.upper() == ENV_PREFIX + field or n.upper().startswith(ENV_PREFIX + field + "__"))]
+    out = []
+    for n in names:
+        try:
+            json.loads(os.environ[n])
+        except ValueError:
+            out.append((n, f"{n}: cannot be read ({os.environ[n][:40]!r}); lists and tables are written as JSON"))
+    return out or [(n, f"{n}: cannot be read; lists and tables are written as JSON") for n in names]
+
+
+@contextmanager
+def _without(names: list[str]) -> Iterator[None]:
+    """The environment without these variables, for one validation."""
+    saved = {n: os.environ.pop(n) for n in names if n in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)

@@ -22,6 +22,7 @@ import structlog
 
 from daemon import sdnotify
 from jobs.contract import ChildEvent, ExitCode, ResultEvent, RunSummary, parse_event
+from jobs.store.locking import LOCK_FD_ENV
 
 log = structlog.get_logger("nightshift.supervisor")
 
@@ -51,7 +52,8 @@ class ChildOutcome:
 class NightChild:
     def __init__(self, night_config_json: str, *, night: str, deadline: float,
                  on_event: Callable[[ChildEvent], None] = lambda _: None, plan_only: bool = False,
-                 log_stream: TextIO | None = None, tail_lines: int = 40) -> None:
+                 log_stream: TextIO | None = None, tail_lines: int = 40, lock_fd: int | None = None) -> None:
+        self.lock_fd = lock_fd  # the night lock the child inherits: held while it lives, even if we die
         self.config_json = night_config_json
         self.night, self.deadline, self.plan_only = night, deadline, plan_only
         self.on_event = on_event
@@ -67,8 +69,11 @@ class NightChild:
             cmd.append("--plan-only")
         env = child_env()
         env.setdefault("NIGHTSHIFT_LOG_FORMAT", "console" if self.log_stream.isatty() else "json")
+        if self.lock_fd is not None:
+            env[LOCK_FD_ENV] = str(self.lock_fd)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env=env, start_new_session=True)  # our SIGINT is not its SIGINT
+                                     env=env, start_new_session=True,  # our SIGINT is not its SIGINT
+                                     pass_fds=() if self.lock_fd is None else (self.lock_fd,))
         assert self.proc.stdin is not None
         self.proc.stdin.write(self.config_json.encode())
         self.proc.stdin.close()

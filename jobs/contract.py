@@ -37,7 +37,13 @@ class QuarantineReason(StrEnum):
     missing_field = "missing_field"
     empty_field = "empty_field"
     wrong_type = "wrong_type"
-    too_long = "too_long"
+    too_long = "too_long"  # more tokens than max_seq_length
+    too_large = "too_large"  # over the bytes read per record, nested too deep, a number too long to parse
+    bad_row = "bad_row"  # a CSV row whose fields do not match the header (or that the CSV reader rejects)
+    special_tokens = "special_tokens"  # control-token text in content ([train] special_tokens = "reject")
+    outside_inbox = "outside_inbox"  # a symbolic link out of the inbox (not followed, not read)
+    unreadable = "unreadable"  # the file vanished, changed while read, or cannot be opened; retried next pull
+    internal_error = "internal_error"  # an unexpected error on this record or file: kept, the night goes on
 
 
 class Phase(StrEnum):

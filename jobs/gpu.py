@@ -21,7 +21,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
@@ -40,7 +40,8 @@ class GpuConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     enabled: bool = True
     sample_hz: float = Field(1.0, ge=1.0, le=20.0, description="NVML readings per second while the child runs")
-    device: int | str = Field(0, description="NVML index, or the card's UUID (GPU-...) when indices differ")
+    device: Annotated[int, Field(ge=0)] | str = Field(
+        0, description="NVML index, or the card's UUID (GPU-...) when indices differ")
     max_vram_gb: float | None = Field(
         None, gt=0, description="training stays under this (the card may be shared with an inference server)")
     min_free_vram_gb: float = Field(

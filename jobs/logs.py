@@ -13,6 +13,7 @@ import sys
 from typing import TextIO
 
 import structlog
+from structlog.tracebacks import ExceptionDictTransformer
 
 
 def configure(level: str = "INFO", fmt: str | None = None, stream: TextIO | None = None) -> None:
@@ -30,10 +31,13 @@ def configure(level: str = "INFO", fmt: str | None = None, stream: TextIO | None
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=False,
     )
-    renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer()
+    # Tracebacks without frame locals: locals hold records (user data) and secrets, which must not
+    # reach the journal. The frames, the exception type and its message stay.
+    renderer = (structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(
+        exception_formatter=structlog.dev.RichTracebackFormatter(show_locals=False)))
     final = [structlog.stdlib.ProcessorFormatter.remove_processors_meta]
     if fmt == "json":
-        final.append(structlog.processors.dict_tracebacks)
+        final.append(structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False)))
     handler = logging.StreamHandler(stream)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(foreign_pre_chain=shared,
                                                              processors=[*final, renderer]))

@@ -9,6 +9,8 @@ checked against the catalogue's labels, so a typo is an error at the call, not a
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from threading import Thread
@@ -19,11 +21,13 @@ import structlog
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from daemon.metrics.catalog import COUNTER, GAUGE, Spec
 
 log = structlog.get_logger("nightshift.metrics")
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*")
 
 
 class MetricsConfig(BaseModel):
@@ -33,6 +37,21 @@ class MetricsConfig(BaseModel):
     enabled: bool = True
     address: str = Field("127.0.0.1", description="listen address (loopback: scrape through a local Prometheus)")
     port: int = Field(9464, ge=0, le=65535, description="listen port (0: any free port, for tests)")
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        v = v.strip()
+        try:
+            ipaddress.ip_address(v)
+            return v
+        except ValueError:
+            pass
+        if re.fullmatch(r"[0-9.]+", v):
+            raise ValueError(f"{v!r} is not an IPv4 address")
+        if not _HOSTNAME.fullmatch(v):
+            raise ValueError(f"{v!r} is neither an IP address nor a host name")
+        return v
 
 
 class _Values(Collector):

@@ -18,6 +18,7 @@ from jobs.contract import QuarantineReason
 
 Format = Literal["auto", "alpaca", "chat", "prompt_completion", "text"]
 ROLES = {"system", "user", "assistant"}
+MAX_MESSAGES = 256  # per conversation: finding the trained spans renders every prefix (quadratic in turns)
 
 
 class RecordError(ValueError):
@@ -42,6 +43,10 @@ def _text(value: Any, field: str, *, required: bool = True) -> str:
         return ""
     if not isinstance(value, str):
         raise RecordError("wrong_type", f"field '{field}' must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON's "\ud800": text no tokenizer, file or database can hold
+        raise RecordError("invalid_utf8", f"field '{field}' holds invalid Unicode ({e.reason} at {e.start})") from None
     value = unicodedata.normalize("NFC", value).strip()
     if required and not value:
         raise RecordError("empty_field", f"field '{field}' is empty")
@@ -105,6 +110,8 @@ def _messages(value: Any) -> list[dict[str, str]]:
         raise RecordError("wrong_type", f"field 'messages' must be a list, got {type(value).__name__}")
     if not value:
         raise RecordError("empty_field", "field 'messages' is empty")
+    if len(value) > MAX_MESSAGES:
+        raise RecordError("too_large", f"field 'messages' has {len(value)} turns (at most {MAX_MESSAGES})")
     out = []
     for i, m in enumerate(value):
         where = f"messages[{i}]"

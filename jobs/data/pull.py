@@ -1,30 +1,40 @@
-"""Pull: take every new inbox file into the ledger exactly once.
+"""Pull: take every new inbox file into the ledger exactly once, and let no input stop the night.
 
-A file is new when the ledger has neither its (path, size, mtime) nor its sha256.
-Each file is ingested in one transaction (file row, samples, quarantine rows), so a
-crash mid-file leaves nothing of it recorded and the next run reads it again.
-Invalid records go to the run's quarantine file with the original record (or bytes),
-file, line and reason; the run goes on with the rest.
+A file is identified by its content hash (sha256): a file replaced by new content is read again
+whatever its size and mtime; the same content under another name is read once. (A stat key with the
+inode and ctime, which no user can set back, only saves re-hashing a file seen unchanged.) Each file
+is ingested in one transaction (file row, samples, quarantine rows), so a crash mid-file leaves
+nothing of it recorded and the next run reads it again; a file that changes while it is read is
+rolled back and read at the next pull.
+
+Guards: each record is handled inside its own guard (an unexpected error quarantines that record
+with reason `internal_error`), each file inside its own (one that vanishes or cannot be opened is
+reported as `unreadable` and retried at the next pull; an unexpected error is reported and the
+other files go on). Only errors of the ledger itself (a full disk) stop the pull.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import os
 import shutil
+import sqlite3
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import structlog
 
 from jobs.data.formats import RecordError, normalise
-from jobs.data.render import OverlongPolicy, tokenize_record
-from jobs.data.sources import SourceConfig, new_files, read_records
-from jobs.store.files import sha256_file
+from jobs.data.inbox import InboxFile, list_inbox, open_inbox_file, printable, roots
+from jobs.data.quarantine import Quarantine
+from jobs.data.readers import RawRecord, read_stream
+from jobs.data.render import OverlongPolicy, SpecialTokens, tokenize_record
+from jobs.data.sources import SourceConfig
 from jobs.store.ledger import Ledger
 
+__all__ = ["PullResult", "Quarantine", "pull"]
 log = structlog.get_logger("nightshift.pull")
 
 
@@ -34,90 +44,164 @@ class PullResult:
     ingested: Counter[str] = field(default_factory=Counter)  # source -> new samples
     duplicates: int = 0
     quarantined: Counter[str] = field(default_factory=Counter)  # reason -> records
+    unmatched: int = 0  # inbox files matching no pattern (reported, not read)
 
 
-class Quarantine:
-    """Append-only JSONL of rejected records, one file per run."""
+class _Retry(Exception):
+    """Not read this time (changed while read): the next pull reads it."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
 
-    def add(self, *, source: str, file: Path, line: int | None, reason: str, detail: str,
-            record: Any = None, raw: str | None = None) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        entry = {"source": source, "file": str(file), "line": line, "reason": reason, "detail": detail}
-        if record is not None:
-            entry["record"] = record
-        if raw is not None:
-            entry["raw"] = raw
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(entry, ensure_ascii=False, default=str) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+@dataclass
+class _Pull:
+    ledger: Ledger
+    tokenizer: Any
+    run_id: str
+    quarantine: Quarantine
+    max_seq_length: int
+    overlong: OverlongPolicy
+    special_tokens: SpecialTokens
+    result: PullResult
+
+    def reject(self, conn: sqlite3.Connection | None, src: SourceConfig, file: str, raw: RawRecord,
+               err: RecordError) -> None:
+        """Quarantine (file and ledger); counted here for a whole file, by the file's own tally for records."""
+        if conn is None:
+            self.result.quarantined[err.reason] += 1
+        self.quarantine.add(source=src.name, file=file, line=raw.line, reason=err.reason, detail=err.detail,
+                            record=raw.record, raw=raw.raw, size=raw.size, sha256=raw.sha256)
+        detail = printable(err.detail, 500)
+        row = {"run_id": self.run_id, "source": src.name, "file": file, "line": raw.line, "reason": err.reason,
+               "detail": detail}
+        if conn is not None:
+            self.ledger.add_quarantine(conn, **row)
+        else:
+            with self.ledger.tx() as c:
+                self.ledger.add_quarantine(c, **row)
+        log.warning("record_quarantined", source=src.name, file=file, line=raw.line, reason=err.reason, detail=detail)
 
 
 def pull(
     sources: list[SourceConfig], ledger: Ledger, tokenizer: Any, *, run_id: str, quarantine: Quarantine,
-    max_seq_length: int, overlong: OverlongPolicy, cache_dir: Path,
+    max_seq_length: int, overlong: OverlongPolicy, cache_dir: Path | None = None,
+    special_tokens: SpecialTokens = "escape", excerpt_bytes: int = 16384,
 ) -> PullResult:
-    result = PullResult()
-    for src in sources:
-        for path in new_files(src, now=ledger.clock()):
-            st = path.stat()
-            if ledger.file_known_by_stat(src.name, str(path), st.st_size, st.st_mtime):
-                continue
-            digest = sha256_file(path)
-            if ledger.file_known_by_hash(src.name, digest):
-                log.info("file_already_ingested", source=src.name, file=str(path), sha256=digest[:12])
-                continue
-            _ingest_file(src, path, st, digest, ledger, tokenizer, run_id, quarantine,
-                         max_seq_length, overlong, cache_dir, result)
-    return result
+    p = _Pull(ledger, tokenizer, run_id, quarantine, max_seq_length, overlong, special_tokens, PullResult())
+    try:
+        for src in sources:
+            _pull_source(p, src, excerpt_bytes)
+    finally:
+        quarantine.close()
+    return p.result
 
 
-def _ingest_file(src: SourceConfig, path: Path, st: os.stat_result, digest: str, ledger: Ledger,
-                 tokenizer: Any, run_id: str, quarantine: Quarantine, max_seq_length: int,
-                 overlong: OverlongPolicy, cache_dir: Path, result: PullResult) -> None:
-    counts = Counter[str]()
-    with ledger.tx() as conn:
-        file_id = ledger.record_file(conn, source=src.name, path=str(path), size=st.st_size,
-                                     mtime=st.st_mtime, sha256=digest, run_id=run_id)
-        for raw in read_records(path, cache_dir):
-            counts["records"] += 1
-            err = raw.error
-            if err is None:
-                try:
-                    norm = normalise(raw.record, src.format, src.field_map)
-                    tokens = tokenize_record(tokenizer, 0, norm.record, max_seq_length=max_seq_length,
-                                             overlong=overlong)
-                except RecordError as e:
-                    err = e
-            if err is not None:
-                counts["quarantined"] += 1
-                result.quarantined[err.reason] += 1
-                quarantine.add(source=src.name, file=path, line=raw.line, reason=err.reason,
-                               detail=err.detail, record=raw.record, raw=raw.raw)
-                ledger.add_quarantine(conn, run_id=run_id, source=src.name, file=str(path), line=raw.line,
-                                      reason=err.reason, detail=err.detail)
-                log.warning("record_quarantined", source=src.name, file=str(path), line=raw.line,
-                            reason=err.reason, detail=err.detail)
-                continue
-            if ledger.add_sample(conn, hash=norm.hash, source=src.name, file_id=file_id, line=raw.line or 0,
-                                 record=norm.record, n_tokens=tokens.n_tokens):
-                counts["accepted"] += 1
-                result.ingested[src.name] += 1
-            else:
-                counts["duplicates"] += 1
-                result.duplicates += 1
-        ledger.finish_file(conn, file_id, records=counts["records"], accepted=counts["accepted"],
-                           duplicates=counts["duplicates"], quarantined=counts["quarantined"])
-    result.files += 1
-    log.info("file_ingested", source=src.name, file=str(path), **counts)
+def _pull_source(p: _Pull, src: SourceConfig, excerpt_bytes: int) -> None:
+    try:
+        listing = list_inbox(src, now=p.ledger.clock())
+    except OSError as e:  # the inbox itself: the other sources go on
+        p.reject(None, src, printable(Path(src.inbox)), RawRecord(None, None),
+                 RecordError("unreadable", f"inbox cannot be listed: {e.strerror or e}"))
+        return
+    for file, reason, detail in listing.refused:
+        p.reject(None, src, file, RawRecord(None, None), RecordError(reason, detail))
+    if listing.unmatched:
+        p.result.unmatched += len(listing.unmatched)
+        log.warning("files_not_matching_patterns", source=src.name, count=len(listing.unmatched),
+                    examples=listing.unmatched[:5], patterns=src.patterns)
+    allowed = roots(src)
+    for f in listing.files:
+        try:
+            _ingest_file(p, src, f, allowed, excerpt_bytes)
+        except sqlite3.Error:
+            raise  # the ledger itself (a full disk, a lock): not this file's fault
+        except (OSError, _Retry) as e:  # vanished, unreadable, swapped, changed while read: next pull
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            p.reject(None, src, f.display, RawRecord(None, None),
+                     RecordError("unreadable", f"not read this time ({why}); tried again at the next pull"))
+        except Exception as e:  # a bug or an input nobody foresaw: reported, the other files go on
+            p.reject(None, src, f.display, RawRecord(None, None),
+                     RecordError("internal_error", f"{type(e).__name__}: {printable(str(e), 200)}"))
+
+
+def stat_key(st: os.stat_result) -> str:
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def _hash(f: IO[bytes]) -> str:
+    h = hashlib.sha256()
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+        h.update(chunk)
+    f.seek(0)
+    return h.hexdigest()
+
+
+def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path], excerpt_bytes: int) -> None:
+    ledger, result = p.ledger, p.result
+    with open_inbox_file(f, allowed) as fh:
+        st = os.fstat(fh.fileno())
+        key = stat_key(st)
+        if ledger.file_known_by_stat(src.name, f.display, key):
+            return
+        digest = _hash(fh)
+        if ledger.file_known_by_hash(src.name, digest):
+            ledger.remember_stat_key(src.name, f.display, digest, key)  # not hashed again while unchanged
+            log.info("file_already_ingested", source=src.name, file=f.display, sha256=digest[:12])
+            return
+        counts, reasons = Counter[str](), Counter[str]()
+        with ledger.tx() as conn:
+            file_id = ledger.record_file(conn, source=src.name, path=f.display, size=st.st_size, mtime=st.st_mtime,
+                                         sha256=digest, run_id=p.run_id, stat_key=key)
+            for raw in read_stream(fh, f.path.suffix, src.limits(excerpt_bytes)):
+                counts["records"] += 1
+                outcome, reason = _one_record(p, conn, src, f.display, file_id, raw)
+                counts[outcome] += 1
+                if reason:
+                    reasons[reason] += 1
+            after = os.fstat(fh.fileno())
+            if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+                raise _Retry("it changed while it was read")
+            ledger.finish_file(conn, file_id, records=counts["records"], accepted=counts["accepted"],
+                               duplicates=counts["duplicates"], quarantined=counts["quarantined"])
+            p.quarantine.sync()  # durable before the ledger says the file was seen
+    result.files += 1  # counted once the file's transaction committed
+    result.ingested[src.name] += counts["accepted"]
+    result.duplicates += counts["duplicates"]
+    result.quarantined.update(reasons)
+    log.info("file_ingested", source=src.name, file=f.display, **counts)
     if src.move_processed:
+        _move_processed(ledger, src, f, file_id, digest)
+
+
+def _one_record(p: _Pull, conn: sqlite3.Connection, src: SourceConfig, file: str, file_id: int,
+                raw: RawRecord) -> tuple[str, str | None]:
+    """One record, inside its own guard: ('accepted' | 'duplicates' | 'quarantined', reason)."""
+    err = raw.error
+    if err is None:
+        try:
+            norm = normalise(raw.record, src.format, src.field_map)
+            tokens = tokenize_record(p.tokenizer, 0, norm.record, max_seq_length=p.max_seq_length,
+                                     overlong=p.overlong, special_tokens=p.special_tokens)
+            new = p.ledger.add_sample(conn, hash=norm.hash, source=src.name, file_id=file_id, line=raw.line or 0,
+                                      record=norm.record, n_tokens=tokens.n_tokens)
+        except RecordError as e:
+            err = e
+        except sqlite3.Error:
+            raise  # the ledger (disk full, I/O): stops the pull, the file's transaction is rolled back
+        except Exception as e:  # unforeseen: this record is kept aside, the file goes on
+            err = RecordError("internal_error", f"{type(e).__name__}: {printable(str(e), 200)}")
+    if err is not None:
+        p.reject(conn, src, file, raw, err)
+        return "quarantined", err.reason
+    return ("accepted" if new else "duplicates"), None
+
+
+def _move_processed(ledger: Ledger, src: SourceConfig, f: InboxFile, file_id: int, digest: str) -> None:
+    try:
         dest_dir = Path(src.inbox) / "processed"
         dest_dir.mkdir(exist_ok=True)
-        dest = dest_dir / path.name
+        dest = dest_dir / f.path.name
         if dest.exists():
-            dest = dest_dir / f"{path.stem}.{digest[:8]}{path.suffix}"
-        shutil.move(str(path), dest)
-        ledger.set_file_moved(file_id, str(dest))
+            dest = dest_dir / f"{f.path.stem}.{digest[:8]}{f.path.suffix}"
+        shutil.move(str(f.path), dest)
+        ledger.set_file_moved(file_id, printable(dest))
+    except OSError as e:  # ingested all the same; known by its hash at the next pull
+        log.warning("move_processed_failed", file=f.display, error=e.strerror or str(e))

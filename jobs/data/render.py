@@ -5,16 +5,26 @@ on exactly the format the inference server will use. Only assistant turns are
 trained on: each assistant span is found by rendering the conversation's prefixes
 (the text between "prefix + generation prompt" and "prefix + this turn"), which works
 for any template whose prefixes render as string prefixes of the whole.
+
+Control-token text inside content (a record saying `<|end|>\n<|user|>...`) is trained as text, never as
+the control tokens themselves: `[train] special_tokens = "escape"` (the default) tokenises the content
+pieces with the tokenizer's special tokens split into ordinary text, `"reject"` quarantines the record.
+Records without such text are tokenised exactly as before.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from jobs.data.batching import IGNORE_INDEX, TokenizedSample
 from jobs.data.formats import RecordError
 
 OverlongPolicy = Literal["reject", "truncate"]
+SpecialTokens = Literal["escape", "reject"]
+_SPECIALS: dict[int, tuple[Any, re.Pattern[str] | None, set[int]]] = {}  # id(tokenizer) -> (it, pattern, ids)
+CHARS_PER_TOKEN_MAX = 64  # no tokenizer's tokens average more characters than this over a whole record
+_MARK = "\ue000"  # private-use characters delimit the content in a template rendered with placeholders
 
 
 def char_spans(tokenizer: Any, record: dict[str, Any]) -> tuple[str, list[tuple[int, int]]]:
@@ -58,14 +68,83 @@ def reply_char_spans(tokenizer: Any, record: dict[str, Any], full: str,
     return out
 
 
+def _specials(tokenizer: Any) -> tuple[re.Pattern[str] | None, set[int]]:
+    """The text of every added/special token, as one pattern, and their ids (cached per tokenizer)."""
+    cached = _SPECIALS.get(id(tokenizer))
+    if cached is None or cached[0] is not tokenizer:
+        added = dict(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+        texts = {str(getattr(t, "content", t)) for t in added.values()} | set(tokenizer.all_special_tokens or [])
+        texts = {t for t in texts if t}
+        pattern = re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True)))) if texts else None
+        cached = _SPECIALS[id(tokenizer)] = (tokenizer, pattern, set(added))
+    return cached[1], cached[2]
+
+
+def _contents(record: dict[str, Any]) -> list[str]:
+    return [record["text"]] if "text" in record else [m["content"] for m in record["messages"]]
+
+
+def _pieces(tokenizer: Any, record: dict[str, Any]) -> list[tuple[str, bool]] | None:
+    """The rendered text as (piece, is content) in order, or None when the template does not copy the
+    content verbatim (then it cannot be tokenised piece by piece)."""
+    if "text" in record:
+        return [(record["text"], True), (tokenizer.eos_token or "", False)]
+    messages = record["messages"]
+    if any(_MARK in m["content"] for m in messages):
+        return None
+    marks = [f"{_MARK}{i}{_MARK}" for i in range(len(messages))]
+    rest = tokenizer.apply_chat_template([{"role": m["role"], "content": mk} for m, mk in zip(messages, marks,
+                                                                                              strict=True)],
+                                         tokenize=False)
+    pieces: list[tuple[str, bool]] = []
+    for m, mk in zip(messages, marks, strict=True):
+        before, sep, rest = rest.partition(mk)
+        if not sep:
+            return None
+        pieces += [(before, False), (m["content"], True)]
+    return [*pieces, (rest, False)]
+
+
+def _encode(tokenizer: Any, record: dict[str, Any], text: str,
+            special_tokens: SpecialTokens) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids and character offsets of the rendered text; control-token text in content as text."""
+    pattern, added_ids = _specials(tokenizer)
+    found = next((m.group() for c in _contents(record) if pattern and (m := pattern.search(c))), None)
+    if found is None:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), list(enc["offset_mapping"])
+    if special_tokens == "reject":
+        raise RecordError("special_tokens", f"the content holds the control-token text {found!r} "
+                          '([train] special_tokens = "reject")')
+    pieces = _pieces(tokenizer, record)
+    if pieces is None or "".join(p for p, _ in pieces) != text:
+        raise RecordError("special_tokens", f"the content holds the control-token text {found!r} and the chat "
+                          "template does not copy content verbatim, so it cannot be escaped")
+    ids: list[int] = []
+    offsets: list[tuple[int, int]] = []
+    pos = 0
+    for piece, is_content in pieces:
+        if piece:
+            enc = tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True,
+                            split_special_tokens=is_content)
+            if is_content and added_ids & set(enc["input_ids"]):
+                raise RecordError("special_tokens", f"the content holds the control-token text {found!r}, which "
+                                  "this tokenizer matches even as plain text")
+            ids += enc["input_ids"]
+            offsets += [(a + pos, b + pos) for a, b in enc["offset_mapping"]]
+        pos += len(piece)
+    return ids, offsets
+
+
 def tokenize_record(
     tokenizer: Any, sample_id: int, record: dict[str, Any], *, max_seq_length: int,
-    overlong: OverlongPolicy = "reject",
+    overlong: OverlongPolicy = "reject", special_tokens: SpecialTokens = "escape",
 ) -> TokenizedSample:
+    chars = sum(len(c) for c in _contents(record))
+    if overlong == "reject" and chars > max_seq_length * CHARS_PER_TOKEN_MAX:  # not worth tokenising to know
+        raise RecordError("too_long", f"{chars:,} characters cannot fit in max_seq_length {max_seq_length} tokens")
     text, spans = char_spans(tokenizer, record)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids: list[int] = list(enc["input_ids"])
-    offsets = enc["offset_mapping"]
+    ids, offsets = _encode(tokenizer, record, text, special_tokens)
     labels = [
         tok if any(a <= start and end <= b and end > start for a, b in spans) else IGNORE_INDEX
         for tok, (start, end) in zip(ids, offsets, strict=True)

@@ -1,6 +1,7 @@
 """Generic webhook: POST the new version as JSON, authenticated and signed.
 
-Body (UTF-8 JSON, keys sorted, no spaces): {"base_model", "manifest", "name", "path", "version"}.
+Body (UTF-8 JSON, keys sorted, no spaces): {"base_model", "manifest", "name", "path", "version"}; the
+manifest without its "config", so no receiver learns the other targets' URLs or where secrets live.
 Headers:
 - Authorization: Bearer <token>            when token_file / token_env is set
 - X-Nightshift-Timestamp: <unix seconds>   when the request was signed (fresh per attempt)
@@ -34,12 +35,13 @@ DELIVERY_HEADER = "X-Nightshift-Delivery"
 
 
 def payload_bytes(adapter: AdapterRef) -> bytes:
+    """The version, not the config: a receiver never learns the other targets (URLs, secrets' places)."""
     payload = {
         "version": adapter.version,
         "name": adapter.name,
         "path": str(adapter.path),
         "base_model": adapter.base_model,
-        "manifest": adapter.manifest,
+        "manifest": {k: v for k, v in adapter.manifest.items() if k != "config"},
     }
     return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str).encode("utf-8")
 

@@ -19,7 +19,8 @@ from jobs.data.batching import TokenizedSample
 from jobs.data.render import tokenize_record
 from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun
-from jobs.night.measure import EvalSets, build_sets, measure_all
+from jobs.night.measure import EvalSets, build_sets, kept_before, measure_all
+from jobs.store.integrity import verified
 from jobs.training.checkpoints import latest_checkpoint
 from jobs.training.load import Loaded, load_for_training
 from jobs.training.loop import TrainResult, train
@@ -45,15 +46,18 @@ class Prepared:
 
 def load_model_and_data(ctx: RunContext, planned: PlannedRun) -> Prepared:
     cfg, ledger = ctx.cfg, ctx.ledger
-    parent_path = ctx.registry.path_of(cfg.model.name, planned.parent) if planned.parent else None
-    resume = latest_checkpoint(ctx.checkpoints)
+    parent_path = (verified(ctx.registry, ledger, planned.parent, role="parent adapter")  # sha256 checked
+                   if planned.parent else None)
+    # a checkpoint continues the adapter the "before" figures were measured on: without them, start over
+    resume = latest_checkpoint(ctx.checkpoints) if kept_before(ctx) is not None else None
     with ctx.phase(Phase.load):
         shape = resolve_step(cfg.train, ledger.calibration(planned.key))
         log.info("step_shape", tokens_per_step=shape.tokens_per_step,
                  gradient_checkpointing=shape.gradient_checkpointing, basis=shape.basis)
         loaded = load_for_training(ctx.model_path, cfg.train, adapter=resume or parent_path, shape=shape,
                                    cache_dir=ctx.state / "models")
-        tok, tk = loaded.tokenizer, {"max_seq_length": cfg.train.max_seq_length, "overlong": cfg.train.overlong}
+        tok, tk = loaded.tokenizer, {"max_seq_length": cfg.train.max_seq_length, "overlong": cfg.train.overlong,
+                                     "special_tokens": cfg.train.special_tokens}
         train_ids = [sid for sid, role in planned.roles if role in ("train", "replay")]
         heldout_ids = [sid for sid, role in planned.roles if role == "heldout"]
         prepared = Prepared(
@@ -78,6 +82,7 @@ def evaluate_candidate(ctx: RunContext, prep: Prepared, when: Literal["before", 
         if k.endswith(("_before", "_after")):
             setattr(s.losses, k, (m or {}).get("loss"))
     return measured
+
 
 
 def train_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun) -> TrainResult:

@@ -9,14 +9,20 @@ trainer checkpoints and the process exits with EXIT_INTERRUPTED.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
+import sqlite3
 import sys
 import threading
 from typing import Any
 
-from jobs.contract import ChildEvent, ResultEvent, outcome_exit_code
+import structlog
+
+from jobs.contract import ChildEvent, ExitCode, Outcome, ResultEvent, RunSummary, outcome_exit_code
+from jobs.store.files import DamagedState
+from jobs.store.locking import LockTimeout, inherited_night_lock, night_lock
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,12 +51,23 @@ def main(argv: list[str] | None = None) -> int:
     raw = sys.stdin.read()
     _import_unsloth_first(json.loads(raw))
     from jobs.night.config import NightConfig
-    from jobs.night.run import run_night
+    from jobs.night.run import failure_text, run_night
 
     cfg = NightConfig.model_validate_json(raw)
     logs.route_transformers_logging()
-    summary = run_night(cfg, night=args.night, deadline=args.deadline, emit=emit, stop=stop,
-                        plan_only=args.plan_only)
+    with contextlib.ExitStack() as held:
+        if not inherited_night_lock(cfg.state_dir):  # started by hand, not by `nightshift`: take it here
+            try:
+                held.enter_context(night_lock(cfg.state_dir, what=f"night {args.night} (child {os.getpid()})"))
+            except LockTimeout as e:
+                print(f"nightshift: {e}", file=sys.stderr)
+                return ExitCode.BUSY
+        try:
+            summary = run_night(cfg, night=args.night, deadline=args.deadline, emit=emit, stop=stop,
+                                plan_only=args.plan_only)
+        except (DamagedState, OSError, sqlite3.Error) as e:  # before a run could open: the model, the ledger
+            summary = RunSummary(night=args.night, outcome=Outcome.failed, error=failure_text(e))
+            structlog.get_logger("nightshift.night").error("night_refused", error=summary.error)
     emit(ResultEvent(summary=summary))
     return outcome_exit_code(summary.outcome)
 

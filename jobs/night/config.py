@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jobs.data.quarantine import QuarantineConfig
 from jobs.data.sources import SourceConfig
 from jobs.evaluate import EvalConfig
 from jobs.gpu import GpuConfig
@@ -37,3 +38,4 @@ class NightConfig(BaseModel):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     hotswap: HotswapConfig = Field(default_factory=HotswapConfig)  # no targets: nothing announced
     gpu: GpuConfig = Field(default_factory=GpuConfig)
+    quarantine: QuarantineConfig = Field(default_factory=QuarantineConfig)

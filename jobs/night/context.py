@@ -18,6 +18,7 @@ import structlog
 from jobs.contract import Emit, Outcome, Phase, PhaseEvent, RunSummary
 from jobs.gpu import GpuSampler, torch_device_uuid, torch_peak_memory
 from jobs.night.config import NightConfig
+from jobs.store.cleanup import close_run, sweep_checkpoints
 from jobs.store.ledger import Ledger
 from jobs.store.registry import Registry
 
@@ -40,6 +41,7 @@ class RunContext:
     summary: RunSummary
     resumed: bool = False  # the run was opened before: its stored plan and checkpoints are used
     plan_only: bool = False  # `nightshift plan`: nothing is recorded
+    parent: int | None = None  # the version in service a new plan continues from (checked by the night)
     gpu: GpuSampler | None = None
 
     @property
@@ -81,7 +83,7 @@ class RunContext:
         """Close the run in the ledger with its summary (the night counts as done)."""
         self.summary.outcome = Outcome(outcome)
         self.summary.error = error
-        self.ledger.finish_run(self.run_id, outcome, summary=self.summary, error=error)
+        close_run(self.ledger, self.run_id, outcome, summary=self.summary, error=error)
 
 
 def open_context(cfg: NightConfig, *, model_path: Path, fingerprint: str, night: str, deadline: float, emit: Emit,
@@ -97,6 +99,8 @@ def open_context(cfg: NightConfig, *, model_path: Path, fingerprint: str, night:
         run_id = f"{'plan' if plan_only else night}-{secrets.token_hex(3)}"
         if not plan_only:
             ledger.start_run(run_id, night, deadline)
+    if not plan_only:
+        sweep_checkpoints(ledger)  # runs closed by anyone (a supervisor giving up, a crash) leave none behind
     structlog.contextvars.bind_contextvars(run_id=run_id)
     summary = RunSummary(run_id=run_id, night=night, deadline=deadline, started_at=clock(),
                          base_model=str(model_path))

@@ -10,6 +10,7 @@ import structlog
 from jobs import plan as budget
 from jobs.contract import Phase, Plan, PlanEvent, version_name
 from jobs.data.pull import PullResult, Quarantine, pull
+from jobs.data.quarantine import prune_quarantine
 from jobs.night.context import RunContext
 from jobs.store import learning
 
@@ -18,11 +19,14 @@ log = structlog.get_logger("nightshift.night")
 
 def pull_new_data(ctx: RunContext, tokenizer: Any) -> PullResult:
     cfg, s = ctx.cfg, ctx.summary
+    qfile = ctx.state / "quarantine" / f"{ctx.run_id}.jsonl"
     with ctx.phase(Phase.pull):
+        if not ctx.plan_only:
+            prune_quarantine(qfile.parent, cfg.quarantine.keep_days, now=ctx.clock(), keep=qfile)
         res = pull(cfg.sources, ctx.ledger, tokenizer, run_id=ctx.run_id,
-                   quarantine=Quarantine(ctx.state / "quarantine" / f"{ctx.run_id}.jsonl"),
+                   quarantine=Quarantine(qfile, excerpt_bytes=cfg.quarantine.excerpt_bytes),
                    max_seq_length=cfg.train.max_seq_length, overlong=cfg.train.overlong,
-                   cache_dir=ctx.state / "cache" / "datasets")
+                   special_tokens=cfg.train.special_tokens, excerpt_bytes=cfg.quarantine.excerpt_bytes)
     s.files_ingested, s.ingested, s.duplicates = res.files, dict(res.ingested), res.duplicates
     s.quarantined = dict(res.quarantined)
     return res
@@ -58,7 +62,7 @@ def plan_night(ctx: RunContext, *, key: str, backend: str, device: str) -> Plann
                                     epochs=cfg.train.epochs, key=key, replay_pool=learning.replay_pool(ledger),
                                     seed=ctx.night, min_heldout=cfg.eval.min_eval_samples)
             plan = plan.model_copy(update={"version": ledger.next_version(),
-                                           "parent_version": ctx.registry.current_version(),
+                                           "parent_version": ctx.parent,
                                            "backend": backend, "device": device})
             planned = PlannedRun(plan, plan.roles(), key)
             if not ctx.plan_only and plan.train_ids:

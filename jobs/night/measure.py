@@ -15,6 +15,7 @@ so a resumed night is judged against what it started from.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -26,6 +27,7 @@ from jobs.data.batching import TokenizedSample
 from jobs.data.render import tokenize_record
 from jobs.night.context import RunContext
 from jobs.store import learning
+from jobs.store.files import PRIVATE_DIR, PRIVATE_FILE, make_dir
 
 log = structlog.get_logger("nightshift.night")
 Measured = dict[str, dict[str, float] | None]
@@ -44,7 +46,8 @@ class EvalSets:
 
 def build_sets(ctx: RunContext, tokenizer: Any, heldout_ids: list[int], parent: int | None) -> EvalSets:
     cfg, ledger = ctx.cfg, ctx.ledger
-    tk = {"max_seq_length": cfg.train.max_seq_length, "overlong": "truncate"}
+    tk = {"max_seq_length": cfg.train.max_seq_length, "overlong": "truncate",
+          "special_tokens": cfg.train.special_tokens}
     cap = cfg.eval.max_eval_samples
     heldout = [tokenize_record(tokenizer, r.id, r.record, **tk) for r in ledger.samples_by_id(heldout_ids[:cap])]
     picked = learning.regression_ids(ledger, cap)
@@ -68,9 +71,8 @@ def build_sets(ctx: RunContext, tokenizer: Any, heldout_ids: list[int], parent: 
 def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
                 when: Literal["before", "after"]) -> tuple[Measured, dict[str, dict[str, Any]]]:
     """The metrics of `when`'s models and the regression slices' figures ({slice: {stage: metrics}})."""
-    kept = ctx.checkpoints / "before.json"
-    if when == "before" and kept.exists():
-        saved = json.loads(kept.read_text())
+    saved = kept_before(ctx) if when == "before" else None
+    if saved is not None:
         ctx.summary.not_evaluated.update(saved.get("not_evaluated", {}))
         sets.reference = saved.get("reference")
         return saved["metrics"], saved["slices"]
@@ -108,10 +110,31 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
                 run("reference")
             finally:
                 _restore(model, service)
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    kept.write_text(json.dumps({"metrics": measured, "slices": slices, "reference": sets.reference,
-                                "not_evaluated": ctx.summary.not_evaluated}))
+    if when == "before":
+        _keep_before(ctx, {"metrics": measured, "slices": slices, "reference": sets.reference,
+                           "not_evaluated": ctx.summary.not_evaluated})
     return measured, slices
+
+
+def kept_before(ctx: RunContext) -> dict[str, Any] | None:
+    """What an earlier attempt of this run measured before training (None: nothing, or unreadable:
+    then it is measured again and no checkpoint is continued)."""
+    try:
+        saved = json.loads((ctx.checkpoints / "before.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return saved if isinstance(saved, dict) and isinstance(saved.get("metrics"), dict) else None
+
+
+def _keep_before(ctx: RunContext, saved: dict[str, Any]) -> None:
+    """Written atomically and private, like the checkpoints beside it."""
+    kept = ctx.checkpoints / "before.json"
+    make_dir(kept.parent.parent, PRIVATE_DIR)
+    make_dir(kept.parent, PRIVATE_DIR)
+    tmp = kept.with_suffix(".tmp")
+    tmp.write_text(json.dumps(saved))
+    os.chmod(tmp, PRIVATE_FILE)
+    os.replace(tmp, kept)
 
 
 def _sized(ctx: RunContext, sets: dict[str, list[TokenizedSample]]) -> dict[str, list[TokenizedSample]]:

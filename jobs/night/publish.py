@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun
 from jobs.store import learning
 from jobs.store.adapters import announce
+from jobs.store.files import DamagedState
 from jobs.store.locking import StateLock
 from jobs.training.loop import TrainResult
 
@@ -82,8 +84,8 @@ def publish_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun, resu
                                  f"v{in_service}); promote it by hand if wanted")
             log.warning("not_promoted", reason=verdict.held_back)
         final = registry.path_of(cfg.model.name, planned.version)
-        if final.exists():  # renamed by a run killed before the ledger recorded it: never served
-            shutil.rmtree(final)
+        if final.exists() or final.is_symlink():
+            _discard_own_unrecorded(ctx, final, planned.version)
         tmp = registry.new_tmp_dir(version_name(cfg.model.name, planned.version))
         prep.loaded.model.save_pretrained(str(tmp))
         verdict.new_reference = passed and evaluate.at_least_as_good(s.metrics.get("regression_after"),
@@ -116,6 +118,21 @@ def publish_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun, resu
     return Published(planned.version, path, passed)
 
 
+def _discard_own_unrecorded(ctx: RunContext, final: Path, version: int) -> None:
+    """A directory under our number before we publish. Only this run's own unrecorded rename (a kill
+    between the rename and the ledger's commit: never recorded, never served) may go; anything else
+    is a published version, and those are write-once for everyone."""
+    row = ctx.ledger.version(version)
+    ours = row is not None and row["status"] == "training" and row["run_id"] == ctx.run_id
+    if not ours or final.is_symlink() or ctx.registry.current() == final.resolve() or ctx.ledger.hotswaps(version):
+        raise DamagedState(f"{final} already exists and is not this run's own unfinished attempt: published "
+                           "versions are write-once, refusing to replace it; `nightshift doctor` explains")
+    aside = ctx.registry.new_tmp_dir(f"replaced-{final.name}")
+    os.rename(final, aside / final.name)
+    shutil.rmtree(aside, ignore_errors=True)
+    log.info("unrecorded_attempt_replaced", path=str(final))
+
+
 def _manifest(ctx: RunContext, prep: Prepared, planned: PlannedRun, result: TrainResult, new_ids: list[int],
               replayed: list[int], promoted: bool) -> dict[str, Any]:
     """What the version says of itself: lineage, data, figures, the gate's decision, the config."""
@@ -144,8 +161,18 @@ def _manifest(ctx: RunContext, prep: Prepared, planned: PlannedRun, result: Trai
         "plan": {"predicted_train_seconds": p.predicted_train_seconds, "tokens_per_second": p.tokens_per_second,
                  "basis": p.basis, "train_tokens": p.train_tokens, "deferred_samples": p.deferred_samples},
         "replay_share": cfg.plan.replay_share, "cut_samples": s.cut_samples,
-        "config": cfg.model_dump(mode="json"),
+        "config": shareable_config(cfg),
     }
+
+
+def shareable_config(cfg: Any) -> dict[str, Any]:
+    """The resolved config as the manifest keeps it (group-readable, sent to receivers): hot-swap targets
+    by name and kind only, never their URLs, paths of secrets or commands."""
+    conf = cfg.model_dump(mode="json")
+    hs = conf.get("hotswap") or {}
+    conf["hotswap"] = {**hs, "targets": [{"name": t.get("name"), "kind": t.get("kind")}
+                                         for t in hs.get("targets", [])]}
+    return conf
 
 
 def announce_version(ctx: RunContext, version: int, path: Path) -> list[HotswapOutcome]:

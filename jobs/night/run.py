@@ -9,6 +9,7 @@ open run with its stored plan, from its last checkpoint, and trains nothing twic
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,8 @@ from jobs.night.context import RunContext, open_context
 from jobs.night.intake import plan_night, pull_new_data
 from jobs.night.model import ensure_model, model_fingerprint, throughput_key
 from jobs.night.publish import announce_version, close_run, finish_published, judge, publish_candidate
+from jobs.store.files import DamagedState
+from jobs.store.integrity import check_registry_known, parent_for_night
 
 log = structlog.get_logger("nightshift.night")
 
@@ -38,8 +41,11 @@ def run_night(cfg: NightConfig, *, night: str, deadline: float, emit: Emit, stop
     except Exception as e:
         # The run stays open: its supervisor retries (resuming from the last checkpoint) or
         # closes it as failed once the attempts or the window are used up.
-        ctx.summary.outcome, ctx.summary.error = Outcome.failed, f"{type(e).__name__}: {e}"
-        log.exception("run_failed", error=ctx.summary.error)
+        ctx.summary.outcome, ctx.summary.error = Outcome.failed, failure_text(e)
+        if isinstance(e, DamagedState | OSError | sqlite3.OperationalError):  # the operator's to fix: no traceback
+            log.error("run_failed", error=ctx.summary.error)
+        else:
+            log.exception("run_failed", error=ctx.summary.error)
         if not plan_only:
             ctx.ledger.add_event("attempt_failed", run_id=ctx.run_id,
                                  detail={"night": night, "error": ctx.summary.error})
@@ -57,6 +63,8 @@ def _steps(ctx: RunContext) -> None:
     from jobs.training.load import device_name, load_tokenizer, resolve_backend
 
     s = ctx.summary
+    check_registry_known(ctx.registry, ctx.ledger, ctx.cfg.model.name)  # refused: a ledger behind the registry
+    ctx.parent = parent_for_night(ctx.registry, ctx.ledger, repair=not ctx.plan_only)  # refused: damaged lineage
     backend, device = resolve_backend(ctx.cfg.train), device_name()
     pull_new_data(ctx, load_tokenizer(ctx.model_path))
     planned = plan_night(ctx, key=throughput_key(ctx.cfg, ctx.fingerprint, backend, device), backend=backend,
@@ -88,3 +96,12 @@ def _steps(ctx: RunContext) -> None:
     if published.promoted:
         announce_version(ctx, published.version, published.path)
     close_run(ctx, planned, result, published)
+
+
+def failure_text(e: BaseException) -> str:
+    """One line for the summary and the CLI: a damaged state's own message, else type and message."""
+    if isinstance(e, DamagedState):
+        return f"damaged state: {e}"
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}" + (f": {e.filename}" if e.filename else "")
+    return f"{type(e).__name__}: {e}"

@@ -6,6 +6,7 @@ and the directory entry on disk, hence fsync of both before and after the rename
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from pathlib import Path
@@ -34,3 +35,39 @@ def fsync_tree(root: Path) -> None:
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
     fsync_dir(Path(root))
+
+
+# ---- damaged state and permissions -----------------------------------------------------------------
+# Modes are set explicitly (chmod), so they hold whatever umask the process inherited: what the
+# inference server reads is group-readable, raw user data and training state are private.
+PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600  # ledger, quarantine, checkpoints, locks
+SHARED_DIR, SHARED_FILE = 0o750, 0o440  # published versions: the inference server's group reads them
+
+
+class DamagedState(RuntimeError):
+    """The state directory is inconsistent or damaged: refused (never taken for a fresh start).
+    The message says what is wrong and how to repair it; `nightshift doctor` lists everything."""
+
+
+def chmod_quietly(path: Path, mode: int) -> None:
+    """Set a mode where we may (the owner); a file someone else owns keeps its own."""
+    with contextlib.suppress(PermissionError, FileNotFoundError):
+        os.chmod(path, mode)
+
+
+def make_dir(path: Path, mode: int) -> Path:
+    """mkdir -p, then the directory itself gets exactly `mode` (parents created on the way keep umask's)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if (path.stat().st_mode & 0o777) != mode:
+        chmod_quietly(path, mode)
+    return path
+
+
+def seal_tree(root: Path, *, dir_mode: int = SHARED_DIR, file_mode: int = SHARED_FILE) -> None:
+    """A published version: directories `dir_mode`, files `file_mode` (read-only: write-once)."""
+    for p in Path(root).rglob("*"):
+        if p.is_symlink():
+            continue
+        os.chmod(p, dir_mode if p.is_dir() else file_mode)
+    os.chmod(root, dir_mode)

@@ -1,7 +1,7 @@
 """The ledger's schema for learning that holds night after night (issue 12), in one idempotent step.
 
-Kept apart from ledger.py's SCHEMA so that it can be folded into the ledger's migrations as one
-step. `apply` is safe to call on every open, on a new ledger and on one written before it:
+Step 3 of the ledger's migrations (jobs/store/schema.py), run once per ledger inside the step's
+transaction, on a new ledger and on one written before it:
 
 - samples.status gains 'rejected' (a rejected night's samples kept out of training and replay, when
   configured so) and 'set_aside' (rejected too many times); SQLite cannot alter a CHECK constraint,
@@ -56,22 +56,15 @@ FROM promotions ORDER BY id DESC LIMIT 1;
 """
 
 
-def apply(db: sqlite3.Connection) -> None:
-    """Bring the ledger to this schema (a no-op when it is there already)."""
-    new_regression_set = not db.execute(
+def migrate(c: sqlite3.Connection) -> None:
+    """Migration step 3 (jobs/store/schema.py), inside the step's transaction."""
+    new_regression_set = not c.execute(
         "SELECT 1 FROM sqlite_master WHERE type='table' AND name='regression_set'").fetchone()
-    if "'set_aside'" not in _samples_sql(db):
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            if "'set_aside'" not in _samples_sql(db):  # another process may have done it meanwhile
-                _rebuild_samples(db)
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-    db.executescript(TABLES)
-    if new_regression_set:
-        db.executescript(BACKFILL)
+    if "'set_aside'" not in _samples_sql(c):
+        _rebuild_samples(c)
+    for statement in (TABLES + (BACKFILL if new_regression_set else "")).split(";"):
+        if statement.strip():
+            c.execute(statement)
 
 
 def _samples_sql(db: sqlite3.Connection) -> str:

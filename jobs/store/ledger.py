@@ -17,56 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.contract import CalibrationRecord, HotswapOutcome, Plan, RunSummary
-from jobs.store import learning_schema
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS files (
-  id INTEGER PRIMARY KEY, source TEXT NOT NULL, path TEXT NOT NULL, size INTEGER NOT NULL,
-  mtime REAL NOT NULL, sha256 TEXT NOT NULL, seen_at REAL NOT NULL, run_id TEXT,
-  records INTEGER DEFAULT 0, accepted INTEGER DEFAULT 0, duplicates INTEGER DEFAULT 0,
-  quarantined INTEGER DEFAULT 0, moved_to TEXT, UNIQUE (source, sha256));
-CREATE INDEX IF NOT EXISTS files_by_path ON files (source, path, size, mtime);
-CREATE TABLE IF NOT EXISTS samples (
-  id INTEGER PRIMARY KEY AUTOINCREMENT, hash TEXT NOT NULL UNIQUE, source TEXT NOT NULL,
-  file_id INTEGER, line INTEGER, record TEXT NOT NULL, n_tokens INTEGER NOT NULL,
-  status TEXT NOT NULL CHECK (status IN ('pending', 'trained', 'heldout')), version INTEGER,
-  created_at REAL NOT NULL, trained_at REAL);
-CREATE INDEX IF NOT EXISTS samples_by_status ON samples (status, id);
-CREATE TABLE IF NOT EXISTS quarantine (
-  id INTEGER PRIMARY KEY, run_id TEXT, source TEXT, file TEXT, line INTEGER, reason TEXT NOT NULL,
-  detail TEXT, at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS runs (
-  id TEXT PRIMARY KEY, night TEXT NOT NULL, status TEXT NOT NULL, started_at REAL NOT NULL,
-  ended_at REAL, deadline REAL, attempt INTEGER NOT NULL DEFAULT 1, version INTEGER, plan TEXT,
-  summary TEXT, error TEXT);
-CREATE INDEX IF NOT EXISTS runs_by_night ON runs (night, started_at);
-CREATE TABLE IF NOT EXISTS run_samples (
-  run_id TEXT NOT NULL, ord INTEGER NOT NULL, sample_id INTEGER NOT NULL, role TEXT NOT NULL,
-  PRIMARY KEY (run_id, ord));
-CREATE TABLE IF NOT EXISTS phases (
-  run_id TEXT NOT NULL, phase TEXT NOT NULL, started_at REAL NOT NULL, seconds REAL,
-  PRIMARY KEY (run_id, phase, started_at));
-CREATE TABLE IF NOT EXISTS throughput (
-  id INTEGER PRIMARY KEY, key TEXT NOT NULL, run_id TEXT, at REAL NOT NULL, origin TEXT NOT NULL,
-  tokens INTEGER NOT NULL, seconds REAL NOT NULL, tokens_per_second REAL NOT NULL,
-  overhead_seconds REAL, detail TEXT);
-CREATE INDEX IF NOT EXISTS throughput_by_key ON throughput (key, at);
-CREATE TABLE IF NOT EXISTS versions (
-  version INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, run_id TEXT, parent INTEGER, path TEXT,
-  status TEXT NOT NULL, created_at REAL NOT NULL, promoted_at REAL, manifest TEXT);
-CREATE TABLE IF NOT EXISTS events (
-  id INTEGER PRIMARY KEY, at REAL NOT NULL, kind TEXT NOT NULL, run_id TEXT, version INTEGER,
-  detail TEXT);
-CREATE TABLE IF NOT EXISTS promotions (
-  id INTEGER PRIMARY KEY, at REAL NOT NULL, version INTEGER NOT NULL, action TEXT NOT NULL,
-  from_version INTEGER, run_id TEXT);
-CREATE TABLE IF NOT EXISTS pins (version INTEGER PRIMARY KEY, at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS hotswaps (
-  id INTEGER PRIMARY KEY, at REAL NOT NULL, version INTEGER NOT NULL, trigger TEXT NOT NULL, run_id TEXT,
-  target TEXT NOT NULL, kind TEXT NOT NULL, ok INTEGER NOT NULL, attempts INTEGER, seconds REAL, error TEXT,
-  detail TEXT);
-CREATE INDEX IF NOT EXISTS hotswaps_by_version ON hotswaps (version, at);
-"""
+from jobs.store.schema import SCHEMA, open_database  # noqa: F401  (SCHEMA: re-exported)
 
 # Version statuses: training -> promoted | rejected | failed; any kept one -> pruned (files deleted,
 # the row and its manifest stay: names are never reused). Promotion actions: night | promote | rollback.
@@ -88,15 +39,8 @@ class SampleRow:
 class Ledger:
     def __init__(self, path: Path, *, clock=time.time) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.clock = clock
-        self.db = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
-        self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")  # a committed 'trained' must survive power loss
-        self.db.execute("PRAGMA foreign_keys=ON")
-        self.db.executescript(SCHEMA)
-        learning_schema.apply(self.db)  # issue 12: statuses rejected/set_aside, regression set, loss curves
+        self.db = open_database(self.path)  # DamagedState when it is not ours or missing next to versions
 
     def close(self) -> None:
         self.db.close()
@@ -113,19 +57,26 @@ class Ledger:
         self.db.execute("COMMIT")
 
     # ---- files -------------------------------------------------------------------------------
-    def file_known_by_stat(self, source: str, path: str, size: int, mtime: float) -> bool:
-        q = "SELECT 1 FROM files WHERE source=? AND path=? AND size=? AND mtime=?"
-        return self.db.execute(q, (source, path, size, mtime)).fetchone() is not None
+    def file_known_by_stat(self, source: str, path: str, stat_key: str) -> bool:
+        """Seen unchanged at this path: same device, inode, size, mtime and ctime (which no user can
+        set back), so re-hashing it can be skipped. Identity is still the content hash."""
+        q = "SELECT 1 FROM files WHERE source=? AND path=? AND stat_key=?"
+        return self.db.execute(q, (source, path, stat_key)).fetchone() is not None
+
+    def remember_stat_key(self, source: str, path: str, sha256: str, stat_key: str) -> None:
+        self.db.execute("UPDATE files SET stat_key=? WHERE source=? AND path=? AND sha256=?",
+                        (stat_key, source, path, sha256))
 
     def file_known_by_hash(self, source: str, sha256: str) -> bool:
         q = "SELECT 1 FROM files WHERE source=? AND sha256=?"
         return self.db.execute(q, (source, sha256)).fetchone() is not None
 
     def record_file(self, conn: sqlite3.Connection, *, source: str, path: str, size: int, mtime: float,
-                    sha256: str, run_id: str) -> int:
+                    sha256: str, run_id: str, stat_key: str | None = None) -> int:
         cur = conn.execute(
-            "INSERT INTO files (source, path, size, mtime, sha256, seen_at, run_id) VALUES (?,?,?,?,?,?,?)",
-            (source, path, size, mtime, sha256, self.clock(), run_id),
+            "INSERT INTO files (source, path, size, mtime, sha256, seen_at, run_id, stat_key)"
+            " VALUES (?,?,?,?,?,?,?,?)",
+            (source, path, size, mtime, sha256, self.clock(), run_id, stat_key),
         )
         return int(cur.lastrowid)
 
@@ -268,7 +219,10 @@ class Ledger:
                 (status, self.clock(), summary.model_dump_json() if summary else None, error, run_id),
             )
             if status in ("failed", "skipped"):
-                c.execute("UPDATE versions SET status='failed' WHERE run_id=? AND status='training'", (run_id,))
+                # Nothing was published under the number it reserved (a published version is
+                # 'promoted' or 'rejected'): give the number back rather than burn it.
+                c.execute("DELETE FROM versions WHERE run_id=? AND status='training'", (run_id,))
+                c.execute("UPDATE runs SET version=NULL WHERE id=?", (run_id,))
 
     def store_summary(self, run_id: str, summary: RunSummary) -> None:
         """The final summary (end time, backlog after the run) of a closed run."""

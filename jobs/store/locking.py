@@ -1,5 +1,15 @@
-"""An advisory lock in the state directory (flock), so registry operations, a publish
-and a running night never interleave. The kernel drops it when the holder dies."""
+"""Advisory locks in the state directory (flock). The kernel drops a lock when the last process
+holding it dies, so a crash never leaves one behind.
+
+Two levels, always taken in this order:
+- `night.lock`: one night (or calibration) at a time per state directory. Held by whoever runs one
+  (`nightshift run` while a night runs, `once`, `plan`, `calibrate`) for as long as it runs, and
+  inherited by the night's child process (its file descriptor is passed on), so a supervisor killed
+  with -9 does not free the state directory while its child still writes to it.
+- `lock`: the registry lock, held for seconds around every change of the versions or of `current`
+  (the night's publish, the `adapters` commands), so those never interleave.
+(`hotswap.lock`, around announcing, comes after `lock` and never the other way round.)
+"""
 
 from __future__ import annotations
 
@@ -9,12 +19,44 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from jobs.store.files import SHARED_DIR, make_dir
+
+NIGHT_LOCK = "night.lock"
+REGISTRY_LOCK = "lock"
+LOCK_FD_ENV = "NIGHTSHIFT_NIGHT_LOCK_FD"  # the night's child: the inherited night lock's descriptor
+
 
 class LockTimeout(RuntimeError):
-    pass
+    """Another nightshift process holds the lock (the message names it): exit status BUSY (5)."""
+
+
+def holder(path: Path) -> str:
+    """Who holds a lock, as its holder wrote it: 'pid 123: nightshift once, since 01:02:03' ('' unknown)."""
+    try:
+        text = Path(path).read_text(errors="replace").strip()
+    except OSError:
+        return ""
+    pid, _, rest = text.partition(" ")
+    what, _, since = rest.partition("|")
+    if not pid.isdigit():
+        return ""
+    when = f", since {time.strftime('%H:%M:%S', time.localtime(float(since)))}" if _is_float(since) else ""
+    return f"pid {pid}" + (f": {what.strip()}" if what.strip() else "") + when
+
+
+def _is_float(x: str) -> bool:
+    try:
+        float(x)
+        return True
+    except ValueError:
+        return False
 
 
 class StateLock:
+    """`with StateLock(path, timeout=..., what=...)`: wait up to `timeout` seconds (0: try once),
+    else LockTimeout naming the holder. `fd` is the descriptor to pass to a child that must keep
+    holding it (the lock is released when every process holding the descriptor has closed it)."""
+
     def __init__(self, path: Path, *, timeout: float = 60.0, what: str = "") -> None:
         self.path = Path(path)
         self.timeout = timeout
@@ -22,8 +64,9 @@ class StateLock:
         self.fd: int | None = None
 
     def __enter__(self) -> StateLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        if not self.path.parent.exists():
+            make_dir(self.path.parent, SHARED_DIR)  # the state directory: its group reads the versions in it
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         end = time.monotonic() + self.timeout
         while True:
             try:
@@ -32,17 +75,45 @@ class StateLock:
             except BlockingIOError:
                 if time.monotonic() >= end:
                     os.close(fd)
+                    waited = f"waited {self.timeout:g} s" if self.timeout else "not waiting"
                     purpose = f" for {self.what}" if self.what else ""
-                    raise LockTimeout(f"{self.path} is held by another nightshift process "
-                                      f"(waited {self.timeout:g} s{purpose})") from None
+                    who = holder(self.path)
+                    raise LockTimeout(f"{self.path.parent} is held by another nightshift process"
+                                      + (f" ({who})" if who else "") + f" ({waited}{purpose})") from None
                 time.sleep(0.05)
         os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()} {self.what}\n".encode())
+        os.pwrite(fd, f"{os.getpid()} {self.what}|{time.time():.0f}\n".encode(), 0)
         self.fd = fd
         return self
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        # close, not LOCK_UN: a child that inherited the descriptor keeps the lock until it exits too
         if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def night_lock(state_dir: Path, *, timeout: float = 0.0, what: str = "") -> StateLock:
+    return StateLock(Path(state_dir) / NIGHT_LOCK, timeout=timeout, what=what)
+
+
+def inherited_night_lock(state_dir: Path, environ: dict[str, str] | None = None) -> bool:
+    """True when this process was handed the state directory's night lock by its parent (checked:
+    the descriptor is open on that very file and the lock is held)."""
+    raw = (os.environ if environ is None else environ).get(LOCK_FD_ENV, "")
+    if not raw.isdigit():
+        return False
+    try:
+        mine, there = os.fstat(int(raw)), os.stat(Path(state_dir) / NIGHT_LOCK)
+    except OSError:
+        return False
+    if (mine.st_dev, mine.st_ino) != (there.st_dev, there.st_ino):
+        return False
+    probe = os.open(Path(state_dir) / NIGHT_LOCK, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True  # held: by the descriptor we inherited (ours) or by nobody we could tell apart
+    finally:
+        os.close(probe)
+    return False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jobs.store.cleanup import close_run
 from jobs.store.ledger import Ledger
 
 
@@ -29,5 +30,5 @@ class NightOutcomes:
             self.ledger.start_run(run_id, night, deadline or self.ledger.clock())
         else:
             run_id = run["id"]
-        self.ledger.finish_run(run_id, status, error=error)
+        close_run(self.ledger, run_id, status, error=error)  # also drops its checkpoints, frees its number
         return run_id

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.contract import parse_version_name, version_name
-from jobs.store.files import fsync_dir, fsync_tree, sha256_file
+from jobs.store.files import SHARED_DIR, fsync_dir, fsync_tree, make_dir, seal_tree, sha256_file
 
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
@@ -33,11 +33,15 @@ def parse_version(dirname: str) -> int | None:
 
 
 class Registry:
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, *, create: bool = True) -> None:
         self.state_dir = Path(state_dir)
         self.adapters = self.state_dir / "adapters"
         self.current_link = self.state_dir / "current"
-        self.adapters.mkdir(parents=True, exist_ok=True)
+        if not create:
+            return
+        if not self.state_dir.exists():
+            make_dir(self.state_dir, SHARED_DIR)  # the inference server's group traverses it to the versions
+        make_dir(self.adapters, SHARED_DIR)
 
     def new_tmp_dir(self, name: str) -> Path:
         return Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}-", dir=self.adapters))
@@ -48,11 +52,12 @@ class Registry:
     def publish(self, tmp: Path, name: str, version: int, manifest: dict[str, Any]) -> Path:
         """Seal tmp (adapter files already in it) as version `version`; returns the final path."""
         final = self.path_of(name, version)
-        if final.exists():
-            raise FileExistsError(f"{final} exists: version names are never reused")
+        if final.exists() or final.is_symlink():
+            raise FileExistsError(f"{final} exists: versions are write-once and names are never reused")
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
         manifest = {**manifest, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+        seal_tree(tmp)  # group-readable, read-only, whatever the umask: the inference server reads it
         fsync_tree(tmp)
         os.rename(tmp, final)
         fsync_dir(self.adapters)
@@ -63,7 +68,12 @@ class Registry:
         mf = Path(path) / MANIFEST
         if not mf.is_file():
             raise IntegrityError(f"{path}: no {MANIFEST}")
-        manifest = json.loads(mf.read_text())
+        try:
+            manifest = json.loads(mf.read_text())
+        except (OSError, ValueError) as e:
+            raise IntegrityError(f"{path}: {MANIFEST} cannot be read ({e})") from None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files", {}), dict):
+            raise IntegrityError(f"{path}: {MANIFEST} is not a nightshift manifest")
         for fname, digest in manifest.get("files", {}).items():
             f = Path(path) / fname
             if not f.is_file():
@@ -84,6 +94,16 @@ class Registry:
         os.symlink(os.path.relpath(path, self.state_dir), tmp_link)
         os.replace(tmp_link, self.current_link)
         fsync_dir(self.state_dir)
+
+    def current_problem(self) -> str | None:
+        """What is wrong with `current` as it is on disk (None: absent, or a link to a directory)."""
+        link = self.current_link
+        if link.is_symlink():
+            target = self.state_dir / os.readlink(link)
+            return None if target.is_dir() else f"`current` points at {os.readlink(link)}, which does not exist"
+        if link.exists():
+            return f"{link} is not a symbolic link (nightshift only ever makes it a link)"
+        return None
 
     def current(self) -> Path | None:
         if not self.current_link.is_symlink():

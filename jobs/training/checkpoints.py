@@ -1,7 +1,11 @@
 """Resumable checkpoints: adapter + optimizer + position in the run's batch sequence.
 
-Written to a temp dir, fsynced, then rotated in with renames, so a kill at any moment leaves
-either the previous or the new checkpoint whole.
+Written to a temp dir with the sha256 of every file, fsynced, then rotated in with renames
+(latest -> previous, temp -> latest), so a kill at any moment leaves at least one whole checkpoint.
+Two are kept: a latest one that is damaged (a disk error, a truncated file) is skipped with a warning
+and the run resumes from the previous one; with neither usable it restarts its training from the
+adapter it started from (nothing is marked trained before publication, so nothing is trained twice).
+The checkpoints of a run are private to the service user and removed when the run closes.
 """
 
 from __future__ import annotations
@@ -12,31 +16,66 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from jobs.store.files import fsync_tree
+import structlog
+
+from jobs.store.files import PRIVATE_DIR, PRIVATE_FILE, fsync_tree, make_dir, seal_tree, sha256_file
+
+log = structlog.get_logger("nightshift.train")
+CHECKSUMS = "checksums.json"
+
+
+def checkpoint_problem(p: Path) -> str | None:
+    """Why a checkpoint cannot be resumed from (None: it is whole)."""
+    try:
+        state = json.loads((p / "state.json").read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("next_batch"), int):
+            return "state.json has no position"
+        sums = json.loads((p / CHECKSUMS).read_text())
+    except (OSError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    if not isinstance(sums, dict) or "optimizer.pt" not in sums:
+        return f"{CHECKSUMS} lists no optimizer state"
+    for name, digest in sums.items():
+        f = p / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if sha256_file(f) != digest:
+            return f"{name} does not match its sha256 (truncated or altered)"
+    return None
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    """The newest whole checkpoint (latest, else previous), or None."""
     for name in ("latest", "previous"):
         p = ckpt_root / name
-        if (p / "state.json").exists():
+        if not p.exists():
+            continue
+        problem = checkpoint_problem(p)
+        if problem is None:
             return p
+        log.warning("checkpoint_unusable", checkpoint=str(p), problem=problem,
+                    then="the previous checkpoint" if name == "latest" else "the run's start")
     return None
 
 
 def save_checkpoint(ckpt_root: Path, model: Any, optimizer: Any, scheduler: Any, state: dict[str, Any]) -> None:
-    """Write to a temp dir, then rotate latest -> previous and temp -> latest (each a rename)."""
+    """Write to a temp dir, then rotate previous out, latest -> previous and temp -> latest (renames)."""
     import torch
 
-    ckpt_root.mkdir(parents=True, exist_ok=True)
+    make_dir(ckpt_root.parent, PRIVATE_DIR)  # raw training state: the service user's only
+    make_dir(ckpt_root, PRIVATE_DIR)
+    for stale in ckpt_root.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = ckpt_root / f".tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp))
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
-    (tmp / "state.json").write_text(json.dumps(state))
+    sums = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+    (tmp / CHECKSUMS).write_text(json.dumps(sums))
+    (tmp / "state.json").write_text(json.dumps(state))  # last: a checkpoint without it is never used
+    seal_tree(tmp, dir_mode=PRIVATE_DIR, file_mode=PRIVATE_FILE)
     fsync_tree(tmp)
     latest, previous = ckpt_root / "latest", ckpt_root / "previous"
-    shutil.rmtree(previous, ignore_errors=True)
     if latest.exists():
+        shutil.rmtree(previous, ignore_errors=True)
         os.rename(latest, previous)
     os.rename(tmp, latest)
-    shutil.rmtree(previous, ignore_errors=True)

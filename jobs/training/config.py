@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jobs.data.render import OverlongPolicy
+from jobs.data.render import OverlongPolicy, SpecialTokens
 
 
 class TrainConfig(BaseModel):
@@ -26,13 +26,15 @@ class TrainConfig(BaseModel):
     batching: Literal["packed", "padded"] = Field(
         "packed", description="packed: samples concatenated into one row per step (positions reset, no attention "
         "across samples); padded: rows padded to the longest sample")
-    tokens_per_step: int | Literal["auto"] = Field(
+    tokens_per_step: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto", description="packed: real tokens per step; auto: what `nightshift calibrate` measured fits "
         "under [gpu] max_vram_gb, else max_tokens_per_batch")
     batch_size: int = Field(8, ge=1, description="padded: samples per step at most")
     max_tokens_per_batch: int = Field(16384, ge=16, description="padded tokens per step at most")
     max_seq_length: int = Field(2048, ge=16)
     overlong: OverlongPolicy = "reject"
+    special_tokens: SpecialTokens = Field(
+        "escape", description="control-token text inside a record's content: escape (trained as text) or reject")
     gradient_checkpointing: bool | Literal["auto"] = Field(
         "auto", description="recompute activations to save memory; auto: calibrate's choice, else on")
     checkpoint_every_seconds: float = Field(600.0, gt=0)

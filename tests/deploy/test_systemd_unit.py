@@ -44,6 +44,7 @@ def test_unit_says_what_the_service_needs() -> None:
         "Service.NotifyAccess": "main",
         "Service.ExecStart": f"{EXEC} run --config /etc/nightshift/nightshift.toml",
         "Service.Restart": "on-failure",
+        "Service.RestartPreventExitStatus": "2 5",  # a bad config, a second instance: no restart loop
         "Service.KillMode": "mixed",
         "Service.User": "nightshift",
         "Service.Group": "nightshift",

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from daemon.adapters_cli import EXIT_HOTSWAP_FAILED, EXIT_REFUSED, add_commands
+from daemon.adapters_cli import EXIT_BUSY, EXIT_HOTSWAP_FAILED, EXIT_REFUSED, add_commands
 from jobs.hotswap import HotswapConfig
 from jobs.store.adapters import RegistryConfig
 from jobs.store.ledger import Ledger
@@ -362,8 +362,8 @@ def test_a_busy_lock_is_reported_and_nothing_changes(tmp_path: Path, capsys: pyt
     craft(state, 2)
     s = settings(state, lock_timeout=0.2)
     with StateLock(state / "lock", what="publish"):
-        assert cli(s, "adapters", "rollback") == EXIT_REFUSED
-        assert cli(s, "adapters", "prune") == EXIT_REFUSED
+        assert cli(s, "adapters", "rollback") == EXIT_BUSY  # waited lock_timeout_seconds, then status 5
+        assert cli(s, "adapters", "prune") == EXIT_BUSY
     err = capsys.readouterr().err
     assert "held by another nightshift process" in err and "for rollback" in err
     assert current(state) == "tiny-v0002"

@@ -1,0 +1,84 @@
+"""What every command that runs a night checks before it starts, and how a user-caused failure ends.
+
+One night at a time per state directory: `once`, `plan` and `calibrate` take the night lock, waiting
+up to `[daemon] lock_wait_seconds` (default: not at all) before exiting with status 5 (busy) and a
+message naming the holder; the service waits for it instead, and retries until the night's latest
+start. A second `nightshift run` on the same state directory exits at once with status 5. Registry
+commands (`adapters ...`, `hotswap`) take the registry lock, held for seconds only, and wait up to
+`[registry] lock_timeout_seconds`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import structlog
+
+from daemon.settings import ConfigError, Settings, check_paths
+from jobs.contract import ExitCode
+from jobs.store.files import DamagedState
+from jobs.store.ledger import Ledger
+from jobs.store.locking import LockTimeout, StateLock, night_lock
+
+log = structlog.get_logger("nightshift.cli")
+
+
+class Refused(RuntimeError):
+    """A pre-flight check failed (free disk): nothing was started."""
+
+
+def disk_problem(state_dir: Path, min_free_gb: float) -> str | None:
+    """Not enough free space where the state directory is (or will be)."""
+    where = next((p for p in (Path(state_dir), *Path(state_dir).absolute().parents) if p.exists()), Path("/"))
+    free_gb = shutil.disk_usage(where).free / 1e9
+    if free_gb < min_free_gb:
+        return (f"only {free_gb:.1f} GB free in {where} (need [daemon] min_free_disk_gb = {min_free_gb:g} GB): "
+                "free some space (old checkpoints and pruned versions go by themselves: `nightshift adapters prune`)")
+    return None
+
+
+@contextmanager
+def before_a_night(s: Settings, config: Path | None, what: str) -> Iterator[StateLock]:
+    """The checks of `once` / `plan` / `calibrate`, in order: paths, free disk, the night lock (returned,
+    held), the ledger. Raises ConfigError, DamagedState or LockTimeout, each one clear line."""
+    problems = check_paths(s)
+    if problems:
+        raise ConfigError(config, problems)
+    problem = disk_problem(s.state_dir, s.daemon.min_free_disk_gb)
+    if problem:
+        raise Refused(problem)
+    with night_lock(s.state_dir, timeout=s.daemon.lock_wait_seconds, what=what) as lock:
+        Ledger(Path(s.state_dir) / "ledger.sqlite").close()  # damaged or from a newer release: refused here
+        yield lock
+
+
+def one_line(command: str, fn: Callable[[], int]) -> int:
+    """Run a command; a failure the user can cause ends in one clear line on stderr, not a traceback."""
+    try:
+        return fn()
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return ExitCode.USAGE
+    except LockTimeout as e:
+        print(f"nightshift {command}: {e}. It is safe to run again once that is done"
+              " ([daemon] lock_wait_seconds sets how long to wait).", file=sys.stderr)
+        return ExitCode.BUSY
+    except Refused as e:
+        print(f"nightshift {command}: refused: {e}", file=sys.stderr)
+        return ExitCode.FAILED
+    except DamagedState as e:
+        print(f"nightshift {command}: refused, the state directory is damaged: {e}", file=sys.stderr)
+        return ExitCode.FAILED
+    except sqlite3.Error as e:
+        print(f"nightshift {command}: the ledger cannot be used: {e} (`nightshift doctor` explains)",
+              file=sys.stderr)
+        return ExitCode.FAILED
+    except OSError as e:  # a full disk, a permission, a path that vanished
+        print(f"nightshift {command}: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""),
+              file=sys.stderr)
+        return ExitCode.FAILED

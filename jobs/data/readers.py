@@ -1,0 +1,372 @@
+"""Readers of inbox files that no input can stop: every record is decoded inside its own guard and
+comes out as a RawRecord (the record, or the reason it cannot be one); nothing a file contains makes
+a reader raise.
+
+Memory per record is bounded: at most `max_record_bytes` of one record are held (a longer JSONL line,
+JSON element or CSV record is skipped while it is read, keeping only an excerpt, its size and its
+sha256), JSON arrays are split into elements by a streaming scanner and parsed one at a time, CSV is
+read row by row and Parquet batch by batch. Nesting deeper than `max_depth`, numbers too long for
+Python to parse, invalid UTF-8 and a UTF-8 byte-order mark are handled per record.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+from jobs.data.formats import RecordError
+
+BOM = b"\xef\xbb\xbf"
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_record_bytes: int = 1 << 20  # bytes of one record held in memory; a longer one is quarantined
+    excerpt_bytes: int = 4096  # what the quarantine keeps of a record it cannot keep whole
+    max_depth: int = 64  # nesting of arrays/objects in one record (a real record has 3 or 4)
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    line: int | None  # 1-based physical line where the record starts (JSONL, JSON, CSV) or row number
+    # (Parquet); None = the whole file
+    record: Any | None  # the decoded record, or None when it could not be decoded
+    error: RecordError | None = None
+    raw: str | None = None  # what to keep in quarantine when the record could not be decoded (an excerpt)
+    size: int | None = None  # bytes of the record, when only an excerpt of it is kept
+    sha256: str | None = None  # of the whole record, when only an excerpt of it is kept
+
+
+def excerpt(data: bytes, limit: int) -> str:
+    return data[:limit].decode("utf-8", "backslashreplace")
+
+
+def depth(value: Any, limit: int) -> int:
+    """Nesting depth of a decoded value, counted without recursion (stops once past `limit`)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict | list):
+            deepest = max(deepest, d)
+            if deepest > limit:
+                return deepest
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def decode_json(raw: bytes, line: int | None, lim: Limits) -> RawRecord:
+    """One JSON value from bytes, every failure a reason."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return RawRecord(line, None, RecordError("invalid_utf8", f"not UTF-8: {e}"), raw[: lim.excerpt_bytes].hex())
+    try:
+        rec = json.loads(text)
+    except RecursionError:
+        err = RecordError("too_large", "nested too deeply to parse")
+    except json.JSONDecodeError as e:
+        err = RecordError("invalid_json", f"invalid JSON: {e}")
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        err = RecordError("too_large", f"cannot parse: {e}")
+    else:
+        d = depth(rec, lim.max_depth)
+        if d > lim.max_depth:
+            return RawRecord(line, None, RecordError("too_large", f"nested more than {lim.max_depth} levels deep"),
+                             excerpt(raw, lim.excerpt_bytes), len(raw), hashlib.sha256(raw).hexdigest())
+        return RawRecord(line, rec)
+    return RawRecord(line, None, err, excerpt(raw.rstrip(b"\r\n"), lim.excerpt_bytes))
+
+
+def _too_large(line: int | None, head: bytes, size: int, digest: str, lim: Limits, what: str) -> RawRecord:
+    return RawRecord(line, None, RecordError("too_large", f"{what} of {size:,} bytes > max_record_bytes "
+                                             f"{lim.max_record_bytes:,} (skipped unread)"),
+                     excerpt(head, lim.excerpt_bytes), size, digest)
+
+
+# ---- JSONL ----------------------------------------------------------------------------------------
+
+
+def read_jsonl(f: IO[bytes], lim: Limits) -> Iterator[RawRecord]:
+    n = 0
+    while True:
+        raw = f.readline(lim.max_record_bytes + 1)
+        if not raw:
+            return
+        n += 1
+        if n == 1 and raw.startswith(BOM):
+            raw = raw[len(BOM):]
+        if len(raw) > lim.max_record_bytes and not raw.endswith(b"\n"):
+            h, size, head = hashlib.sha256(raw), len(raw), raw
+            while not raw.endswith(b"\n"):
+                raw = f.readline(1 << 20)
+                if not raw:
+                    break
+                h.update(raw)
+                size += len(raw)
+            yield _too_large(n, head, size, h.hexdigest(), lim, "a line")
+            continue
+        if raw.strip():
+            yield decode_json(raw, n, lim)
+
+
+# ---- JSON arrays, streamed ------------------------------------------------------------------------
+
+_STRUCT = re.compile(rb'[\[\]{}",]')
+_IN_STRING = re.compile(rb'["\\]')
+_WS = b" \t\r\n"
+
+
+class _Element:
+    """The bytes of one array element, held up to the cap; beyond it only a head, a size and a hash."""
+
+    def __init__(self, lim: Limits, line: int) -> None:
+        self.lim, self.line = lim, line
+        self.buf = bytearray()
+        self.size = 0
+        self.hash: Any = None
+        self.deepest = 0
+
+    def add(self, seg: bytes) -> None:
+        self.size += len(seg)
+        if self.hash is None and self.size > self.lim.max_record_bytes:
+            self.hash = hashlib.sha256(self.buf)
+            del self.buf[self.lim.excerpt_bytes:]
+        if self.hash is not None:
+            self.hash.update(seg)
+            room = self.lim.excerpt_bytes - len(self.buf)
+            if room > 0:
+                self.buf += seg[:room]
+        else:
+            self.buf += seg
+
+    def empty(self) -> bool:
+        return self.hash is None and not bytes(self.buf).strip(_WS)
+
+    def record(self, n: int) -> RawRecord:
+        data = bytes(self.buf)
+        line = self.line + data[: len(data) - len(data.lstrip(_WS))].count(b"\n")
+        if self.hash is not None:
+            return _too_large(line, data.lstrip(_WS), self.size, self.hash.hexdigest(), self.lim, f"record {n}")
+        if self.deepest > self.lim.max_depth:
+            return RawRecord(line, None, RecordError("too_large", f"nested more than {self.lim.max_depth} levels "
+                                                     "deep"), excerpt(data.strip(_WS), self.lim.excerpt_bytes),
+                             self.size, hashlib.sha256(data).hexdigest())
+        return decode_json(data, line, self.lim)
+
+
+def read_json_array(f: IO[bytes], lim: Limits) -> Iterator[RawRecord]:
+    """The elements of a top-level JSON array, one at a time (the file is never held whole)."""
+    chunk = f.read(1 << 16)
+    if chunk.startswith(BOM):
+        chunk = chunk[len(BOM):]
+    lines = 1
+    while chunk and not chunk.strip(_WS):
+        lines += chunk.count(b"\n")
+        chunk = f.read(1 << 16)
+    if not chunk:
+        yield RawRecord(None, None, RecordError("invalid_json", "the file holds no JSON (empty)"))
+        return
+    start = len(chunk) - len(chunk.lstrip(_WS))
+    lines += chunk.count(b"\n", 0, start)
+    if chunk[start:start + 1] != b"[":
+        got = "an object" if chunk[start:start + 1] == b"{" else f"{chunk[start:start + 12]!r}"
+        yield RawRecord(None, None, RecordError("bad_file", f"a .json file must hold an array of records, got {got}"))
+        return
+    depth_, in_str, esc, n = 1, False, False, 0
+    pos, seg = start + 1, start + 1
+    counted = seg  # newlines counted up to here in this chunk
+    elem = _Element(lim, lines)
+    while True:
+        while pos < len(chunk):
+            if esc:
+                esc, pos = False, pos + 1
+                continue
+            if in_str:
+                m = _IN_STRING.search(chunk, pos)
+                if m is None:
+                    pos = len(chunk)
+                elif m.group() == b"\\":
+                    esc, pos = True, m.end()
+                else:
+                    in_str, pos = False, m.end()
+                continue
+            m = _STRUCT.search(chunk, pos)
+            if m is None:
+                pos = len(chunk)
+                continue
+            c, pos = m.group(), m.end()
+            if c == b'"':
+                in_str = True
+            elif c in b"[{":
+                depth_ += 1
+                elem.deepest = max(elem.deepest, depth_ - 1)
+            elif c in b"]}" and depth_ > 1:
+                depth_ -= 1
+            elif (c == b"," and depth_ == 1) or c in b"]}":  # the end of an element (or of the array)
+                elem.add(chunk[seg:pos - 1])
+                lines += chunk.count(b"\n", counted, pos)
+                counted = seg = pos
+                end_of_array = c != b","
+                if not (end_of_array and n == 0 and elem.empty()):
+                    n += 1
+                    yield (RawRecord(elem.line, None, RecordError("invalid_json", f"record {n} is empty"))
+                           if elem.empty() else elem.record(n))
+                if end_of_array:
+                    yield from _after_array(chunk[pos:], f)
+                    return
+                elem = _Element(lim, lines)
+        elem.add(chunk[seg:])
+        lines += chunk.count(b"\n", counted)
+        chunk = f.read(1 << 16)
+        pos = seg = counted = 0
+        if not chunk:
+            yield RawRecord(elem.line, None, RecordError("invalid_json", f"the file ends inside record {n + 1} "
+                                                         "(unterminated array)"),
+                            excerpt(bytes(elem.buf).strip(_WS), lim.excerpt_bytes))
+            return
+
+
+def _after_array(rest: bytes, f: IO[bytes]) -> Iterator[RawRecord]:
+    while True:
+        if rest.strip(_WS):
+            yield RawRecord(None, None, RecordError("invalid_json", "data after the end of the array"),
+                            excerpt(rest.strip(_WS), 200))
+            return
+        rest = f.read(1 << 16)
+        if not rest:
+            return
+
+
+# ---- CSV, row by row against the header ------------------------------------------------------------
+
+
+class _LineProblem(Exception):
+    def __init__(self, rec: RawRecord) -> None:
+        self.rec = rec
+
+
+class _Lines:
+    """Decoded physical lines for csv.reader, each and each record bounded; a problem is raised to the
+    reader's caller and the iterator stays usable (the caller starts a new reader after it)."""
+
+    def __init__(self, f: IO[bytes], lim: Limits) -> None:
+        self.f, self.lim, self.n, self.record_bytes = f, lim, 0, 0
+
+    def __iter__(self) -> _Lines:
+        return self
+
+    def __next__(self) -> str:
+        lim = self.lim
+        raw = self.f.readline(lim.max_record_bytes + 1)
+        if not raw:
+            raise StopIteration
+        self.n += 1
+        if self.n == 1 and raw.startswith(BOM):
+            raw = raw[len(BOM):]
+        if len(raw) > lim.max_record_bytes and not raw.endswith(b"\n"):
+            h, size, head = hashlib.sha256(raw), len(raw), raw
+            while not raw.endswith(b"\n") and (raw := self.f.readline(1 << 20)):
+                h.update(raw)
+                size += len(raw)
+            raise _LineProblem(_too_large(self.n, head, size, h.hexdigest(), lim, "a line"))
+        self.record_bytes += len(raw)
+        if self.record_bytes > lim.max_record_bytes:
+            raise _LineProblem(RawRecord(self.n, None, RecordError(
+                "too_large", f"a record spanning lines up to {self.n} is over max_record_bytes "
+                f"{lim.max_record_bytes:,}"), excerpt(raw, lim.excerpt_bytes)))
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _LineProblem(RawRecord(self.n, None, RecordError("invalid_utf8", f"not UTF-8: {e}"),
+                                         raw[: lim.excerpt_bytes].hex())) from None
+
+
+def read_csv(f: IO[bytes], lim: Limits) -> Iterator[RawRecord]:
+    """Every cell is text; the first row is the header (unique names); each row is checked against it:
+    more or fewer fields quarantine that row alone, never shift its columns."""
+    csv.field_size_limit(max(csv.field_size_limit(), lim.max_record_bytes))
+    lines = _Lines(f, lim)
+    reader = csv.reader(lines)
+    header: list[str] | None = None
+    while True:
+        start, lines.record_bytes = lines.n + 1, 0
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except (_LineProblem, csv.Error) as e:
+            rec = e.rec if isinstance(e, _LineProblem) else RawRecord(start, None, RecordError("bad_row", f"CSV: {e}"))
+            if header is None:  # without a header no row can be read
+                yield RawRecord(None, None, RecordError("bad_file", f"unreadable header (line {rec.line}): "
+                                                        f"{rec.error.detail if rec.error else ''}"), rec.raw)
+                return
+            yield rec
+            reader = csv.reader(lines)
+            continue
+        if not row or (len(row) == 1 and not row[0].strip() and header is not None):
+            continue  # a blank line
+        if header is None:
+            header = [h.strip() for h in row]
+            dupes = sorted({h for h in header if header.count(h) > 1})
+            if dupes:
+                yield RawRecord(None, None, RecordError("bad_file", f"the header names {dupes} more than once: "
+                                                        "which column is meant is ambiguous"), ",".join(row)[:500])
+                return
+            continue
+        if len(row) != len(header):
+            yield RawRecord(start, None, RecordError("bad_row", f"{len(row)} fields where the header has "
+                                                     f"{len(header)} ({', '.join(header)[:200]})"),
+                            ",".join(row)[: lim.excerpt_bytes])
+            continue
+        yield RawRecord(start, dict(zip(header, row, strict=True)))
+
+
+# ---- Parquet, batch by batch ------------------------------------------------------------------------
+
+
+def read_parquet(f: IO[bytes], lim: Limits) -> Iterator[RawRecord]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(f)
+        batches = pf.iter_batches(batch_size=256)
+    except Exception as e:  # not Parquet, or damaged beyond its footer
+        yield RawRecord(None, None, RecordError("bad_file", f"cannot read as parquet: {type(e).__name__}: {e}"))
+        return
+    n = 0
+    try:
+        for batch in batches:
+            try:
+                rows: list[Any] | None = batch.to_pylist()
+            except Exception:
+                rows = None  # one value Python cannot hold: convert row by row to find it
+            for i in range(batch.num_rows):
+                n += 1
+                try:
+                    row = rows[i] if rows is not None else batch.slice(i, 1).to_pylist()[0]
+                    size = len(json.dumps(row, default=str))
+                except Exception as e:  # a value that converts to nothing Python or JSON can hold
+                    yield RawRecord(n, None, RecordError("wrong_type", f"row {n} cannot be converted: "
+                                                         f"{type(e).__name__}"))
+                    continue
+                yield (RawRecord(n, None, RecordError("too_large", f"row {n} of ~{size:,} bytes > max_record_bytes "
+                                                      f"{lim.max_record_bytes:,}"))
+                       if size > lim.max_record_bytes else RawRecord(n, row))
+    except Exception as e:  # a damaged row group: what was read stays
+        yield RawRecord(None, None, RecordError("bad_file", f"cannot read past row {n}: {type(e).__name__}: {e}"))
+
+
+READERS = {".jsonl": read_jsonl, ".json": read_json_array, ".csv": read_csv, ".parquet": read_parquet}
+
+
+def read_stream(f: IO[bytes], suffix: str, lim: Limits) -> Iterator[RawRecord]:
+    reader = READERS.get(suffix.lower())
+    if reader is None:
+        yield RawRecord(None, None, RecordError("bad_file", f"unsupported file type '{suffix}'"))
+        return
+    yield from reader(f, lim)
