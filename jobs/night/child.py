@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--night", required=True)
     ap.add_argument("--deadline", type=float, required=True, help="unix seconds")
     ap.add_argument("--plan-only", action="store_true")
+    ap.add_argument("--run-id", help="the id of a new run (the supervisor logs under it); an open run keeps its own")
     args = ap.parse_args(argv)
 
     events = os.fdopen(os.dup(1), "w", buffering=1)
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = NightConfig.model_validate_json(raw)
     logs.route_transformers_logging()
     summary = run_night(cfg, night=args.night, deadline=args.deadline, emit=emit, stop=stop,
-                        plan_only=args.plan_only)
+                        plan_only=args.plan_only, run_id=args.run_id)
     emit(ResultEvent(summary=summary))
     return outcome_exit_code(summary.outcome)
 

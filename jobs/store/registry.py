@@ -33,11 +33,13 @@ def parse_version(dirname: str) -> int | None:
 
 
 class Registry:
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, *, create: bool = True) -> None:
+        """`create=False`: only read (`nightshift plan`): the adapters directory is not made."""
         self.state_dir = Path(state_dir)
         self.adapters = self.state_dir / "adapters"
         self.current_link = self.state_dir / "current"
-        self.adapters.mkdir(parents=True, exist_ok=True)
+        if create:
+            self.adapters.mkdir(parents=True, exist_ok=True)
 
     def new_tmp_dir(self, name: str) -> Path:
         return Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}-", dir=self.adapters))
