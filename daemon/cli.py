@@ -12,14 +12,25 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from daemon import config_cli, report, report_cli, validate_cli
 from daemon.adapters_cli import add_commands as add_adapter_commands
+from daemon.notify import Notifier
 from daemon.progress import NightProgress, choose_mode, relay
 from daemon.settings import ConfigError, Settings, check_paths, load_settings
-from daemon.supervisor import NightChild, child_env, wait_interruptibly
+from daemon.supervisor import NightChild, child_env, run_id_for, wait_interruptibly
 from daemon.window import Window
 from jobs import logs
-from jobs.contract import EXIT_CODE_MEANINGS, ChildEvent, Outcome, PlanEvent, nightshift_version, outcome_exit_code
+from jobs.contract import (
+    EXIT_CODE_MEANINGS,
+    ChildEvent,
+    Outcome,
+    PlanEvent,
+    RunSummary,
+    nightshift_version,
+    outcome_exit_code,
+)
 from jobs.store.ledger import Ledger
 from jobs.store.outcomes import NightOutcomes
 
@@ -52,12 +63,12 @@ def window_seconds(s: Settings) -> float:
 
 
 def run_child(s: Settings, *, night: str, deadline: float, plan_only: bool,
-              on_event=lambda _: None) -> Any:
+              on_event=lambda _: None, run_id: str | None = None) -> Any:
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         child = NightChild(s.night_config().model_dump_json(), night=night, deadline=deadline,
-                           plan_only=plan_only, on_event=on_event)
+                           plan_only=plan_only, on_event=on_event, run_id=run_id)
         child.start()
         return wait_interruptibly(child, stop, grace=s.daemon.stop_grace_seconds)
     finally:
@@ -75,8 +86,17 @@ def manual_window(args: argparse.Namespace, s: Settings) -> Window:
 
 def cmd_once(args: argparse.Namespace, s: Settings) -> int:
     window = manual_window(args, s)
-    night, deadline = window.night, window.end.timestamp()
+    ledger = Ledger(Path(s.state_dir) / "ledger.sqlite")
+    try:
+        run_id = run_id_for(ledger, window.night)
+        with structlog.contextvars.bound_contextvars(run_id=run_id, night=window.night):
+            return _once(s, window, ledger, run_id)
+    finally:
+        ledger.close()
 
+
+def _once(s: Settings, window: Window, ledger: Ledger, run_id: str) -> int:
+    night, deadline = window.night, window.end.timestamp()
     with NightProgress(choose_mode(log_format=s.log.format)) as progress:
         def show(ev: ChildEvent) -> None:
             if isinstance(ev, PlanEvent):
@@ -84,13 +104,15 @@ def cmd_once(args: argparse.Namespace, s: Settings) -> int:
             progress.on_event(ev)
 
         out = run_child(s, night=night, deadline=window.deadline(s.window.save_margin).timestamp(),
-                        plan_only=False, on_event=show)
-    if out.summary is None or out.summary.outcome == Outcome.failed:
+                        plan_only=False, on_event=show, run_id=run_id)
+    summary = out.summary
+    if summary is None or summary.outcome == Outcome.failed:
         # one attempt for a manual night: close it (a killed `once` leaves it open, and a rerun resumes)
-        error = (out.summary.error if out.summary else None) or f"the night's process died ({out.describe_exit()})"
-        ledger = Ledger(s.state_dir / "ledger.sqlite")
-        NightOutcomes(ledger).close(night, "failed", error, deadline=deadline)
-        ledger.close()
+        error = (summary.error if summary else None) or f"the night's process died ({out.describe_exit()})"
+        closed = NightOutcomes(ledger).close(night, "failed", error, deadline=deadline)
+        summary = summary or RunSummary(run_id=closed, night=night, outcome=Outcome.failed, error=error)
+    if summary.outcome != Outcome.interrupted:
+        Notifier(s.hotswap, ledger).night_closed(summary)
     if out.summary is None:
         print(f"nightshift once: the night's process failed ({out.describe_exit()}); last lines:", file=sys.stderr)
         print("\n".join(out.tail[-15:]), file=sys.stderr)

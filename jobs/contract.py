@@ -392,6 +392,13 @@ def nightshift_version() -> str:
         return "unknown"
 
 
+def new_run_id(night: str) -> str:
+    """`2026-11-21-3f9a0c`: the supervisor chooses it (so its own log lines carry it) and hands it to the child."""
+    import secrets
+
+    return f"{night}-{secrets.token_hex(3)}"
+
+
 def outcome_exit_code(outcome: Outcome) -> ExitCode:
     return {Outcome.failed: ExitCode.FAILED, Outcome.interrupted: ExitCode.INTERRUPTED}.get(outcome, ExitCode.OK)
 

@@ -6,7 +6,6 @@ ledger keeps its plan and the checkpoints keep its position, so it resumes where
 
 from __future__ import annotations
 
-import secrets
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import structlog
 
-from jobs.contract import Emit, Outcome, Phase, PhaseEvent, RunSummary
+from jobs.contract import Emit, Outcome, Phase, PhaseEvent, RunSummary, new_run_id
 from jobs.gpu import GpuSampler, torch_device_uuid, torch_peak_memory
 from jobs.night.config import NightConfig
 from jobs.store.ledger import Ledger
@@ -83,10 +82,6 @@ class RunContext:
         self.summary.outcome = Outcome(outcome)
         self.summary.error = error
         self.ledger.finish_run(self.run_id, outcome, summary=self.summary, error=error)
-
-
-def new_run_id(night: str) -> str:
-    return f"{night}-{secrets.token_hex(3)}"
 
 
 def open_context(cfg: NightConfig, *, model_path: Path, fingerprint: str, night: str, deadline: float, emit: Emit,
