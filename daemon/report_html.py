@@ -22,7 +22,7 @@ header h1 { margin: 0 0 4px; font-size: 22px; }
 header p { margin: 0; color: #cbd5e1; font-size: 13px; }
 main { padding: 12px 28px 40px; max-width: 1280px; }
 h2 { font-size: 17px; margin: 26px 0 8px; border-bottom: 1px solid #e2e8f0; padding-bottom: 4px; }
-.grid { display: grid; grid-template-columns: repeat(auto-fit, minmax(440px, 1fr)); gap: 14px; }
+.grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(440px, 1fr)); gap: 14px; }
 figure.chart { margin: 0; background: #fff; border: 1px solid #e2e8f0; border-radius: 8px; padding: 8px 10px; }
 figure.chart h3 { margin: 0 0 2px; font-size: 14px; }
 figcaption { font-size: 12px; color: #475569; margin-top: 2px; }
@@ -46,9 +46,11 @@ td.l, th.l { text-align: left; }
 """
 
 
-def label(n: NightRow) -> str:
-    when = datetime.fromtimestamp(n.started_at).astimezone().strftime("%m-%d %H:%M") if n.started_at else "?"
-    return when
+def labels(nights: list[NightRow]) -> list[str]:
+    """The night's date (11-21); with the start time where a date has several runs (manual nights)."""
+    short = [n.night.removeprefix("manual-")[5:] or n.night for n in nights]
+    return [f"{s} {datetime.fromtimestamp(n.started_at).astimezone():%H:%M}" if short.count(s) > 1 and n.started_at
+            else s for s, n in zip(short, nights, strict=True)]
 
 
 def _col(nights: list[NightRow], attr: str, scale: float = 1.0) -> list[float | None]:
@@ -135,41 +137,41 @@ def table(nights: list[NightRow]) -> str:
 
 
 def render(r: Report) -> str:
-    n, labels = r.nights, [label(x) for x in r.nights]
+    n, labs = r.nights, labels(r.nights)
     gb = 1 / 1e9
     sections = [
         ("Data", [
-            chart("Samples per night", labels, [
+            chart("Samples per night", labs, [
                 Series("trained", [float(x.trained_samples) for x in n], kind="bar", color="#2563eb"),
                 Series("deferred", _col(n, "deferred_samples"), kind="bar", color="#f59e0b"),
                 Series("backlog after", _col(n, "backlog_samples"), color="#ef4444")], ident="chart-data",
                 caption="deferred: pending samples that did not fit the night; backlog: pending after it"),
         ]),
         ("Throughput", [
-            chart("Tokens per second", labels, [Series("tok/s", _col(n, "tokens_per_second"))], ident="chart-tps"),
-            chart("Samples per hour", labels, [Series("samples/h", _col(n, "samples_per_hour"), color="#10b981")],
+            chart("Tokens per second", labs, [Series("tok/s", _col(n, "tokens_per_second"))], ident="chart-tps"),
+            chart("Samples per hour", labs, [Series("samples/h", _col(n, "samples_per_hour"), color="#10b981")],
                   ident="chart-sph"),
         ]),
         ("Budget", [
-            chart("Training time: predicted vs actual", labels, [
+            chart("Training time: predicted vs actual", labs, [
                 Series("predicted", _col(n, "predicted_train_seconds"), kind="bar", color="#94a3b8"),
                 Series("actual", _col(n, "actual_train_seconds"), kind="bar", color="#2563eb")], unit="seconds",
                 ident="chart-seconds"),
-            chart("Tokens: planned vs trained", labels, [
+            chart("Tokens: planned vs trained", labs, [
                 Series("planned", _col(n, "planned_tokens"), kind="bar", color="#94a3b8"),
                 Series("trained", [float(x.trained_tokens) for x in n], kind="bar", color="#2563eb")],
                 unit="tokens", ident="chart-tokens",
                 caption="planned: the night's recorded plan (tokens x epochs where it did not record the total)"),
         ]),
-        ("Quality and the gate", quality_charts(n, labels)),
+        ("Quality and the gate", quality_charts(n, labs)),
         ("Energy and memory", [
-            chart("Energy per version", labels, [Series("kJ", _col(n, "energy_joules", 1e-3), kind="bar",
+            chart("Energy per version", labs, [Series("kJ", _col(n, "energy_joules", 1e-3), kind="bar",
                                                         color="#8b5cf6")], unit="kJ", ident="chart-energy",
                   empty="not measured (no NVIDIA GPU)"),
-            chart("Joules per 1k tokens", labels, [Series("J / 1k tokens", _col(n, "joules_per_1k_tokens"),
+            chart("Joules per 1k tokens", labs, [Series("J / 1k tokens", _col(n, "joules_per_1k_tokens"),
                                                           color="#8b5cf6")], ident="chart-jpt",
                   empty="not measured (no NVIDIA GPU)"),
-            chart("Peak GPU memory (reserved)", labels, [
+            chart("Peak GPU memory (reserved)", labs, [
                 Series("peak", _col(n, "vram_peak_bytes", gb), kind="bar", color="#0ea5e9"),
                 Series("card", _col(n, "vram_total_bytes", gb), color="#64748b", dashed=True)], unit="GB",
                 ident="chart-vram", empty="not measured (no NVIDIA GPU)"),

@@ -30,14 +30,15 @@ class Series:
     extra: dict[str, str] = field(default_factory=dict)
 
 
-def nice_ticks(top: float, n: int = 4) -> list[float]:
-    """0, step, 2 step, ... covering `top` with a 1-2-5 step."""
-    if top <= 0 or not math.isfinite(top):
-        return [0.0, 1.0]
-    raw = top / n
+def nice_ticks(top: float, n: int = 4, bottom: float = 0.0) -> list[float]:
+    """Ticks from `bottom` (rounded down) to `top` (rounded up) with a 1-2-2.5-5 step."""
+    if not (math.isfinite(top) and math.isfinite(bottom)) or top <= bottom:
+        return [bottom, bottom + 1.0] if math.isfinite(bottom) else [0.0, 1.0]
+    raw = (top - bottom) / n
     mag = 10 ** math.floor(math.log10(raw))
     step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    return [i * step for i in range(math.ceil(top / step - 1e-9) + 1)]
+    first = math.floor(bottom / step + 1e-9)
+    return [round((first + i) * step, 12) for i in range(math.ceil(top / step - 1e-9) - first + 1)]
 
 
 def fmt(v: float) -> str:
@@ -51,6 +52,17 @@ def fmt(v: float) -> str:
     return f"{v:.3g}"
 
 
+def tick_label(t: float, ticks: list[float]) -> str:
+    """As many decimals as the step needs (7.625, 7.65, 7.675 stay apart)."""
+    step = ticks[1] - ticks[0] if len(ticks) > 1 else 1.0
+    if max(abs(ticks[0]), abs(ticks[-1])) >= 1e4 or step >= 1:
+        return fmt(t)
+    decimals = 0
+    while decimals < 6 and abs(round(step, decimals) - step) > step * 1e-6:
+        decimals += 1
+    return f"{t:.{decimals}f}"
+
+
 def _frame(title: str, unit: str, ticks: list[float], y: Callable[[float], float], legend: list[tuple[str, str, bool]],
            ident: str) -> list[str]:
     out = [f'<svg class="plot" id="{ident}" viewBox="0 0 {W} {H}" role="img" aria-label="{escape(title)}" '
@@ -58,7 +70,8 @@ def _frame(title: str, unit: str, ticks: list[float], y: Callable[[float], float
     for t in ticks:
         yy = y(t)
         out.append(f'<line class="grid" x1="{LEFT}" x2="{W - RIGHT}" y1="{yy:.1f}" y2="{yy:.1f}"/>')
-        out.append(f'<text class="tick" x="{LEFT - 6}" y="{yy + 4:.1f}" text-anchor="end">{escape(fmt(t))}</text>')
+        out.append(f'<text class="tick" x="{LEFT - 6}" y="{yy + 4:.1f}" text-anchor="end">'
+                   f'{escape(tick_label(t, ticks))}</text>')
     if unit:
         out.append(f'<text class="unit" x="6" y="{TOP - 12}">{escape(unit)}</text>')
     x = LEFT
@@ -84,11 +97,16 @@ def figure(title: str, svg: str, caption: str = "") -> str:
 
 def chart(title: str, labels: Sequence[str], series: Sequence[Series], *, unit: str = "", ident: str,
           caption: str = "", empty: str = "nothing measured yet") -> str:
+    series = [s for s in series if any(v is not None for v in s.values)]  # unmeasured: not even in the legend
     values = [v for s in series for v in s.values if v is not None]
     if not labels or not values:
         return figure(title, _empty(title, ident, empty), caption)
-    ticks = nice_ticks(max(max(values), 0.0))
-    lo, hi = min(0.0, min(values)), ticks[-1]
+    if any(s.kind == "bar" for s in series) or min(values) <= 0:
+        ticks = nice_ticks(max(max(values), 0.0), bottom=min(0.0, min(values)))  # bars start at 0
+    else:  # lines alone: the range of the data (a loss moving from 7.62 to 7.58 must show)
+        pad = (max(values) - min(values)) * 0.15 or abs(max(values)) * 0.05 or 1.0
+        ticks = nice_ticks(max(values) + pad, bottom=max(0.0, min(values) - pad))
+    lo, hi = ticks[0], ticks[-1]
     span = (hi - lo) or 1.0
     plot_w, plot_h = W - LEFT - RIGHT, H - TOP - BOTTOM
     slot = plot_w / len(labels)
@@ -109,7 +127,7 @@ def chart(title: str, labels: Sequence[str], series: Sequence[Series], *, unit: 
             if v is None:
                 continue
             x0 = cx(i) - bw * len(bars) / 2 + j * bw
-            top, base = y(max(v, 0.0)), y(min(v, 0.0))
+            top, base = y(max(v, 0.0)), y(min(v, 0.0))  # bars are 0-based (lo <= 0 then)
             out.append(f'<rect class="bar" x="{x0:.1f}" y="{top:.1f}" width="{bw - 2:.1f}" height="{base - top:.1f}" '
                        f'fill="{colors[k]}"><title>{escape(f"{s.name}, {labels[i]}: {fmt(v)}")}</title></rect>')
     for k, s in enumerate(series):
@@ -137,7 +155,7 @@ def chart(title: str, labels: Sequence[str], series: Sequence[Series], *, unit: 
         if i % every == 0:
             out.append(f'<text class="xlabel" x="{cx(i):.1f}" y="{H - BOTTOM + 16}" text-anchor="middle">'
                        f'{escape(lab)}</text>')
-    out.append(f'<line class="axis" x1="{LEFT}" x2="{W - RIGHT}" y1="{y(0):.1f}" y2="{y(0):.1f}"/></svg>')
+    out.append(f'<line class="axis" x1="{LEFT}" x2="{W - RIGHT}" y1="{y(lo):.1f}" y2="{y(lo):.1f}"/></svg>')
     return figure(title, "".join(out), caption)
 
 
@@ -147,12 +165,12 @@ def curve(title: str, points: Sequence[tuple[float, float]], *, unit: str = "", 
     if len(points) < 1:
         return figure(title, _empty(title, ident, empty), caption)
     xs, ys = [p[0] for p in points], [p[1] for p in points]
-    ticks = nice_ticks(max(ys))
+    ticks = nice_ticks(max(ys), bottom=min(0.0, min(ys)))
     x0, x1 = min(xs), max(xs)
     plot_w, plot_h = W - LEFT - RIGHT, H - TOP - BOTTOM
 
     def y(v: float) -> float:
-        return TOP + plot_h * (1 - v / (ticks[-1] or 1.0))
+        return TOP + plot_h * (1 - (v - ticks[0]) / ((ticks[-1] - ticks[0]) or 1.0))
 
     def x(v: float) -> float:
         return LEFT + plot_w * ((v - x0) / (x1 - x0) if x1 > x0 else 0.5)
@@ -167,5 +185,6 @@ def curve(title: str, points: Sequence[tuple[float, float]], *, unit: str = "", 
             out.append(f'<text class="xlabel" x="{x(x0 + t):.1f}" y="{H - BOTTOM + 16}" text-anchor="middle">'
                        f'{escape(fmt(x0 + t))}</text>')
     out.append(f'<text class="xlabel" x="{W - RIGHT}" y="{H - 6}" text-anchor="end">step</text>')
-    out.append(f'<line class="axis" x1="{LEFT}" x2="{W - RIGHT}" y1="{y(0):.1f}" y2="{y(0):.1f}"/></svg>')
+    out.append(f'<line class="axis" x1="{LEFT}" x2="{W - RIGHT}" y1="{y(ticks[0]):.1f}" y2="{y(ticks[0]):.1f}"/>'
+               '</svg>')
     return figure(title, "".join(out), caption)
