@@ -79,6 +79,9 @@ def _read_jsonl(path: Path) -> Iterator[RawRecord]:
                 yield RawRecord(n, json.loads(text))
             except json.JSONDecodeError as e:
                 yield RawRecord(n, None, RecordError("invalid_json", f"invalid JSON: {e}"), text.rstrip("\n"))
+            except RecursionError:  # nested deeper than the parser goes: no record of ours looks like that
+                yield RawRecord(n, None, RecordError("invalid_json", "invalid JSON: nested too deeply"),
+                                text.rstrip("\n")[:1000])
 
 
 def _read_with_datasets(path: Path, suffix: str, cache_dir: Path) -> Iterator[RawRecord]:

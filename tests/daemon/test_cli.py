@@ -49,6 +49,9 @@ def test_once_on_the_embedded_default_runs_a_whole_night(tmp_path):
     assert re.search(r"version\s+tiny-v0001 \(promoted", r.stdout)
     assert (work / "state" / "current" / "adapter_model.safetensors").exists()
     assert (work / "state" / "models" / "tiny-llama" / "tokenizer.json").exists()
+    # piped: plain progress lines (phases, training with tok/s and the ETA) before the summary
+    assert "pull: started" in r.stdout and re.search(r"^train: done in [\d.]+ s$", r.stdout, re.M)
+    assert re.search(r"^train: .* tokens, 100 %, [\d,]+ tok/s, ETA \d\d:\d\d:\d\d", r.stdout, re.M), r.stdout
     # logs are JSON lines (stderr is not a TTY here) and every line of the run carries its run id
     lines = [json.loads(x) for x in r.stderr.splitlines() if x.startswith("{")]
     run_lines = [x for x in lines if x.get("logger", "").startswith("nightshift.") and x["event"] == "plan"]
@@ -79,9 +82,11 @@ def test_plan_prints_and_trains_nothing(tmp_path, tiny_model):
     r = nightshift("--config", str(cfg), "plan", "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     plan = json.loads(r.stdout)
-    assert len(plan["train_ids"]) == 10 and "prior" in plan["basis"]
-    led = Ledger(tmp_path / "state" / "ledger.sqlite")
-    assert led.sample_counts() == {"pending": 10} and led.versions() == [] and led.last_runs() == []
+    # read-only: it plans over what the inbox would add (not ingested: negative ids) and writes nothing
+    assert len(plan["train_ids"]) == 10 and all(i < 0 for i in plan["train_ids"]) and "prior" in plan["basis"]
+    assert plan["inbox"] == {"files": 1, "new_samples": 10, "by_source": {"inbox": 10}, "duplicates": 0,
+                             "would_quarantine": {}}
+    assert not (tmp_path / "state").exists()
 
 
 def test_check_config_reports_every_problem(tmp_path):
