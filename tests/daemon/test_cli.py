@@ -153,3 +153,23 @@ def test_config_is_accepted_after_the_command_as_the_systemd_unit_writes_it():
     assert str(args.config) == "x.toml" and not extra
     args, _ = build_parser().parse_known_args(["--config", "y.toml", "status"])
     assert str(args.config) == "y.toml"  # before the command still works
+
+
+def test_once_notifies_a_skipped_night_to_its_subscribers(tmp_path, tiny_model, servers):
+    from tests.fixtures.lora_servers import start
+
+    hook = start(servers, "webhook")
+    cfg, _inbox = toml_config(tmp_path, tiny_model, more=f"""
+[[hotswap.targets]]
+kind = "webhook"
+name = "ops"
+url = "{hook.url}/hook"
+events = ["skipped", "failed", "rejected"]
+""")
+    r = nightshift("--config", str(cfg), "once")  # an empty inbox: nothing to train
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.search(r"outcome\s+skipped: no new samples", r.stdout)
+    [req] = hook.posts("/hook")
+    body = json.loads(req["raw"])
+    assert body["event"] == "skipped" and body["error"] == "no new samples"
+    assert body["text"].startswith("nightshift: night manual-") and body["run_id"].startswith("manual-")
