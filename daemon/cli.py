@@ -16,6 +16,7 @@ import structlog
 
 from daemon import config_cli, report, report_cli, validate_cli
 from daemon.adapters_cli import add_commands as add_adapter_commands
+from daemon.cli_help import DESCRIPTION, exit_codes_help
 from daemon.notify import Notifier
 from daemon.progress import NightProgress, choose_mode, relay
 from daemon.settings import ConfigError, Settings, check_paths, load_settings
@@ -23,7 +24,6 @@ from daemon.supervisor import NightChild, child_env, run_id_for, wait_interrupti
 from daemon.window import Window
 from jobs import logs
 from jobs.contract import (
-    EXIT_CODE_MEANINGS,
     ChildEvent,
     Outcome,
     PlanEvent,
@@ -33,15 +33,6 @@ from jobs.contract import (
 )
 from jobs.store.ledger import Ledger
 from jobs.store.outcomes import NightOutcomes
-
-DESCRIPTION = """\
-nightshift: scheduled continual fine-tuning for one GPU workstation. Every night, inside a
-configured window, it pulls the data that arrived, plans what fits in the time left from the
-throughput it measured, trains a LoRA adapter from the one in service, evaluates it, publishes
-it as an immutable version and hot-swaps it into the inference server.
-
-Start with `nightshift once` (one night now), `nightshift status`, `nightshift validate FILE`
-and `nightshift report`; `nightshift run` is the service systemd starts."""
 
 
 def parse_until(until: str | None, default_seconds: float, now: dt.datetime) -> float:
@@ -178,10 +169,6 @@ def cmd_bench(args: argparse.Namespace, s: Settings) -> int:
     """The side-by-side benchmark (jobs/bench/) in a child process; arguments pass through."""
     cmd = [sys.executable, "-m", "jobs.bench", "bench", *args.bench_args]
     return subprocess.run(cmd, env=child_env()).returncode
-
-
-def exit_codes_help() -> str:
-    return "exit status:\n" + "\n".join(f"  {int(c)}  {EXIT_CODE_MEANINGS[c]}" for c in EXIT_CODE_MEANINGS)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -123,6 +123,9 @@ class NightProgress:
         name = ev.phase.value
         if ev.state == "end":
             self._line(f"{name}: done in {ev.seconds or 0:.1f} s")
+            if self._bar is not None and self._task is not None:
+                self._bar.remove_task(self._task)
+                self._task = None
             return
         if self._bar is None:
             self._line(f"{name}: started")

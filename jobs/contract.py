@@ -10,6 +10,7 @@ planner's back). Pydantic only: importable by the daemon without the training st
 from __future__ import annotations
 
 import re
+import secrets
 import time
 from collections.abc import Callable
 from enum import IntEnum, StrEnum
@@ -60,16 +61,6 @@ class ExitCode(IntEnum):
     HOTSWAP_FAILED = 4  # published, but at least one inference server did not take it
     BUSY = 5  # another nightshift process holds the state directory
 
-
-# What each exit status means, in words (`nightshift --help` and the README print these).
-EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
-    ExitCode.OK: "done (a night that was skipped or rejected by the gate also ends with 0)",
-    ExitCode.FAILED: "the night or the command failed (`validate`: at least one record would be quarantined)",
-    ExitCode.USAGE: "bad command line or bad config: every problem is printed",
-    ExitCode.INTERRUPTED: "stopped on request; the checkpoint is saved and the next start resumes",
-    ExitCode.HOTSWAP_FAILED: "published, but at least one inference server did not take it",
-    ExitCode.BUSY: "another nightshift process holds the state directory",
-}
 
 
 class Frozen(BaseModel):
@@ -278,28 +269,24 @@ class RunSummary(BaseModel):
     deadline: float | None = None
 
 
-# ---- what `nightshift validate` reports (one JSON line per file from its child) ----------------------
+# ---- `nightshift validate`'s child: a FileCheck per file read as the inbox would (a JSON line each) ---
 
 
 class RecordProblem(Frozen):
-    """One record the inbox would quarantine: where it is and why."""
-
     line: int | None  # 1-based line (JSONL) or record number; None: the whole file
     reason: QuarantineReason
     detail: str
 
 
 class FileCheck(Frozen):
-    """One file read exactly as the inbox would read it, nothing written."""
-
     file: str
     source: str  # the [[sources]] whose format and field map were applied
     records: int = 0
     would_train: int = 0  # valid and new: would become pending samples
-    known: int = 0  # valid, but the same content is already in the ledger
-    repeated: int = 0  # valid, but the same content came earlier in the files checked
-    tokens: int = 0  # of the records that would train, through the model's chat template
-    already_ingested: bool = False  # the ledger has this very file (same sha256): the inbox would skip it
+    known: int = 0  # valid, but already in the ledger
+    repeated: int = 0  # valid, but repeats a record checked before
+    tokens: int = 0  # of the records that would train
+    already_ingested: bool = False  # the ledger has this very file: the inbox would skip it
     note: str | None = None  # e.g. the source's patterns would not pick this file up
     problems: list[RecordProblem] = Field(default_factory=list)
 
@@ -393,9 +380,7 @@ def nightshift_version() -> str:
 
 
 def new_run_id(night: str) -> str:
-    """`2026-11-21-3f9a0c`: the supervisor chooses it (so its own log lines carry it) and hands it to the child."""
-    import secrets
-
+    """`2026-11-21-3f9a0c`: chosen by the supervisor (its log lines carry it), handed to the child."""
     return f"{night}-{secrets.token_hex(3)}"
 
 

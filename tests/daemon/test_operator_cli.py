@@ -16,9 +16,10 @@ import jsonschema
 import pytest
 
 from daemon.cli import build_parser, cmd_bench
+from daemon.cli_help import EXIT_CODE_MEANINGS
 from daemon.config_cli import CONFIG_ENV, leaves, resolve_config_path, schema, to_toml
 from daemon.settings import ConfigError, load_settings
-from jobs.contract import EXIT_CODE_MEANINGS, ExitCode, nightshift_version
+from jobs.contract import ExitCode, nightshift_version
 from tests.conftest import REPO
 
 
