@@ -192,6 +192,6 @@ def render(r: Report) -> str:
 <title>nightshift: the last {len(n)} nights</title>
 <style>{CSS}</style></head>
 <body><header><h1>nightshift: the last {len(n)} night(s)</h1>
-<p>state {escape(r.state_dir)} · generated {escape(generated)}</p></header>
+<p>state directory {escape(r.state_dir)} · generated {escape(generated)}</p></header>
 <main>{body}</main></body></html>
 """
