@@ -12,15 +12,27 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from daemon import report
+import structlog
+
+from daemon import config_cli, report, report_cli, validate_cli
 from daemon.adapters_cli import add_commands as add_adapter_commands
+from daemon.cli_help import DESCRIPTION, exit_codes_help
 from daemon.doctor import add_command as add_doctor_command
+from daemon.notify import Notifier
 from daemon.preflight import before_a_night, one_line
-from daemon.settings import DEFAULT_CONFIG, ConfigError, Settings, check_paths, load_settings
-from daemon.supervisor import NightChild, child_env, wait_interruptibly
+from daemon.progress import NightProgress, choose_mode, relay
+from daemon.settings import ConfigError, Settings, check_paths, load_settings
+from daemon.supervisor import NightChild, child_env, run_id_for, wait_interruptibly
 from daemon.window import Window
 from jobs import logs
-from jobs.contract import ChildEvent, Outcome, PlanEvent, outcome_exit_code
+from jobs.contract import (
+    ChildEvent,
+    Outcome,
+    PlanEvent,
+    RunSummary,
+    nightshift_version,
+    outcome_exit_code,
+)
 from jobs.store.ledger import Ledger
 from jobs.store.outcomes import NightOutcomes
 
@@ -44,12 +56,12 @@ def window_seconds(s: Settings) -> float:
 
 
 def run_child(s: Settings, *, night: str, deadline: float, plan_only: bool,
-              on_event=lambda _: None, lock_fd: int | None = None) -> Any:
+              on_event=lambda _: None, lock_fd: int | None = None, run_id: str | None = None) -> Any:
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         child = NightChild(s.night_config().model_dump_json(), night=night, deadline=deadline,
-                           plan_only=plan_only, on_event=on_event, lock_fd=lock_fd)
+                           plan_only=plan_only, on_event=on_event, lock_fd=lock_fd, run_id=run_id)
         child.start()
         return wait_interruptibly(child, stop, grace=s.daemon.stop_grace_seconds)
     finally:
@@ -72,20 +84,33 @@ def cmd_once(args: argparse.Namespace, s: Settings) -> int:
 
 def _once(args: argparse.Namespace, s: Settings, lock_fd: int | None) -> int:
     window = manual_window(args, s)
-    night, deadline = window.night, window.end.timestamp()
-
-    def show_plan(ev: ChildEvent) -> None:
-        if isinstance(ev, PlanEvent):
-            print("plan:\n" + report.plan_table(ev.plan) + "\n", flush=True)
-
-    out = run_child(s, night=night, deadline=window.deadline(s.window.save_margin).timestamp(), plan_only=False,
-                    on_event=show_plan, lock_fd=lock_fd)
-    if out.summary is None or out.summary.outcome == Outcome.failed:
-        # one attempt for a manual night: close it (a killed `once` leaves it open, and a rerun resumes)
-        error = (out.summary.error if out.summary else None) or f"the night's process died ({out.describe_exit()})"
-        ledger = Ledger(s.state_dir / "ledger.sqlite")
-        NightOutcomes(ledger).close(night, "failed", error, deadline=deadline)
+    ledger = Ledger(Path(s.state_dir) / "ledger.sqlite")
+    try:
+        run_id = run_id_for(ledger, window.night)
+        with structlog.contextvars.bound_contextvars(run_id=run_id, night=window.night):
+            return _run_once(s, window, ledger, run_id, lock_fd)
+    finally:
         ledger.close()
+
+
+def _run_once(s: Settings, window: Window, ledger: Ledger, run_id: str, lock_fd: int | None) -> int:
+    night, deadline = window.night, window.end.timestamp()
+    with NightProgress(choose_mode(log_format=s.log.format)) as progress:
+        def show(ev: ChildEvent) -> None:
+            if isinstance(ev, PlanEvent):
+                progress.print("plan:\n" + report.plan_table(ev.plan) + "\n")
+            progress.on_event(ev)
+
+        out = run_child(s, night=night, deadline=window.deadline(s.window.save_margin).timestamp(),
+                        plan_only=False, on_event=show, lock_fd=lock_fd, run_id=run_id)
+    summary = out.summary
+    if summary is None or summary.outcome == Outcome.failed:
+        # one attempt for a manual night: close it (a killed `once` leaves it open, and a rerun resumes)
+        error = (summary.error if summary else None) or f"the night's process died ({out.describe_exit()})"
+        closed = NightOutcomes(ledger).close(night, "failed", error, deadline=deadline)
+        summary = summary or RunSummary(run_id=closed, night=night, outcome=Outcome.failed, error=error)
+    if summary.outcome != Outcome.interrupted:
+        Notifier(s.hotswap, ledger).night_closed(summary)
     if out.summary is None:
         print(f"nightshift once: the night's process failed ({out.describe_exit()}); last lines:", file=sys.stderr)
         print("\n".join(out.tail[-15:]), file=sys.stderr)
@@ -99,16 +124,19 @@ def _once(args: argparse.Namespace, s: Settings, lock_fd: int | None) -> int:
 def cmd_plan(args: argparse.Namespace, s: Settings) -> int:
     now = dt.datetime.now().astimezone()
     deadline = parse_until(args.until, window_seconds(s), now)
-    with before_a_night(s, args.config, "nightshift plan") as lock:
-        out = run_child(s, night="plan", deadline=deadline, plan_only=True, lock_fd=lock.fd)
+    with (before_a_night(s, args.config, "nightshift plan") as lock,
+          NightProgress(choose_mode(json_output=args.json, log_format=s.log.format)) as progress):
+        out = run_child(s, night="plan", deadline=deadline, plan_only=True, on_event=progress.on_event,
+                        lock_fd=lock.fd)
     if out.summary is None or out.summary.plan is None:
         print(f"nightshift plan: failed ({out.describe_exit()})", file=sys.stderr)
         print("\n".join(out.tail[-15:]), file=sys.stderr)
         return 1
+    inbox = report.inbox_preview(out.summary)
     if args.json:
-        print(out.summary.plan.model_dump_json(indent=2))
+        print(json.dumps({**out.summary.plan.model_dump(mode="json"), "inbox": inbox}, indent=2))
     else:
-        print(report.plan_table(out.summary.plan))
+        print(report.plan_table(out.summary.plan) + "\n\n" + report.inbox_table(inbox))
     return 0
 
 
@@ -135,7 +163,7 @@ def cmd_run(args: argparse.Namespace, s: Settings) -> int:
 def cmd_status(args: argparse.Namespace, s: Settings) -> int:
     from daemon.status import collect, render
 
-    info = collect(s)
+    info = {"config": f"{args.config} ({args.config_how})", **collect(s)}
     print(json.dumps(info, indent=2, default=str) if args.json else render(info))
     return 0
 
@@ -145,8 +173,14 @@ def cmd_calibrate(args: argparse.Namespace, s: Settings) -> int:
     out = args.out or Path(s.state_dir) / "calibrate"
     cmd = [sys.executable, "-m", "jobs.night.calibrate", "--out", str(out), "--seconds", str(args.seconds)]
     with before_a_night(s, args.config, "nightshift calibrate") as lock:  # the GPU and the ledger: one at a time
-        return subprocess.run(cmd, input=s.night_config().model_dump_json(), text=True, env=child_env(),
-                              pass_fds=(lock.fd,) if lock.fd is not None else ()).returncode
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(),
+                                pass_fds=(lock.fd,) if lock.fd is not None else ())
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(s.night_config().model_dump_json())
+        proc.stdin.close()
+        with NightProgress(choose_mode(log_format=s.log.format)) as progress:
+            relay(proc.stdout, progress)  # phase and progress events; the measurement's JSON is printed as is
+        return proc.wait()
 
 
 def cmd_bench(args: argparse.Namespace, s: Settings) -> int:
@@ -156,24 +190,31 @@ def cmd_bench(args: argparse.Namespace, s: Settings) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="nightshift", description=__doc__)
-    ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="TOML file (default: %(default)s)")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = argparse.ArgumentParser(prog="nightshift", description=DESCRIPTION, epilog=exit_codes_help(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"nightshift {nightshift_version()}")
+    ap.add_argument("--config", type=Path, default=None, help=config_cli.SEARCH_HELP)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     p = sub.add_parser("once", help="run one night now")
-    p.add_argument("--until", help="HH:MM local time the window closes (default: now + window length)")
+    p.add_argument("--until", metavar="HH:MM",
+                   help="local time the window closes (default: now + the configured window's length)")
     p.set_defaults(func=cmd_once)
-    p = sub.add_parser("plan", help="pull and print tonight's plan; trains nothing")
-    p.add_argument("--until", help="HH:MM (default: now + window length)")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("plan", help="print tonight's plan over the pending samples and what the inbox would add; "
+                       "changes nothing")
+    p.add_argument("--until", metavar="HH:MM", help="local time the window closes (default: now + window length)")
+    p.add_argument("--json", action="store_true", help="the plan as JSON (no progress display)")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("run", help="the service: wait for each night's window and run it (systemd)")
     p.set_defaults(func=cmd_run)
-    p = sub.add_parser("status", help="next window, last runs, backlog, adapter in service")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("status", help="config used, next window, last runs, backlog, adapter in service")
+    p.add_argument("--json", action="store_true", help="the same as JSON")
     p.set_defaults(func=cmd_status)
     p = sub.add_parser("check-config", help="report every problem of a config file")
-    p.add_argument("file", type=Path, nargs="?")
+    p.add_argument("file", type=Path, nargs="?", metavar="FILE", help="the file to check (default: as --config)")
     p.set_defaults(func=cmd_check_config)
+    validate_cli.add_command(sub)
+    config_cli.add_command(sub)
+    report_cli.add_command(sub)
     p = sub.add_parser("calibrate", help="measure our training path on this GPU and record it for the planner")
     p.add_argument("--out", type=Path, help="where the measurement's JSON goes (default: <state_dir>/calibrate)")
     p.add_argument("--seconds", type=float, default=30.0, help="timed seconds per length profile")
@@ -193,7 +234,7 @@ def accept_config_after_the_command(parser: argparse.ArgumentParser) -> None:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 if sub.get_default("func") is not cmd_bench:  # the benchmark passes its arguments through
-                    sub.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML file")
+                    sub.add_argument("--config", type=Path, default=argparse.SUPPRESS, help=config_cli.SEARCH_HELP)
                 accept_config_after_the_command(sub)
 
 
@@ -206,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.cmd == "check-config" and args.file is not None:
         args.config = args.file
+    needs = getattr(args, "needs_settings", None)
+    if needs is not None and not needs(args):
+        return args.func(args, None)
     try:
+        args.config, args.config_how = config_cli.resolve_config_path(args.config)
         s = load_settings(args.config)
     except ConfigError as e:
         print(str(e), file=sys.stderr)

@@ -80,3 +80,21 @@ def summary_table(s: RunSummary) -> str:
         ("version", version),
         ("phases", ", ".join(f"{k} {v:.1f}s" for k, v in s.phase_seconds.items())),
     ])
+
+
+def inbox_preview(s: RunSummary) -> dict[str, Any]:
+    """What `nightshift plan` read in the inboxes without ingesting it."""
+    return {"files": s.files_ingested, "new_samples": sum(s.ingested.values()), "by_source": s.ingested,
+            "duplicates": s.duplicates, "would_quarantine": s.quarantined}
+
+
+def inbox_table(inbox: dict[str, Any]) -> str:
+    bad = inbox["would_quarantine"]
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(bad.items()))
+    return "not ingested yet (a plan changes nothing):\n" + key_values([
+        ("new files in the inboxes", _num(inbox["files"])),
+        ("new samples they hold", _num(inbox["new_samples"])),
+        ("duplicates (known or repeated)", _num(inbox["duplicates"])),
+        ("would be quarantined", _num(sum(bad.values())) + (f" ({reasons}: see `nightshift validate FILE`)"
+                                                             if reasons else "")),
+    ])

@@ -10,9 +10,12 @@ start inside an unfinished window starts (or resumes) the night at once.
 from __future__ import annotations
 
 import json
+import math
+import shutil
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -23,10 +26,11 @@ from prometheus_client import CollectorRegistry
 
 from daemon import sdnotify
 from daemon.metrics import NightshiftMetrics, serve
+from daemon.notify import Notifier
 from daemon.preflight import disk_problem
 from daemon.scheduler import WakeScheduler
 from daemon.settings import Settings
-from daemon.supervisor import ChildOutcome, NightChild, wait_interruptibly
+from daemon.supervisor import ChildOutcome, NightChild, run_id_for, wait_interruptibly
 from daemon.window import Window, utcnow
 from jobs.contract import ChildEvent, ExitCode, Outcome, PhaseEvent, ProgressEvent, RunSummary
 from jobs.gpu import free_vram_gb
@@ -37,6 +41,7 @@ from jobs.store.registry import Registry
 
 log = structlog.get_logger("nightshift.service")
 LOCK_RETRY_SECONDS = 2.0  # the night lock is tried this often while another process holds it (a flock: cheap)
+STATUS_LOG_SECONDS = 60.0  # the status line goes to systemd at every change, to the log at most this often
 
 
 def progress_status(ev: ProgressEvent, zone: Any) -> str:
@@ -48,9 +53,11 @@ def progress_status(ev: ProgressEvent, zone: Any) -> str:
 
 class Service:
     def __init__(self, settings: Settings, *, clock: Callable[[], datetime] = utcnow,
-                 registry: CollectorRegistry | None = None, environ: Mapping[str, str] | None = None) -> None:
+                 registry: CollectorRegistry | None = None, environ: Mapping[str, str] | None = None,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.s = settings
         self.clock = clock
+        self.monotonic = monotonic  # rate limits: watchdog pings, status lines in the log
         self.environ = environ
         self.stop = threading.Event()
         self.wake = threading.Event()
@@ -59,22 +66,37 @@ class Service:
                                          hotswap_kinds=sorted({t.kind for t in settings.hotswap.targets}))
         self.state = Path(settings.state_dir)
         self.ledger = Ledger(self.state / "ledger.sqlite")
+        self.notifier = Notifier(settings.hotswap, self.ledger, background=True)
         self.outcomes = NightOutcomes(self.ledger)
         self.retry_at: dict[str, datetime] = {}
         self.waiting_reason: dict[str, str] = {}
-        interval = sdnotify.watchdog_interval(environ=environ)
-        self.tick = min(interval, 30.0) if interval else 30.0
+        self.watchdog_interval = sdnotify.watchdog_interval(environ=environ)  # half of WATCHDOG_USEC
+        self.tick = min(self.watchdog_interval, 30.0) if self.watchdog_interval else 30.0
         self._last_status = ""
+        self._last_ping = -math.inf
+        self._status_logged_at = -math.inf
 
     # ---- systemd -----------------------------------------------------------------------------
     def status(self, text: str) -> None:
+        """STATUS= at every change (`systemctl status` shows the latest); the log gets one line a minute."""
         if text != self._last_status:
             self._last_status = text
             sdnotify.status(text, environ=self.environ)
-            log.info("status", status=text)
+            if self.monotonic() - self._status_logged_at >= STATUS_LOG_SECONDS:
+                self._status_logged_at = self.monotonic()
+                log.info("status", status=text)
 
     def ping(self) -> None:
-        sdnotify.watchdog(environ=self.environ)
+        """WATCHDOG=1 once per half of WATCHDOG_USEC (sd_watchdog_enabled(3)), however often it is called."""
+        if self.watchdog_interval is not None and self.ping_due_in() <= 0:
+            self._last_ping = self.monotonic()
+            sdnotify.watchdog(environ=self.environ)
+
+    def ping_due_in(self) -> float:
+        """Seconds until the next watchdog ping is due (the main loop never sleeps past it)."""
+        if self.watchdog_interval is None:
+            return math.inf
+        return self._last_ping + self.watchdog_interval - self.monotonic()
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -125,10 +147,11 @@ class Service:
                             else self._waiting_status(window.night))
                 retry = self.retry_at.get(window.night) if window else None
                 until_retry = (retry - self.clock()).total_seconds() if retry else self.tick
-                self.wake.wait(max(0.05, min(self.tick, until_retry)))
+                self.wake.wait(max(0.05, min(self.tick, until_retry, self.ping_due_in())))
                 self.wake.clear()
         finally:
             sdnotify.stopping("stopping", environ=self.environ)
+            self.notifier.join(timeout=10)
             sched.stop(wait=False)
             if server is not None:
                 server.close()
@@ -184,10 +207,12 @@ class Service:
         """`count`: also a run in the metrics (not when its failed attempts were already counted)."""
         run_id = self.outcomes.close(window.night, status, reason, deadline=window.end.timestamp())
         row = self.ledger.run(run_id)
+        summary = RunSummary(run_id=run_id, night=window.night, outcome=status, error=reason,
+                             started_at=row["started_at"], ended_at=row["ended_at"])
         if count:
-            self.metrics.on_summary(RunSummary(run_id=run_id, outcome=status, error=reason,
-                                               started_at=row["started_at"], ended_at=row["ended_at"]))
-        log.warning("night_closed", night=window.night, status=status, reason=reason)
+            self.metrics.on_summary(summary)
+        log.warning("night_closed", run_id=run_id, night=window.night, status=status, reason=reason)
+        self.notifier.night_closed(summary)
 
     # ---- one night ---------------------------------------------------------------------------
     def _night(self, window: Window) -> None:
@@ -224,16 +249,19 @@ class Service:
             elif isinstance(ev, PhaseEvent) and ev.state == "start":
                 self.status(f"night {window.night}: {ev.phase.value}")
 
-        child = NightChild(self.s.night_config().model_dump_json(), night=window.night,
-                           deadline=deadline.timestamp(), on_event=on_event, lock_fd=lock.fd)
-        child.start()
-        self.metrics.on_child_start()
-        # a child still busy at the window's end is told to stop and save, and killed after the grace
-        out = wait_interruptibly(child, self.stop, grace=self.s.daemon.stop_grace_seconds, on_tick=self.ping,
-                                 stop_at=window.end.timestamp(), clock=lambda: self.clock().timestamp())
-        self.metrics.on_child_exit()
-        self._after(window, out)
-        self._refresh_metrics()
+        # every line the daemon logs while this night runs carries its run id (the child's lines too)
+        run_id = run_id_for(self.ledger, window.night)
+        with structlog.contextvars.bound_contextvars(run_id=run_id, night=window.night):
+            child = NightChild(self.s.night_config().model_dump_json(), night=window.night,
+                               deadline=deadline.timestamp(), on_event=on_event, lock_fd=lock.fd, run_id=run_id)
+            child.start()
+            self.metrics.on_child_start()
+            # a child still busy at the window's end is told to stop and save, and killed after the grace
+            out = wait_interruptibly(child, self.stop, grace=self.s.daemon.stop_grace_seconds, on_tick=self.ping,
+                                     stop_at=window.end.timestamp(), clock=lambda: self.clock().timestamp())
+            self.metrics.on_child_exit()
+            self._after(window, out)
+            self._refresh_metrics()
 
     def _after(self, window: Window, out: ChildOutcome) -> None:
         outcome = out.summary.outcome if out.summary else None
@@ -245,6 +273,8 @@ class Service:
             return
         if not out.crashed and outcome != "failed":
             self.retry_at.pop(window.night, None)
+            if out.summary is not None:
+                self.notifier.night_closed(out.summary)  # succeeded, rejected or skipped: closed by the child
             return
         error = (out.summary.error if out.summary else None) or f"the night's process died ({out.describe_exit()})"
         if out.summary is None:

@@ -75,6 +75,7 @@ def _learning(info: dict[str, Any]) -> list[tuple[str, str]]:
 def render(info: dict[str, Any]) -> str:
     svc = info["in_service"]
     head = key_values([
+        *([("config", info["config"])] if info.get("config") else []),
         ("window", info["window"] + (" (open now)" if info["window_open"] else "")),
         ("next window", info["next_window_start"]),
         ("adapter in service", f"{svc['name']} (promoted {svc['promoted']})" if svc else "none yet"),

@@ -9,6 +9,7 @@ sends SIGTERM, waits the grace for the checkpoint, then SIGKILLs.
 from __future__ import annotations
 
 import collections
+import contextvars
 import signal
 import subprocess
 import sys
@@ -21,7 +22,9 @@ from typing import TextIO
 import structlog
 
 from daemon import sdnotify
-from jobs.contract import ChildEvent, ExitCode, ResultEvent, RunSummary, parse_event
+from jobs import logs
+from jobs.contract import ChildEvent, ExitCode, ResultEvent, RunSummary, new_run_id, parse_event
+from jobs.store.ledger import Ledger
 from jobs.store.locking import LOCK_FD_ENV
 
 log = structlog.get_logger("nightshift.supervisor")
@@ -29,8 +32,14 @@ log = structlog.get_logger("nightshift.supervisor")
 
 def child_env() -> dict[str, str]:
     """The environment of every torch child: offline (nothing from a hub), no systemd variables."""
-    return {**sdnotify.child_environ(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+    return {**sdnotify.child_environ(), **logs.child_log_env(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+def run_id_for(ledger: Ledger, night: str) -> str:
+    """The id tonight's run will have: the one a crash or stop left open (the child resumes it), or a new one."""
+    run = ledger.open_run(night)
+    return str(run["id"]) if run is not None else new_run_id(night)
 
 
 @dataclass
@@ -52,10 +61,12 @@ class ChildOutcome:
 class NightChild:
     def __init__(self, night_config_json: str, *, night: str, deadline: float,
                  on_event: Callable[[ChildEvent], None] = lambda _: None, plan_only: bool = False,
-                 log_stream: TextIO | None = None, tail_lines: int = 40, lock_fd: int | None = None) -> None:
+                 log_stream: TextIO | None = None, tail_lines: int = 40, lock_fd: int | None = None,
+                 run_id: str | None = None) -> None:
+        """`run_id`: the id a new run gets (the caller logs under it; a run left open keeps its own)."""
         self.lock_fd = lock_fd  # the night lock the child inherits: held while it lives, even if we die
         self.config_json = night_config_json
-        self.night, self.deadline, self.plan_only = night, deadline, plan_only
+        self.night, self.deadline, self.plan_only, self.run_id = night, deadline, plan_only, run_id
         self.on_event = on_event
         self.log_stream = log_stream or sys.stderr
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
@@ -67,6 +78,8 @@ class NightChild:
         cmd = [sys.executable, "-m", "jobs.night.child", "--night", self.night, "--deadline", repr(self.deadline)]
         if self.plan_only:
             cmd.append("--plan-only")
+        if self.run_id:
+            cmd += ["--run-id", self.run_id]
         env = child_env()
         env.setdefault("NIGHTSHIFT_LOG_FORMAT", "console" if self.log_stream.isatty() else "json")
         if self.lock_fd is not None:
@@ -77,8 +90,9 @@ class NightChild:
         assert self.proc.stdin is not None
         self.proc.stdin.write(self.config_json.encode())
         self.proc.stdin.close()
-        self._threads = [threading.Thread(target=self._read_events, daemon=True),
-                         threading.Thread(target=self._read_logs, daemon=True)]
+        # the readers log (and call on_event) with the caller's context: its run_id is on their lines too
+        self._threads = [threading.Thread(target=contextvars.copy_context().run, args=(f,), daemon=True)
+                         for f in (self._read_events, self._read_logs)]
         for t in self._threads:
             t.start()
         log.info("child_started", pid=self.proc.pid, night=self.night, plan_only=self.plan_only)

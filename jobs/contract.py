@@ -10,6 +10,7 @@ planner's back). Pydantic only: importable by the daemon without the training st
 from __future__ import annotations
 
 import re
+import secrets
 import time
 from collections.abc import Callable
 from enum import IntEnum, StrEnum
@@ -65,6 +66,7 @@ class ExitCode(IntEnum):
     INTERRUPTED = 3  # stopped on request; the checkpoint is saved and the next start resumes
     HOTSWAP_FAILED = 4  # published, but at least one inference server did not take it
     BUSY = 5  # another nightshift process holds the state directory
+
 
 
 class Frozen(BaseModel):
@@ -289,6 +291,28 @@ class RunSummary(BaseModel):
     deadline: float | None = None
 
 
+# ---- `nightshift validate`'s child: a FileCheck per file read as the inbox would (a JSON line each) ---
+
+
+class RecordProblem(Frozen):
+    line: int | None  # 1-based line (JSONL) or record number; None: the whole file
+    reason: QuarantineReason
+    detail: str
+
+
+class FileCheck(Frozen):
+    file: str
+    source: str  # the [[sources]] whose format and field map were applied
+    records: int = 0
+    would_train: int = 0  # valid and new: would become pending samples
+    known: int = 0  # valid, but already in the ledger
+    repeated: int = 0  # valid, but repeats a record checked before
+    tokens: int = 0  # of the records that would train
+    already_ingested: bool = False  # the ledger has this very file: the inbox would skip it
+    note: str | None = None  # e.g. the source's patterns would not pick this file up
+    problems: list[RecordProblem] = Field(default_factory=list)
+
+
 # ---- the child's events (JSON lines on its stdout) -------------------------------------------------
 
 
@@ -375,6 +399,11 @@ def nightshift_version() -> str:
         return version("nightshift")
     except PackageNotFoundError:
         return "unknown"
+
+
+def new_run_id(night: str) -> str:
+    """`2026-11-21-3f9a0c`: chosen by the supervisor (its log lines carry it), handed to the child."""
+    return f"{night}-{secrets.token_hex(3)}"
 
 
 def outcome_exit_code(outcome: Outcome) -> ExitCode:

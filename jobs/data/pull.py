@@ -26,13 +26,14 @@ from typing import IO, Any
 
 import structlog
 
-from jobs.data.formats import RecordError, normalise
+from jobs.data.check import check_record
+from jobs.data.formats import RecordError
 from jobs.data.inbox import InboxFile, list_inbox, open_inbox_file, printable, roots
 from jobs.data.quarantine import Quarantine
 from jobs.data.readers import RawRecord, read_stream
-from jobs.data.render import OverlongPolicy, SpecialTokens, tokenize_record
+from jobs.data.render import OverlongPolicy, SpecialTokens
 from jobs.data.sources import SourceConfig
-from jobs.store.ledger import Ledger
+from jobs.store.ledger import Ledger, SampleRow
 
 __all__ = ["PullResult", "Quarantine", "pull"]
 log = structlog.get_logger("nightshift.pull")
@@ -45,6 +46,7 @@ class PullResult:
     duplicates: int = 0
     quarantined: Counter[str] = field(default_factory=Counter)  # reason -> records
     unmatched: int = 0  # inbox files matching no pattern (reported, not read)
+    incoming: list[SampleRow] = field(default_factory=list)  # preview only: what would become pending
 
 
 class _Retry(Exception):
@@ -126,7 +128,7 @@ def stat_key(st: os.stat_result) -> str:
     return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
-def _hash(f: IO[bytes]) -> str:
+def file_sha256(f: IO[bytes]) -> str:
     h = hashlib.sha256()
     for chunk in iter(lambda: f.read(1 << 20), b""):
         h.update(chunk)
@@ -141,7 +143,7 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
         key = stat_key(st)
         if ledger.file_known_by_stat(src.name, f.display, key):
             return
-        digest = _hash(fh)
+        digest = file_sha256(fh)
         if ledger.file_known_by_hash(src.name, digest):
             ledger.remember_stat_key(src.name, f.display, digest, key)  # not hashed again while unchanged
             log.info("file_already_ingested", source=src.name, file=f.display, sha256=digest[:12])
@@ -174,19 +176,16 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
 def _one_record(p: _Pull, conn: sqlite3.Connection, src: SourceConfig, file: str, file_id: int,
                 raw: RawRecord) -> tuple[str, str | None]:
     """One record, inside its own guard: ('accepted' | 'duplicates' | 'quarantined', reason)."""
-    err = raw.error
-    if err is None:
+    c = check_record(raw, src, p.tokenizer, max_seq_length=p.max_seq_length, overlong=p.overlong,
+                     special_tokens=p.special_tokens)
+    err = c.error
+    if err is None and c.norm is not None and c.tokens is not None:
         try:
-            norm = normalise(raw.record, src.format, src.field_map)
-            tokens = tokenize_record(p.tokenizer, 0, norm.record, max_seq_length=p.max_seq_length,
-                                     overlong=p.overlong, special_tokens=p.special_tokens)
-            new = p.ledger.add_sample(conn, hash=norm.hash, source=src.name, file_id=file_id, line=raw.line or 0,
-                                      record=norm.record, n_tokens=tokens.n_tokens)
-        except RecordError as e:
-            err = e
+            new = p.ledger.add_sample(conn, hash=c.norm.hash, source=src.name, file_id=file_id,
+                                      line=raw.line or 0, record=c.norm.record, n_tokens=c.tokens.n_tokens)
         except sqlite3.Error:
             raise  # the ledger (disk full, I/O): stops the pull, the file's transaction is rolled back
-        except Exception as e:  # unforeseen: this record is kept aside, the file goes on
+        except Exception as e:  # unforeseen (a record the database cannot take): kept aside, the file goes on
             err = RecordError("internal_error", f"{type(e).__name__}: {printable(str(e), 200)}")
     if err is not None:
         p.reject(conn, src, file, raw, err)

@@ -80,6 +80,8 @@ def notify_all(
     """Notify every target; log each outcome; update newest_name_file when the servers have it."""
     outcomes: list[HotswapOutcome] = []
     for t in cfg.targets:
+        if isinstance(t, WebhookTarget) and "promoted" not in t.events:
+            continue  # a webhook subscribed to other events only (jobs.hotswap.events)
         outcome = notify_one(t, adapter, sleep=sleep, clock=clock, log=log)
         fields = {
             "target": t.name,

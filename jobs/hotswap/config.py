@@ -117,11 +117,19 @@ class LoraServerTarget(_HttpTarget):
         return read_secret(self.api_key_file, self.api_key_env, f"{self.name}: api_key")
 
 
+NightEvent = Literal["promoted", "rejected", "failed", "skipped", "backlog_growing"]
+
+
 class WebhookTarget(_HttpTarget):
-    """POST of {version, name, path, base_model, manifest}, signed (see jobs.hotswap.webhook)."""
+    """POST of {event, text, version, name, path, base_model, manifest} on a promotion, and of
+    {event, text, night, ...} on the other events it subscribes to; signed (see jobs.hotswap.webhook)."""
 
     kind: Literal["webhook"]
     url: str
+    # promoted: a version went into service (a night, `adapters promote` or `rollback`); rejected: the
+    # gate kept the candidate out; failed / skipped: a night closed so; backlog_growing: three nights in a row
+    events: list[NightEvent] = Field(default_factory=lambda: ["promoted"])
+    payload: Literal["nightshift", "slack"] = "nightshift"  # slack: {"text": ...} only (Slack-compatible hooks)
     token_file: Path | None = None
     token_env: str | None = None
     hmac_secret_file: Path | None = None

@@ -1,7 +1,9 @@
 """Generic webhook: POST the new version as JSON, authenticated and signed.
 
-Body (UTF-8 JSON, keys sorted, no spaces): {"base_model", "manifest", "name", "path", "version"}; the
-manifest without its "config", so no receiver learns the other targets' URLs or where secrets live.
+Body (UTF-8 JSON, keys sorted, no spaces): {"base_model", "event", "manifest", "name", "path", "text",
+"version"} for a promotion, the manifest without its "config", so no receiver learns the other targets'
+URLs or where secrets live; other events (jobs.hotswap.events) send {"event", "text", "night", ...};
+`payload = "slack"` sends {"text"} only, which Slack-compatible incoming webhooks accept.
 Headers:
 - Authorization: Bearer <token>            when token_file / token_env is set
 - X-Nightshift-Timestamp: <unix seconds>   when the request was signed (fresh per attempt)
@@ -34,16 +36,24 @@ TIMESTAMP_HEADER = "X-Nightshift-Timestamp"
 DELIVERY_HEADER = "X-Nightshift-Delivery"
 
 
-def payload_bytes(adapter: AdapterRef) -> bytes:
+def body_bytes(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str).encode("utf-8")
+
+
+def payload_bytes(adapter: AdapterRef, style: str = "nightshift") -> bytes:
     """The version, not the config: a receiver never learns the other targets (URLs, secrets' places)."""
-    payload = {
+    text = f"nightshift: {adapter.name} is now in service"
+    if style == "slack":
+        return body_bytes({"text": text})
+    return body_bytes({
+        "event": "promoted",
+        "text": text,
         "version": adapter.version,
         "name": adapter.name,
         "path": str(adapter.path),
         "base_model": adapter.base_model,
         "manifest": {k: v for k, v in adapter.manifest.items() if k != "config"},
-    }
-    return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str).encode("utf-8")
+    })
 
 
 def sign(secret: str, timestamp: int, body: bytes) -> str:
@@ -80,7 +90,19 @@ def notify(
     log: Any,
     wall: Callable[[], float] = time.time,
 ) -> HotswapOutcome:
-    body = payload_bytes(adapter)
+    return post(t, payload_bytes(adapter, t.payload), sleep=sleep, clock=clock, log=log, wall=wall)
+
+
+def post(
+    t: WebhookTarget,
+    body: bytes,
+    *,
+    sleep: Sleep,
+    clock: Clock = time.monotonic,
+    log: Any,
+    wall: Callable[[], float] = time.time,
+) -> HotswapOutcome:
+    """POST `body`, authenticated and signed, with the target's retries."""
     delivery = str(uuid.uuid4())
     ctx = tls_context(t.verify_tls, t.ca_bundle)
     if not t.verify_tls and t.url.startswith("https:"):

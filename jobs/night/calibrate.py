@@ -4,7 +4,9 @@ and record it for the night: `python -m jobs.night.calibrate --out DIR < night-c
 A child process like the night (the daemon never imports torch), and the only process on the
 card that calibrate adds: it loads the model exactly as the night does, probes memory per token,
 chooses the step shape under `[gpu] max_vram_gb`, times packed steps on both length profiles and
-stores one typed CalibrationRecord in the ledger under the night's throughput key.
+stores one typed CalibrationRecord in the ledger under the night's throughput key. Its stdout
+carries phase and progress events (JSON lines, as the night's child) for `nightshift calibrate`'s
+display, then the measurement's JSON.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import argparse
 import importlib.metadata as md
 import json
 import sys
+import time
 from pathlib import Path
 
-from jobs.contract import ExitCode, StepShape
+from jobs.contract import ChildEvent, Emit, ExitCode, Phase, PhaseEvent, ProgressEvent, StepShape
 from jobs.night.config import NightConfig
 from jobs.night.model import ensure_model, model_fingerprint, throughput_key
 from jobs.store.ledger import Ledger
@@ -39,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     model_path = ensure_model(cfg)
     key = throughput_key(cfg, model_fingerprint(model_path), backend, device_name())
     try:
-        record, slowest = measure(cfg, model_path, seconds=args.seconds)
+        record, slowest = measure(cfg, model_path, seconds=args.seconds, emit=_emit)
     except ValueError as e:
         print(f"calibrate: {e}", file=sys.stderr)
         return ExitCode.FAILED
@@ -56,7 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     return ExitCode.OK
 
 
-def measure(cfg: NightConfig, model_path: Path, *, seconds: float):  # -> (CalibrationRecord, Throughput)
+def _emit(ev: ChildEvent) -> None:
+    print(ev.model_dump_json(), flush=True)
+
+
+def measure(cfg: NightConfig, model_path: Path, *, seconds: float,
+            emit: Emit = lambda _: None):  # -> (CalibrationRecord, Throughput)
+    """Load, probe the memory per token, time each length profile; reports phases and progress."""
     from jobs.training.load import device_name, load_for_training
     from jobs.training.probe import ProbeSettings, calibration_record, probe_memory, timed_steps
     from jobs.training.step import make_optimizer
@@ -67,7 +76,12 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float):  # -> (Calib
     gc = t.gradient_checkpointing if isinstance(t.gradient_checkpointing, bool) else False  # auto: off if it fits
     settings = ProbeSettings(max_vram_gb=max_vram, min_tokens=t.max_seq_length)
     shape = StepShape(tokens_per_step=settings.max_tokens, gradient_checkpointing=gc, basis="calibration")
+    t0 = time.time()
+    emit(PhaseEvent(phase=Phase.load, state="start"))
     loaded = load_for_training(model_path, t, adapter=None, shape=shape, cache_dir=Path(cfg.state_dir) / "models")
+    emit(PhaseEvent(phase=Phase.load, state="end", seconds=time.time() - t0))
+    t0 = time.time()
+    emit(PhaseEvent(phase=Phase.train, state="start"))
     vocab, cap = len(loaded.tokenizer), min(t.max_seq_length, 2048)
     optimizer = make_optimizer(loaded.model, lr=t.learning_rate)
     probe = probe_memory(loaded.model, make_samples("wiki", 8 * settings.probe_tokens, vocab=vocab, cap=cap),
@@ -75,8 +89,14 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float):  # -> (Calib
     if probe.tokens_per_step is None:
         raise ValueError(f"nothing fits under max_vram_gb={max_vram:g} without checkpointing: set [train] "
                          "gradient_checkpointing = true (or raise [gpu] max_vram_gb) and calibrate again")
-    rates = {p: timed_steps(loaded.model, make_samples(p, 40 * probe.tokens_per_step, vocab=vocab, cap=cap, seed=1),
-                            probe.tokens_per_step, optimizer, seconds=seconds) for p in PROFILES}
+    rates, profiles = {}, list(PROFILES)
+    for i, p in enumerate(profiles):  # progress: a profile at a time, each about `seconds` long
+        emit(ProgressEvent(fraction=i / len(profiles), eta=time.time() + (len(profiles) - i) * seconds,
+                           tokens_per_second=rates[profiles[i - 1]].tokens_per_second if i else 0.0))
+        rates[p] = timed_steps(loaded.model, make_samples(p, 40 * probe.tokens_per_step, vocab=vocab, cap=cap,
+                                                          seed=1), probe.tokens_per_step, optimizer, seconds=seconds)
+    emit(ProgressEvent(fraction=1.0, tokens_per_second=min(r.tokens_per_second for r in rates.values())))
+    emit(PhaseEvent(phase=Phase.train, state="end", seconds=time.time() - t0))
     versions = {p: md.version(p) for p in ("torch", "transformers", "peft", "unsloth") if _installed(p)}
     record = calibration_record(probe, rates, gradient_checkpointing=gc, max_vram_gb=max_vram, device=device_name(),
                                 versions=versions)

@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--night", required=True)
     ap.add_argument("--deadline", type=float, required=True, help="unix seconds")
     ap.add_argument("--plan-only", action="store_true")
+    ap.add_argument("--run-id", help="the id of a new run (the supervisor logs under it); an open run keeps its own")
     args = ap.parse_args(argv)
 
     events = os.fdopen(os.dup(1), "w", buffering=1)
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 return ExitCode.BUSY
         try:
             summary = run_night(cfg, night=args.night, deadline=args.deadline, emit=emit, stop=stop,
-                                plan_only=args.plan_only)
+                                plan_only=args.plan_only, run_id=args.run_id)
         except (DamagedState, OSError, sqlite3.Error) as e:  # before a run could open: the model, the ledger
             summary = RunSummary(night=args.night, outcome=Outcome.failed, error=failure_text(e))
             structlog.get_logger("nightshift.night").error("night_refused", error=summary.error)

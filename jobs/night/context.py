@@ -6,7 +6,6 @@ ledger keeps its plan and the checkpoints keep its position, so it resumes where
 
 from __future__ import annotations
 
-import secrets
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -15,11 +14,12 @@ from pathlib import Path
 
 import structlog
 
-from jobs.contract import Emit, Outcome, Phase, PhaseEvent, RunSummary
+from jobs.contract import Emit, Outcome, Phase, PhaseEvent, RunSummary, new_run_id
 from jobs.gpu import GpuSampler, torch_device_uuid, torch_peak_memory
 from jobs.night.config import NightConfig
 from jobs.store.cleanup import close_run, sweep_checkpoints
 from jobs.store.ledger import Ledger
+from jobs.store.readonly import open_read_only
 from jobs.store.registry import Registry
 
 log = structlog.get_logger("nightshift.night")
@@ -87,16 +87,19 @@ class RunContext:
 
 
 def open_context(cfg: NightConfig, *, model_path: Path, fingerprint: str, night: str, deadline: float, emit: Emit,
-                 stop: threading.Event, clock: Callable[[], float], plan_only: bool) -> RunContext:
-    """Open tonight's run in the ledger (or reopen the one a crash or stop left open)."""
+                 stop: threading.Event, clock: Callable[[], float], plan_only: bool,
+                 run_id: str | None = None) -> RunContext:
+    """Open tonight's run in the ledger (or reopen the one a crash or stop left open). `run_id`: the id a
+    new run gets (the supervisor chose it to log under); a plan opens the ledger read-only."""
     state = Path(cfg.state_dir)
-    ledger = Ledger(state / "ledger.sqlite", clock=clock)
+    ledger = open_read_only(state / "ledger.sqlite", clock=clock) if plan_only else Ledger(state / "ledger.sqlite",
+                                                                                          clock=clock)
     open_run = None if plan_only else ledger.open_run(night)
     if open_run is not None:
         run_id = str(open_run["id"])
         log.info("resuming_run", run_id=run_id, attempt=ledger.resume_run(run_id, deadline))
     else:
-        run_id = f"{'plan' if plan_only else night}-{secrets.token_hex(3)}"
+        run_id = run_id or new_run_id("plan" if plan_only else night)
         if not plan_only:
             ledger.start_run(run_id, night, deadline)
     if not plan_only:
@@ -104,7 +107,8 @@ def open_context(cfg: NightConfig, *, model_path: Path, fingerprint: str, night:
     structlog.contextvars.bind_contextvars(run_id=run_id)
     summary = RunSummary(run_id=run_id, night=night, deadline=deadline, started_at=clock(),
                          base_model=str(model_path))
-    return RunContext(cfg=cfg, ledger=ledger, registry=Registry(state), emit=emit, clock=clock, stop=stop,
+    return RunContext(cfg=cfg, ledger=ledger, registry=Registry(state, create=not plan_only), emit=emit,
+                      clock=clock, stop=stop,
                       night=night, deadline=deadline, run_id=run_id, model_path=model_path,
                       fingerprint=fingerprint, summary=summary,
                       resumed=open_run is not None, plan_only=plan_only)

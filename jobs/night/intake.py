@@ -2,31 +2,41 @@
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
 
 from jobs import plan as budget
 from jobs.contract import Phase, Plan, PlanEvent, version_name
+from jobs.data.preview import preview
 from jobs.data.pull import PullResult, Quarantine, pull
 from jobs.data.quarantine import prune_quarantine
 from jobs.night.context import RunContext
 from jobs.store import learning
+from jobs.store.ledger import SampleRow
 
 log = structlog.get_logger("nightshift.night")
 
 
 def pull_new_data(ctx: RunContext, tokenizer: Any) -> PullResult:
+    """Ingest the inbox; for a plan only read it (nothing ingested, quarantined or moved)."""
     cfg, s = ctx.cfg, ctx.summary
     qfile = ctx.state / "quarantine" / f"{ctx.run_id}.jsonl"
     with ctx.phase(Phase.pull):
-        if not ctx.plan_only:
+        if ctx.plan_only:
+            res = preview(cfg.sources, ctx.ledger, tokenizer, max_seq_length=cfg.train.max_seq_length,
+                          overlong=cfg.train.overlong, special_tokens=cfg.train.special_tokens,
+                          excerpt_bytes=cfg.quarantine.excerpt_bytes)
+        else:
             prune_quarantine(qfile.parent, cfg.quarantine.keep_days, now=ctx.clock(), keep=qfile)
-        res = pull(cfg.sources, ctx.ledger, tokenizer, run_id=ctx.run_id,
-                   quarantine=Quarantine(qfile, excerpt_bytes=cfg.quarantine.excerpt_bytes),
-                   max_seq_length=cfg.train.max_seq_length, overlong=cfg.train.overlong,
-                   special_tokens=cfg.train.special_tokens, excerpt_bytes=cfg.quarantine.excerpt_bytes)
+            res = pull(cfg.sources, ctx.ledger, tokenizer, run_id=ctx.run_id,
+                       quarantine=Quarantine(qfile, excerpt_bytes=cfg.quarantine.excerpt_bytes),
+                       max_seq_length=cfg.train.max_seq_length, overlong=cfg.train.overlong,
+                       special_tokens=cfg.train.special_tokens, excerpt_bytes=cfg.quarantine.excerpt_bytes)
     s.files_ingested, s.ingested, s.duplicates = res.files, dict(res.ingested), res.duplicates
     s.quarantined = dict(res.quarantined)
     return res
@@ -48,8 +58,10 @@ class PlannedRun:
         return self.plan.parent_version
 
 
-def plan_night(ctx: RunContext, *, key: str, backend: str, device: str) -> PlannedRun:
-    """A resumed run keeps the plan it stored (same samples, same version); a new one plans now."""
+def plan_night(ctx: RunContext, *, key: str, backend: str, device: str,
+               incoming: Sequence[SampleRow] = ()) -> PlannedRun:
+    """A resumed run keeps the plan it stored (same samples, same version); a new one plans now.
+    `incoming`: samples not ingested yet (a plan's preview of the inbox), newer than every pending one."""
     cfg, ledger = ctx.cfg, ctx.ledger
     with ctx.phase(Phase.plan):
         run = ledger.run(ctx.run_id) if ctx.resumed else None
@@ -57,7 +69,9 @@ def plan_night(ctx: RunContext, *, key: str, backend: str, device: str) -> Plann
         if stored is not None:
             planned = PlannedRun(stored, ledger.run_samples(ctx.run_id), key)
         else:
-            plan = budget.make_plan(ledger.pending(order=cfg.plan.order), now=ctx.clock(), deadline=ctx.deadline,
+            pending = ledger.pending(order=cfg.plan.order)
+            pending = pending + list(incoming) if cfg.plan.order == "oldest" else [*reversed(incoming), *pending]
+            plan = budget.make_plan(pending, now=ctx.clock(), deadline=ctx.deadline,
                                     history=ledger.throughput_history(key, cfg.plan.history_runs), cfg=cfg.plan,
                                     epochs=cfg.train.epochs, key=key, replay_pool=learning.replay_pool(ledger),
                                     seed=ctx.night, min_heldout=cfg.eval.min_eval_samples)

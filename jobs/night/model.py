@@ -7,6 +7,9 @@ throughput key, so measurements of one model never plan another's night.
 from __future__ import annotations
 
 import hashlib
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import structlog
@@ -18,6 +21,26 @@ from jobs.store.locking import StateLock
 log = structlog.get_logger("nightshift.night")
 
 
+def demo_corpus(cfg: NightConfig) -> list[Path]:
+    """The files the demo tokenizer learns from: the JSON(L) files in the inboxes (bad ones skipped)."""
+    return sorted(p for src in cfg.sources for pat in ("*.jsonl", "*.json") for p in Path(src.inbox).glob(pat)
+                  if p.is_file() and not p.name.startswith("."))
+
+
+@contextmanager
+def model_to_read(cfg: NightConfig) -> Iterator[Path]:
+    """The model for commands that change nothing (plan, validate): the demo model, when it is not
+    built yet, is built as the first night would build it, in a temporary directory removed after."""
+    path = Path(cfg.model.path)
+    if (path / "config.json").exists() or cfg.model.build != "tiny-llama":
+        yield ensure_model(cfg)
+        return
+    from jobs.training.tinymodel import build_tiny_llama
+
+    with tempfile.TemporaryDirectory(prefix="nightshift-model-") as tmp:
+        yield build_tiny_llama(Path(tmp) / path.name, demo_corpus(cfg))
+
+
 def ensure_model(cfg: NightConfig) -> Path:
     path = Path(cfg.model.path)
     if (path / "config.json").exists():
@@ -25,7 +48,7 @@ def ensure_model(cfg: NightConfig) -> Path:
     if cfg.model.build == "tiny-llama":
         from jobs.training.tinymodel import build_tiny_llama
 
-        corpus = [p for src in cfg.sources for pat in ("*.jsonl", "*.json") for p in Path(src.inbox).glob(pat)]
+        corpus = demo_corpus(cfg)
         log.info("building_tiny_model", path=str(path), corpus_files=len(corpus))
         with StateLock(Path(cfg.state_dir) / "lock", what="build model"):
             if not (path / "config.json").exists():

@@ -13,6 +13,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import structlog
 
@@ -21,7 +22,7 @@ from jobs.night.candidate import evaluate_candidate, load_model_and_data, train_
 from jobs.night.config import NightConfig
 from jobs.night.context import RunContext, open_context
 from jobs.night.intake import plan_night, pull_new_data
-from jobs.night.model import ensure_model, model_fingerprint, throughput_key
+from jobs.night.model import ensure_model, model_fingerprint, model_to_read, throughput_key
 from jobs.night.publish import announce_version, close_run, finish_published, judge, publish_candidate
 from jobs.store.files import DamagedState
 from jobs.store.integrity import check_registry_known, parent_for_night
@@ -30,10 +31,22 @@ log = structlog.get_logger("nightshift.night")
 
 
 def run_night(cfg: NightConfig, *, night: str, deadline: float, emit: Emit, stop: threading.Event,
-              clock: Callable[[], float] = time.time, plan_only: bool = False) -> RunSummary:
-    model_path = ensure_model(cfg)
+              clock: Callable[[], float] = time.time, plan_only: bool = False, run_id: str | None = None
+              ) -> RunSummary:
+    """`plan_only`: pull and plan without changing anything (no ingest, no quarantine file, no move,
+    no model built in the state directory). `run_id`: the id the supervisor logs under (a new run only)."""
+    if plan_only:
+        with model_to_read(cfg) as model_path:
+            return _run(cfg, model_path, night=night, deadline=deadline, emit=emit, stop=stop, clock=clock,
+                        plan_only=True, run_id=run_id)
+    return _run(cfg, ensure_model(cfg), night=night, deadline=deadline, emit=emit, stop=stop, clock=clock,
+                plan_only=False, run_id=run_id)
+
+
+def _run(cfg: NightConfig, model_path: Path, *, night: str, deadline: float, emit: Emit, stop: threading.Event,
+         clock: Callable[[], float], plan_only: bool, run_id: str | None) -> RunSummary:
     ctx = open_context(cfg, model_path=model_path, fingerprint=model_fingerprint(model_path), night=night,
-                       deadline=deadline, emit=emit, stop=stop, clock=clock, plan_only=plan_only)
+                       deadline=deadline, emit=emit, stop=stop, clock=clock, plan_only=plan_only, run_id=run_id)
     if not plan_only:
         ctx.start_gpu()
     try:
@@ -66,9 +79,9 @@ def _steps(ctx: RunContext) -> None:
     check_registry_known(ctx.registry, ctx.ledger, ctx.cfg.model.name)  # refused: a ledger behind the registry
     ctx.parent = parent_for_night(ctx.registry, ctx.ledger, repair=not ctx.plan_only)  # refused: damaged lineage
     backend, device = resolve_backend(ctx.cfg.train), device_name()
-    pull_new_data(ctx, load_tokenizer(ctx.model_path))
+    pulled = pull_new_data(ctx, load_tokenizer(ctx.model_path))
     planned = plan_night(ctx, key=throughput_key(ctx.cfg, ctx.fingerprint, backend, device), backend=backend,
-                         device=device)
+                         device=device, incoming=pulled.incoming)
     if ctx.plan_only:
         s.outcome = Outcome.skipped
         return

@@ -108,6 +108,9 @@ class Ledger:
             (run_id, source, file, line, reason, detail, self.clock()),
         )
 
+    def has_sample(self, hash: str) -> bool:
+        return self.db.execute("SELECT 1 FROM samples WHERE hash=?", (hash,)).fetchone() is not None
+
     def pending(self, *, order: str = "oldest") -> list[SampleRow]:
         """Samples waiting to be trained, without their records (the plan needs ids, hashes, sizes)."""
         return self._sizes("pending", "ASC" if order == "oldest" else "DESC")

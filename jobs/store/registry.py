@@ -34,6 +34,7 @@ def parse_version(dirname: str) -> int | None:
 
 class Registry:
     def __init__(self, state_dir: Path, *, create: bool = True) -> None:
+        """`create=False`: only read (`nightshift plan`): nothing is made."""
         self.state_dir = Path(state_dir)
         self.adapters = self.state_dir / "adapters"
         self.current_link = self.state_dir / "current"

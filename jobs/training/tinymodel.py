@@ -48,27 +48,36 @@ OUTPUT_INIT_SCALE = 1.5
 
 
 def texts_for_tokenizer(paths: Iterable[Path]) -> list[str]:
-    """All string values of the sample files: enough text for a small BPE vocabulary."""
+    """All string values of the inbox's JSON(L) files: enough text for a small BPE vocabulary.
+
+    The demo model is built before the first night's pull, from whatever the user dropped in the
+    inbox: a line or file that cannot be read (not UTF-8, not JSON, not a file at all) is skipped
+    here and quarantined by the pull, like on any other night. Never raises on the files' content.
+    """
     out: list[str] = []
 
-    def walk(v: object) -> None:
-        if isinstance(v, str):
-            out.append(v)
-        elif isinstance(v, dict):
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, list):
-            for x in v:
-                walk(x)
+    def walk(v: object) -> None:  # iterative: a deeply nested record must not exhaust the stack
+        todo = [v]
+        while todo:
+            x = todo.pop()
+            if isinstance(x, str):
+                out.append(x)
+            elif isinstance(x, dict):
+                todo.extend(reversed(list(x.values())))
+            elif isinstance(x, list):
+                todo.extend(reversed(x))
 
     for p in paths:
-        raw = p.read_text(encoding="utf-8")
-        if p.suffix == ".jsonl":
-            for line in raw.splitlines():
-                if line.strip():
-                    walk(json.loads(line))
-        elif p.suffix == ".json":
-            walk(json.loads(raw))
+        try:
+            raw = p.read_bytes()
+        except OSError:
+            continue
+        chunks = raw.splitlines() if p.suffix == ".jsonl" else [raw] if p.suffix == ".json" else []
+        for chunk in chunks:
+            try:
+                walk(json.loads(chunk.decode("utf-8")))
+            except (UnicodeDecodeError, ValueError, RecursionError):
+                continue
     return out
 
 

@@ -49,6 +49,9 @@ def test_once_on_the_embedded_default_runs_a_whole_night(tmp_path):
     assert re.search(r"version\s+tiny-v0001 \(promoted", r.stdout)
     assert (work / "state" / "current" / "adapter_model.safetensors").exists()
     assert (work / "state" / "models" / "tiny-llama" / "tokenizer.json").exists()
+    # piped: plain progress lines (phases, training with tok/s and the ETA) before the summary
+    assert "pull: started" in r.stdout and re.search(r"^train: done in [\d.]+ s$", r.stdout, re.M)
+    assert re.search(r"^train: .* tokens, 100 %, [\d,]+ tok/s, ETA \d\d:\d\d:\d\d", r.stdout, re.M), r.stdout
     # logs are JSON lines (stderr is not a TTY here) and every line of the run carries its run id
     lines = [json.loads(x) for x in r.stderr.splitlines() if x.startswith("{")]
     run_lines = [x for x in lines if x.get("logger", "").startswith("nightshift.") and x["event"] == "plan"]
@@ -79,9 +82,11 @@ def test_plan_prints_and_trains_nothing(tmp_path, tiny_model):
     r = nightshift("--config", str(cfg), "plan", "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     plan = json.loads(r.stdout)
-    assert len(plan["train_ids"]) == 10 and "prior" in plan["basis"]
-    led = Ledger(tmp_path / "state" / "ledger.sqlite")
-    assert led.sample_counts() == {"pending": 10} and led.versions() == [] and led.last_runs() == []
+    # read-only: it plans over what the inbox would add (not ingested: negative ids) and writes nothing
+    assert len(plan["train_ids"]) == 10 and all(i < 0 for i in plan["train_ids"]) and "prior" in plan["basis"]
+    assert plan["inbox"] == {"files": 1, "new_samples": 10, "by_source": {"inbox": 10}, "duplicates": 0,
+                             "would_quarantine": {}}
+    assert not (tmp_path / "state").exists()
 
 
 def test_check_config_reports_every_problem(tmp_path):
@@ -148,3 +153,23 @@ def test_config_is_accepted_after_the_command_as_the_systemd_unit_writes_it():
     assert str(args.config) == "x.toml" and not extra
     args, _ = build_parser().parse_known_args(["--config", "y.toml", "status"])
     assert str(args.config) == "y.toml"  # before the command still works
+
+
+def test_once_notifies_a_skipped_night_to_its_subscribers(tmp_path, tiny_model, servers):
+    from tests.fixtures.lora_servers import start
+
+    hook = start(servers, "webhook")
+    cfg, _inbox = toml_config(tmp_path, tiny_model, more=f"""
+[[hotswap.targets]]
+kind = "webhook"
+name = "ops"
+url = "{hook.url}/hook"
+events = ["skipped", "failed", "rejected"]
+""")
+    r = nightshift("--config", str(cfg), "once")  # an empty inbox: nothing to train
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.search(r"outcome\s+skipped: no new samples", r.stdout)
+    [req] = hook.posts("/hook")
+    body = json.loads(req["raw"])
+    assert body["event"] == "skipped" and body["error"] == "no new samples"
+    assert body["text"].startswith("nightshift: night manual-") and body["run_id"].startswith("manual-")

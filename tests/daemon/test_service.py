@@ -41,6 +41,7 @@ def test_one_night_in_the_window_with_systemd_notify_and_no_rerun_after_restart(
     write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(30)])
     state = tmp_path / "state"
     notify = Notify(tmp_path / "notify.sock")
+    started = time.monotonic()
     proc = start(cfg, notify, watchdog_usec=1_000_000)
     try:
         wait_for(lambda: notify.having("READY=1"), 60, "READY=1", proc)
@@ -52,11 +53,19 @@ def test_one_night_in_the_window_with_systemd_notify_and_no_rerun_after_restart(
         assert len(runs(state)) == 1  # exactly one run in the window
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+        elapsed = time.monotonic() - started
     finally:
         proc.kill()
     statuses = notify.having("STATUS=")
     assert any(m.startswith("STATUS=training v0001:") for m in statuses), statuses
-    assert len(notify.having("WATCHDOG=1")) >= 3
+    # the log: the run id on every line of the night (the daemon's own too), few status lines
+    logged = [json.loads(x) for x in proc.lines if x.startswith("{")]
+    first = next(i for i, x in enumerate(logged) if x["event"] == "child_started")
+    end = max(i for i, x in enumerate(logged) if x.get("run_id"))
+    assert end - first >= 5 and {x.get("run_id") for x in logged[first:end + 1]} == {runs(state)[0]["id"]}
+    assert len([x for x in logged if x["event"] == "status"]) <= 1 + elapsed / 60
+    # WATCHDOG_USEC=1 s: a ping every 0.5 s, not at every 0.2 s tick of the supervisor
+    assert 3 <= len(notify.having("WATCHDOG=1")) <= 2 * elapsed + 3
     assert notify.having("STOPPING=1")
     assert (state / "current").resolve().name == "tiny-v0001"
 

@@ -1,5 +1,6 @@
 """The daemon's decisions with a fake clock: pre-flight waits, too-late starts, retry backoff."""
 
+import json
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -95,3 +96,108 @@ def test_the_child_is_stopped_at_the_windows_end_with_its_grace():
     out = wait_interruptibly(child, threading.Event(), grace=42, poll=0.001, on_tick=tick, stop_at=130.0,
                              clock=lambda: now[0])
     assert child.stopped_with == 42 and out.returncode == 3 and ticks == [100.0, 110.0, 120.0]
+
+
+# ---- systemd and the log: watchdog pings, status lines ------------------------------------------------
+
+class Mono:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def service_with(tmp_path, environ, mono, more=""):
+    cfg = tmp_path / "w.toml"
+    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n[model]\npath = "{tmp_path}"\n{more}')
+    return Service(load_settings(cfg), clock=lambda: datetime(2026, 11, 21, 12, 0, tzinfo=UTC), environ=environ,
+                   monotonic=mono)
+
+
+@pytest.fixture()
+def restore_logging():
+    import logging
+
+    import structlog
+
+    root = logging.getLogger()
+    handlers, level, config = list(root.handlers), root.level, structlog.get_config()
+    yield
+    root.handlers, root.level = handlers, level
+    structlog.configure(**config)
+
+
+@pytest.fixture()
+def notify_socket(tmp_path):
+    import socket
+
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.setblocking(False)
+
+    got: list[str] = []
+
+    def received():  # everything so far (drain often: a datagram queue holds only a few)
+        while True:
+            try:
+                got.append(sock.recv(4096).decode())
+            except BlockingIOError:
+                return got
+
+    yield path, received
+    sock.close()
+
+
+def test_watchdog_pings_twice_per_watchdog_usec_however_often_the_loop_ticks(tmp_path, notify_socket):
+    path, received = notify_socket
+    mono = Mono()
+    svc = service_with(tmp_path, {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "20000000"}, mono)
+    for _ in range(1200):  # 4 minutes of a night: the supervisor's wait ticks every 0.2 s
+        svc.ping()
+        received()
+        mono.t += 0.2
+    pings = [m for m in received() if m == "WATCHDOG=1"]
+    assert len(pings) == 24  # one per 10 s (half of WATCHDOG_USEC), not 1200
+    assert svc.ping_due_in() <= 10  # the main loop sleeps no longer than that
+    quiet = service_with(tmp_path, {"NOTIFY_SOCKET": path}, mono)  # no watchdog asked for: no pings
+    quiet.ping()
+    assert len(received()) == 24 and quiet.ping_due_in() == float("inf")
+
+
+def test_status_goes_to_systemd_at_every_change_and_to_the_log_once_a_minute(tmp_path, notify_socket, capsys,
+                                                                              restore_logging):
+    from jobs import logs
+
+    path, received = notify_socket
+    mono = Mono()
+    svc = service_with(tmp_path, {"NOTIFY_SOCKET": path}, mono)
+    logs.configure("INFO", "json")
+    for i in range(300):  # 10 minutes of progress, a new status every 2 s
+        svc.status(f"training v0001: {i // 3} %")
+        received()
+        mono.t += 2.0
+    assert len([m for m in received() if m.startswith("STATUS=")]) == 100  # every change (3 ticks per %)
+    logged = [json.loads(x) for x in capsys.readouterr().err.splitlines() if '"status"' in x]
+    assert 10 <= len(logged) <= 11 and all(x["event"] == "status" for x in logged)
+
+
+def test_a_closed_night_notifies_its_webhook_subscribers(tmp_path, servers):
+    from tests.fixtures.lora_servers import start
+
+    srv = start(servers, "webhook")
+    svc = service_with(tmp_path, {}, Mono(), more=f"""
+[[hotswap.targets]]
+kind = "webhook"
+name = "ops"
+url = "{srv.url}/hook"
+events = ["skipped", "failed"]
+""")
+    window = svc.s.window.next_window(datetime(2026, 11, 21, 12, 0, tzinfo=UTC))
+    svc._close_night(window, "skipped", "too late to start")
+    svc.notifier.join(timeout=10)
+    [req] = srv.posts("/hook")
+    body = json.loads(req["raw"])
+    assert body["event"] == "skipped" and body["night"] == window.night and body["error"] == "too late to start"
+    assert body["run_id"].startswith(f"{window.night}-skipped")

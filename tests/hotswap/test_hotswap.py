@@ -333,6 +333,8 @@ def test_webhook_is_signed_and_carries_the_bearer_token(
     [req] = srv.requests
     payload = json.loads(req["raw"])
     assert payload == {
+        "event": "promoted",
+        "text": "nightshift: tiny-v0007 is now in service",
         "version": 7,
         "name": "tiny-v0007",
         "path": str(a.path),

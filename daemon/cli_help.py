@@ -1,0 +1,28 @@
+"""The words of `nightshift --help`: what the tool is, and what each exit status means."""
+
+from __future__ import annotations
+
+from jobs.contract import ExitCode
+
+DESCRIPTION = """\
+nightshift: scheduled continual fine-tuning for one GPU workstation. Every night, inside a
+configured window, it pulls the data that arrived, plans what fits in the time left from the
+throughput it measured, trains a LoRA adapter from the one in service, evaluates it, publishes
+it as an immutable version and hot-swaps it into the inference server.
+
+Start with `nightshift once` (one night now), `nightshift status`, `nightshift validate FILE`
+and `nightshift report`; `nightshift run` is the service systemd starts."""
+
+# What each exit status (jobs/contract.py ExitCode) means, in words: `--help` and the README print these.
+EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
+    ExitCode.OK: "done (a night that was skipped or rejected by the gate also ends with 0)",
+    ExitCode.FAILED: "the night or the command failed (`validate`: at least one record would be quarantined)",
+    ExitCode.USAGE: "bad command line or bad config: every problem is printed",
+    ExitCode.INTERRUPTED: "stopped on request; the checkpoint is saved and the next start resumes",
+    ExitCode.HOTSWAP_FAILED: "published, but at least one inference server did not take it",
+    ExitCode.BUSY: "another nightshift process holds the state directory",
+}
+
+
+def exit_codes_help() -> str:
+    return "exit status:\n" + "\n".join(f"  {int(c)}  {EXIT_CODE_MEANINGS[c]}" for c in EXIT_CODE_MEANINGS)

@@ -1,0 +1,145 @@
+"""The figures of the last nights, read from the ledger (read-only) and the versions' manifests:
+what `nightshift report` draws and what `nightshift report --json` prints.
+
+Summaries are read as JSON, not as the typed RunSummary: a ledger outlives code versions, and a
+field a later version adds (`planned_tokens`) or an older one lacks must not hide a night.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from jobs.store.ledger import Ledger
+from jobs.store.readonly import open_read_only
+
+
+class GateView(BaseModel):
+    passed: bool | None = None
+    held_back: str | None = None
+    checks: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class NightRow(BaseModel):
+    """One run of a night, as the report shows it (None: not measured / not applicable)."""
+
+    night: str
+    run_id: str
+    outcome: str
+    started_at: float | None = None
+    ended_at: float | None = None
+    error: str | None = None
+    version_name: str | None = None
+    promoted: bool = False
+    # data
+    ingested_samples: int = 0
+    quarantined_records: int = 0
+    trained_samples: int = 0
+    replay_samples: int = 0
+    heldout_samples: int = 0
+    deferred_samples: int | None = None
+    backlog_samples: int | None = None
+    backlog_tokens: int | None = None
+    # throughput and budget
+    tokens_per_second: float | None = None
+    samples_per_hour: float | None = None
+    predicted_train_seconds: float | None = None
+    actual_train_seconds: float | None = None
+    trained_tokens: int = 0
+    planned_tokens: int | None = None
+    planned_tokens_from: str | None = None  # "summary" (the night recorded it) or "plan" (tokens x epochs)
+    # quality
+    losses: dict[str, float | None] = Field(default_factory=dict)
+    metrics: dict[str, dict[str, float] | None] = Field(default_factory=dict)  # "<data>_<before|after>"
+    gate: GateView | None = None
+    # the card
+    energy_joules: float | None = None
+    joules_per_1k_tokens: float | None = None
+    mean_power_watts: float | None = None
+    vram_peak_bytes: int | None = None
+    vram_total_bytes: int | None = None
+
+
+class CurvePoint(BaseModel):
+    step: float
+    loss: float
+
+
+class Report(BaseModel):
+    generated_at: float
+    state_dir: str
+    nights: list[NightRow]  # oldest first
+    loss_curve: list[CurvePoint] | None = None  # of the last night that published a version, if recorded
+    loss_curve_version: str | None = None
+
+
+def _planned(summ: dict[str, Any]) -> tuple[int | None, str | None]:
+    if summ.get("planned_tokens") is not None:
+        return int(summ["planned_tokens"]), "summary"
+    plan = summ.get("plan") or {}
+    if plan.get("train_tokens") is not None:
+        return int(plan["train_tokens"]) * int(plan.get("epochs") or 1), "plan"
+    return None, None
+
+
+def night_row(run: Any, summ: dict[str, Any], manifest: dict[str, Any]) -> NightRow:
+    gpu = summ.get("gpu") or (manifest.get("energy") or {}).get("gpu") or {}
+    energy = (manifest.get("energy") or {}).get("energy_joules") or gpu.get("energy_joules")
+    tokens = int(summ.get("trained_tokens") or 0)
+    planned, planned_from = _planned(summ)
+    gate = summ.get("gate") or manifest.get("gate")
+    return NightRow(
+        night=run["night"], run_id=run["id"], outcome=run["status"], started_at=run["started_at"],
+        ended_at=run["ended_at"], error=run["error"], version_name=summ.get("version_name"),
+        promoted=bool(summ.get("promoted")),
+        ingested_samples=sum((summ.get("ingested") or {}).values()),
+        quarantined_records=sum((summ.get("quarantined") or {}).values()),
+        trained_samples=int(summ.get("trained_samples") or 0), replay_samples=int(summ.get("replay_samples") or 0),
+        heldout_samples=int(summ.get("heldout_samples") or 0), deferred_samples=summ.get("deferred_samples"),
+        backlog_samples=summ.get("backlog_samples"), backlog_tokens=summ.get("backlog_tokens"),
+        tokens_per_second=summ.get("tokens_per_second"), samples_per_hour=summ.get("samples_per_hour"),
+        predicted_train_seconds=summ.get("predicted_train_seconds"),
+        actual_train_seconds=summ.get("actual_train_seconds"),
+        trained_tokens=tokens, planned_tokens=planned, planned_tokens_from=planned_from,
+        losses=summ.get("losses") or {}, metrics=summ.get("metrics") or {},
+        gate=GateView(passed=gate.get("passed"), held_back=gate.get("held_back"), checks=gate.get("checks") or [])
+        if gate else None,
+        energy_joules=energy, joules_per_1k_tokens=energy * 1000 / tokens if energy and tokens else None,
+        mean_power_watts=gpu.get("mean_power_watts"), vram_peak_bytes=gpu.get("peak_reserved_bytes"),
+        vram_total_bytes=gpu.get("total_memory_bytes"),
+    )
+
+
+def loss_curve(manifest: dict[str, Any]) -> list[CurvePoint] | None:
+    """The manifest's `loss_curve` ([{step, loss}, ...]) when the night recorded one."""
+    curve = manifest.get("loss_curve")
+    if not isinstance(curve, list):
+        return None
+    points = [CurvePoint.model_validate(p) for p in curve if isinstance(p, dict) and p.get("loss") is not None]
+    return points or None
+
+
+def collect(state_dir: Path, nights: int = 14, *, ledger: Ledger | None = None) -> Report:
+    """The last `nights` finished runs (oldest first) and the last published version's loss curve."""
+    own = ledger is None
+    led = ledger or open_read_only(Path(state_dir) / "ledger.sqlite")
+    try:
+        runs = [r for r in led.db.execute(
+            "SELECT * FROM runs WHERE ended_at IS NOT NULL ORDER BY started_at DESC LIMIT ?", (nights,))][::-1]
+        rows, curve, curve_version = [], None, None
+        for r in runs:
+            summ = json.loads(r["summary"]) if r["summary"] else {}
+            version = led.version(int(r["version"])) if r["version"] is not None else None
+            manifest = json.loads(version["manifest"]) if version is not None and version["manifest"] else {}
+            rows.append(night_row(r, summ, manifest))
+            if manifest:
+                curve, curve_version = loss_curve(manifest), manifest.get("name")
+        return Report(generated_at=time.time(), state_dir=str(state_dir), nights=rows, loss_curve=curve,
+                      loss_curve_version=curve_version)
+    finally:
+        if own:
+            led.close()

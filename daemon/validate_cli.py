@@ -1,0 +1,75 @@
+"""`nightshift validate FILE...`: check data files before dropping them into an inbox.
+
+The reading happens in a child (`python -m jobs.night.validate`: the daemon never imports the
+training stack), exactly as the inbox reads; this module renders its per-file reports. Nothing
+is written: not the ledger, not a quarantine file, not the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from daemon.settings import Settings
+from daemon.supervisor import child_env
+from jobs.contract import ExitCode, FileCheck
+
+
+def add_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "validate", help="check data files as the inbox would read them; writes nothing",
+        description="Read each FILE exactly as the inbox would (file type, format, field map, chat template, "
+                    "max_seq_length) and print what would train and every record that would be quarantined, "
+                    "with its line and reason. Exit status 1 if any record would be quarantined.")
+    p.add_argument("files", nargs="+", type=Path, metavar="FILE", help="JSONL, JSON array, Parquet or CSV files")
+    p.add_argument("--source", metavar="NAME",
+                   help="read as this [[sources]] entry (format, field_map, patterns); default: the source "
+                        "whose inbox holds the file, else the first one")
+    p.add_argument("--json", action="store_true", help="one JSON object per file instead of text")
+    p.set_defaults(func=cmd_validate)
+
+
+def run_checks(s: Settings, files: list[Path], source: str | None) -> tuple[int, list[FileCheck]]:
+    cmd = [sys.executable, "-m", "jobs.night.validate", *(["--source", source] if source else []),
+           "--", *map(str, files)]
+    r = subprocess.run(cmd, input=s.night_config().model_dump_json(), stdout=subprocess.PIPE, text=True,
+                       env=child_env())
+    return r.returncode, [FileCheck.model_validate_json(line) for line in r.stdout.splitlines() if line.strip()]
+
+
+def render(checks: list[FileCheck]) -> str:
+    out: list[str] = []
+    for c in checks:
+        out.append(f"{c.file}  (source '{c.source}')")
+        if c.already_ingested:
+            out.append("  already ingested (the ledger has this very file): the inbox would skip it")
+        if c.note:
+            out.append(f"  note: {c.note}")
+        out.append(f"  {c.records:,} records: {c.would_train:,} would train ({c.tokens:,} tokens), "
+                   f"{c.known:,} already in the ledger, {c.repeated:,} repeated, "
+                   f"{len(c.problems):,} would be quarantined")
+        for p in c.problems:
+            where = f"line {p.line}" if p.line is not None else "the whole file"
+            out.append(f"  {where}: {p.reason.value}: {p.detail}")
+    bad = Counter(p.reason.value for c in checks for p in c.problems)
+    total = f"{len(checks)} file(s): {sum(c.would_train for c in checks):,} records would train, "
+    total += f"{sum(bad.values()):,} would be quarantined" + (
+        f" ({', '.join(f'{k} {v}' for k, v in sorted(bad.items()))})" if bad else "")
+    return "\n".join([*out, total])
+
+
+def cmd_validate(args: argparse.Namespace, s: Settings) -> int:
+    rc, checks = run_checks(s, args.files, args.source)
+    if rc != ExitCode.OK:
+        print(f"nightshift validate: the check failed (exit status {rc})", file=sys.stderr)
+        return rc if rc == ExitCode.USAGE else ExitCode.FAILED
+    if args.json:
+        print(json.dumps([c.model_dump(mode="json") for c in checks], indent=2))
+    else:
+        print(render(checks))
+    return ExitCode.FAILED if any(c.problems for c in checks) else ExitCode.OK

@@ -1,0 +1,52 @@
+"""One record read as the inbox reads it: shared by pull, `nightshift plan`'s preview and `nightshift
+validate`, so that what validate accepts is what the inbox accepts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jobs.data.batching import TokenizedSample
+from jobs.data.formats import Normalised, RecordError, normalise
+from jobs.data.inbox import printable
+from jobs.data.readers import RawRecord
+from jobs.data.render import OverlongPolicy, SpecialTokens, tokenize_record
+from jobs.data.sources import SourceConfig, read_records
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A record's normal form and tokens, or why it is refused."""
+
+    raw: RawRecord
+    norm: Normalised | None = None
+    tokens: TokenizedSample | None = None
+    error: RecordError | None = None
+
+
+def check_record(raw: RawRecord, src: SourceConfig, tokenizer: Any, *, max_seq_length: int,
+                 overlong: OverlongPolicy, special_tokens: SpecialTokens = "escape") -> Checked:
+    """Normalised with the source's format and field map, rendered through the chat template; inside
+    its own guard: an error nobody foresaw refuses this record (`internal_error`), never the file."""
+    if raw.error is not None:
+        return Checked(raw, error=raw.error)
+    try:
+        norm = normalise(raw.record, src.format, src.field_map)
+        tokens = tokenize_record(tokenizer, 0, norm.record, max_seq_length=max_seq_length, overlong=overlong,
+                                 special_tokens=special_tokens)
+    except RecordError as e:
+        return Checked(raw, error=e)
+    except Exception as e:
+        return Checked(raw, error=RecordError("internal_error", f"{type(e).__name__}: {printable(str(e), 200)}"))
+    return Checked(raw, norm, tokens)
+
+
+def checked_records(path: Path, src: SourceConfig, tokenizer: Any, *, max_seq_length: int,
+                    overlong: OverlongPolicy, special_tokens: SpecialTokens = "escape",
+                    excerpt_bytes: int = 16384) -> Iterator[Checked]:
+    """Every record of a file the user names (`nightshift validate`), with the source's limits."""
+    for raw in read_records(path, limits=src.limits(excerpt_bytes)):
+        yield check_record(raw, src, tokenizer, max_seq_length=max_seq_length, overlong=overlong,
+                           special_tokens=special_tokens)

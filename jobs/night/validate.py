@@ -1,0 +1,111 @@
+"""`nightshift validate FILE...`: read files exactly as the inbox would, and change nothing.
+
+A child process like the night, since the check needs the model's tokenizer (the chat template
+and the lengths): `python -m jobs.night.validate [--source NAME] FILE... < night-config.json`
+prints one FileCheck (jobs/contract.py) per file as a JSON line on stdout. The records go through
+the pull's own reading (jobs.data.check.checked_records: reader, format, field map, template,
+length), so what validate accepts is what the inbox accepts. The ledger is opened read-only, only
+to say which records it already holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from jobs.contract import ExitCode, FileCheck, QuarantineReason, RecordProblem
+from jobs.data.check import checked_records
+from jobs.data.sources import SourceConfig
+from jobs.night.config import NightConfig
+from jobs.store.files import sha256_file
+from jobs.store.ledger import Ledger
+
+
+def source_for(path: Path, sources: Sequence[SourceConfig], name: str | None = None) -> SourceConfig:
+    """The source whose format and field map apply: the one named, else the one whose inbox holds the
+    file, else the first one configured, else the defaults (format auto, no field map)."""
+    if name is not None:
+        return next(s for s in sources if s.name == name)
+    where = path.resolve().parent
+    for s in sources:
+        if Path(s.inbox).resolve() == where:
+            return s
+    return sources[0] if sources else SourceConfig(name="default", inbox=path.parent)
+
+
+def check_files(paths: Sequence[Path], cfg: NightConfig, tokenizer: Any, ledger: Ledger, *,
+                source: str | None = None) -> Iterator[FileCheck]:
+    seen: set[str] = set()  # content hashes of the valid records so far, over all the files
+    for path in paths:
+        src = source_for(path, cfg.sources, source)
+        counts = {"records": 0, "would_train": 0, "known": 0, "repeated": 0, "tokens": 0}
+        problems: list[RecordProblem] = []
+        already = False
+        note = None
+        if not any(fnmatch.fnmatch(path.name, pat) for pat in src.patterns):
+            note = f"the inbox of source '{src.name}' would not pick this name up (patterns {src.patterns})"
+        try:
+            if not path.is_file():
+                raise OSError(f"{path}: not a file" if path.exists() else f"{path}: no such file")
+            already = ledger.file_known_by_hash(src.name, sha256_file(path))
+            for c in checked_records(path, src, tokenizer, max_seq_length=cfg.train.max_seq_length,
+                                     overlong=cfg.train.overlong, special_tokens=cfg.train.special_tokens,
+                                     excerpt_bytes=cfg.quarantine.excerpt_bytes):
+                counts["records"] += 1
+                if c.error is not None:
+                    problems.append(RecordProblem(line=c.raw.line, reason=c.error.reason, detail=c.error.detail))
+                elif c.norm is not None and c.tokens is not None:
+                    if c.norm.hash in seen:
+                        counts["repeated"] += 1
+                    elif ledger.has_sample(c.norm.hash):
+                        counts["known"] += 1
+                    else:
+                        counts["would_train"] += 1
+                        counts["tokens"] += c.tokens.n_tokens
+                    seen.add(c.norm.hash)
+        except Exception as e:  # validate reports, it never stops on a file
+            problems.append(RecordProblem(line=None, reason=QuarantineReason.bad_file,
+                                          detail=f"cannot read: {type(e).__name__}: {e}"))
+        yield FileCheck(file=str(path), source=src.name, already_ingested=already, problems=problems, note=note,
+                        **counts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jobs.night.validate")
+    ap.add_argument("files", nargs="+", type=Path)
+    ap.add_argument("--source", help="apply this [[sources]] entry's format and field map")
+    args = ap.parse_args(argv)
+    cfg = NightConfig.model_validate_json(sys.stdin.read())
+    if args.source is not None and args.source not in {s.name for s in cfg.sources}:
+        print(f"--source: no [[sources]] is named {args.source!r} (configured: "
+              f"{', '.join(s.name for s in cfg.sources) or 'none'})", file=sys.stderr)
+        return ExitCode.USAGE
+
+    from jobs import logs
+
+    logs.configure("WARNING")
+    logs.route_transformers_logging()
+    from jobs.night.model import model_to_read
+    from jobs.store.readonly import open_read_only
+    from jobs.training.load import load_tokenizer
+
+    out = sys.stdout
+    sys.stdout = sys.stderr  # stray prints from libraries must not corrupt the JSON lines
+    ledger = open_read_only(Path(cfg.state_dir) / "ledger.sqlite")
+    try:
+        with model_to_read(cfg) as model_path:
+            tokenizer = load_tokenizer(model_path)
+            for check in check_files(args.files, cfg, tokenizer, ledger, source=args.source):
+                out.write(check.model_dump_json() + "\n")
+                out.flush()
+    finally:
+        ledger.close()
+    return ExitCode.OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

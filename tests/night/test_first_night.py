@@ -1,0 +1,59 @@
+"""The embedded default before its very first night: the demo model is built from whatever the user
+dropped in the inbox, so bad input there must neither crash the build nor the night; it is
+quarantined like on any other night. `plan` before that night builds nothing in the state."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+from jobs.night.run import run_night
+from jobs.training.tinymodel import texts_for_tokenizer
+from tests.conftest import alpaca, run, write_jsonl
+
+DEEP = b"[" * 100_000  # deeper than any JSON parser recurses
+
+
+def drop_hidden_bad_input(inbox: Path) -> None:
+    write_jsonl(inbox / "good.jsonl", [alpaca(i) for i in range(20)])
+    (inbox / "broken.jsonl").write_bytes(b'{"instruction": "a?", "output": "b."}\n{"instruction": "c", "outp\n'
+                                         b"\xff\xfe not utf-8\n" + DEEP + b"\n")
+    (inbox / "object.json").write_text('{"instruction": "not an array", "output": "x"}')
+    (inbox / "truncated.json").write_text('[{"instruction": "a", "output": "b"}, {"instr')
+    (inbox / "latin1.json").write_bytes('[{"instruction": "café", "output": "x"}]'.encode("latin-1"))
+    (inbox / "empty.jsonl").write_text("")
+    (inbox / "a-directory.jsonl").mkdir()
+
+
+def test_the_tokenizer_corpus_skips_what_it_cannot_read(tmp_path):
+    drop_hidden_bad_input(tmp_path)
+    texts = texts_for_tokenizer(sorted(tmp_path.iterdir()))
+    assert "a?" in texts and "b." in texts and "not an array" in texts and "Add 3 and 4." in texts
+    assert not any("café" in t for t in texts)
+
+
+def test_first_night_of_the_demo_quarantines_hidden_bad_input(night_env, tmp_path):
+    inbox, make = night_env
+    drop_hidden_bad_input(inbox)
+    state = tmp_path / "state"
+    cfg = make(model={"path": state / "models" / "tiny-llama", "name": "tiny", "build": "tiny-llama"})
+
+    # a plan before the first night: the model is built in a temporary directory, the state is not made
+    plan = run_night(cfg, night="plan", deadline=time.time() + 3600, emit=lambda _: None, stop=threading.Event(),
+                     plan_only=True)
+    assert plan.plan is not None and len(plan.plan.train_ids) + len(plan.plan.heldout_ids) == 21
+    assert plan.quarantined == {"invalid_json": 3, "invalid_utf8": 2, "bad_file": 1}
+    assert not state.exists()
+
+    s = run(cfg)
+    assert s["outcome"] == "succeeded", s["error"]
+    assert (state / "models" / "tiny-llama" / "tokenizer.json").exists()
+    assert s["trained_samples"] + s["heldout_samples"] == 21
+    [qfile] = (state / "quarantine").glob("*.jsonl")
+    got = {(Path(x["file"]).name, x["line"]): x["reason"] for x in map(json.loads, qfile.read_text().splitlines())}
+    assert got == {("broken.jsonl", 2): "invalid_json", ("broken.jsonl", 3): "invalid_utf8",
+                   ("broken.jsonl", 4): "invalid_json", ("object.json", None): "bad_file",
+                   ("truncated.json", None): "invalid_json", ("latin1.json", None): "invalid_utf8"}
+    assert s["quarantined"] == plan.quarantined  # the plan said what the night would quarantine

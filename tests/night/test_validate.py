@@ -1,0 +1,73 @@
+"""`nightshift validate FILE...`: the inbox's own reading, every would-be quarantined record with its
+line and reason, a non-zero exit when there is one, nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from jobs.data.pull import Quarantine, pull
+from jobs.night.validate import check_files
+from jobs.store.ledger import Ledger
+from jobs.store.readonly import open_read_only
+from tests.conftest import REPO, alpaca, toml_config, write_jsonl
+
+
+def test_check_files_reads_as_the_inbox_would(night_env, tokenizer, tmp_path):
+    inbox, make = night_env
+    cfg = make(sources=[{"name": "inbox", "inbox": inbox, "settle_seconds": 0},
+                        {"name": "qa", "inbox": tmp_path / "qa", "field_map": {"question": "instruction",
+                                                                               "answer": "output"}}],
+               train={"max_seq_length": 48})
+    state = Path(cfg.state_dir)
+    write_jsonl(inbox / "old.jsonl", [alpaca(i) for i in range(3)])
+    led = Ledger(state / "ledger.sqlite")
+    pull(cfg.sources[:1], led, tokenizer, run_id="r0", quarantine=Quarantine(state / "q.jsonl"), max_seq_length=48,
+         overlong="reject", cache_dir=state / "cache")
+    led.close()
+    new = write_jsonl(tmp_path / "new.jsonl", [
+        alpaca(1), alpaca(10), alpaca(10), "{not json", {"instruction": "no output"},
+        {"instruction": "long " * 200, "output": "x"}, {"question": "q?", "answer": "a."}])
+    qa = write_jsonl(tmp_path / "qa" / "mapped.jsonl", [{"question": "q?", "answer": "a."}])
+    odd = write_jsonl(tmp_path / "data.txt", [alpaca(20)])
+    ledger = open_read_only(state / "ledger.sqlite")
+    checks = list(check_files([new, qa, odd, tmp_path / "missing.jsonl", inbox / "old.jsonl"], cfg, tokenizer,
+                              ledger))
+    ledger.close()
+    c = checks[0]
+    assert (c.source, c.records, c.would_train, c.known, c.repeated) == ("inbox", 7, 1, 1, 1)
+    assert [(p.line, p.reason.value) for p in c.problems] == [
+        (4, "invalid_json"), (5, "missing_field"), (6, "too_long"), (7, "missing_field")]
+    assert "max_seq_length 48" in c.problems[2].detail and c.tokens > 0
+    assert checks[1].source == "qa" and checks[1].would_train == 1 and not checks[1].problems  # its field map
+    assert checks[2].problems[0].reason.value == "bad_file" and "unsupported file type" in checks[2].problems[0].detail
+    assert checks[2].note and "patterns" in checks[2].note
+    assert checks[3].problems[0].line is None and "no such file" in checks[3].problems[0].detail
+    assert checks[4].already_ingested and (checks[4].known, checks[4].repeated, checks[4].would_train) == (2, 1, 0)
+
+
+def test_validate_command_exit_status_and_nothing_written(tmp_path, tiny_model):
+    cfg, inbox = toml_config(tmp_path, tiny_model)
+    good = write_jsonl(tmp_path / "good.jsonl", [alpaca(i) for i in range(5)])
+    bad = write_jsonl(tmp_path / "bad.jsonl", [alpaca(1), "{broken", {"text": ""}])
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def validate(*args):
+        return subprocess.run([sys.executable, "-m", "daemon", "--config", str(cfg), "validate", *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=180, env=env)
+
+    r = validate(str(good), str(bad))
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert f"{bad}  (source 'inbox')" in r.stdout
+    assert "  line 2: invalid_json: invalid JSON:" in r.stdout and "  line 3: empty_field: field 'text' is empty" \
+        in r.stdout
+    assert r.stdout.splitlines()[-1] == "2 file(s): 5 records would train, 2 would be quarantined " \
+                                        "(empty_field 1, invalid_json 1)"
+    assert not (tmp_path / "state").exists() and list(inbox.iterdir()) == []
+    r = validate("--json", str(good))
+    assert r.returncode == 0 and json.loads(r.stdout)[0]["would_train"] == 5
+    r = validate("--source", "nope", str(good))
+    assert r.returncode == 2 and "no [[sources]] is named 'nope'" in r.stderr
