@@ -153,13 +153,13 @@ def test_a_version_published_by_someone_else_meanwhile_is_never_replaced(night_e
     cfg = make()
     real_judge = night_run.judge
 
-    def someone_else_publishes(ctx):
+    def someone_else_publishes(ctx, *args):
         reg = Registry(cfg.state_dir)
         tmp = reg.new_tmp_dir("theirs")
         (tmp / "adapter_model.safetensors").write_bytes(b"their weights")
         reg.publish(tmp, "tiny", 1, {"version": 1})
         ctx.ledger.db.execute("UPDATE versions SET status='promoted', run_id='their-run' WHERE version=1")
-        return real_judge(ctx)
+        return real_judge(ctx, *args)
 
     monkeypatch.setattr(night_run, "judge", someone_else_publishes)
     s = run(cfg, night="n1")
