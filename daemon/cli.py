@@ -124,10 +124,11 @@ def _run_once(s: Settings, window: Window, ledger: Ledger, run_id: str, lock_fd:
 def cmd_plan(args: argparse.Namespace, s: Settings) -> int:
     now = dt.datetime.now().astimezone()
     deadline = parse_until(args.until, window_seconds(s), now)
-    with (before_a_night(s, args.config, "nightshift plan") as lock,
-          NightProgress(choose_mode(json_output=args.json, log_format=s.log.format)) as progress):
-        out = run_child(s, night="plan", deadline=deadline, plan_only=True, on_event=progress.on_event,
-                        lock_fd=lock.fd)
+    problems = check_paths(s)  # no night lock: a plan only reads, so it also works while a night runs
+    if problems:
+        raise ConfigError(args.config, problems)
+    with NightProgress(choose_mode(json_output=args.json, log_format=s.log.format)) as progress:
+        out = run_child(s, night="plan", deadline=deadline, plan_only=True, on_event=progress.on_event)
     if out.summary is None or out.summary.plan is None:
         print(f"nightshift plan: failed ({out.describe_exit()})", file=sys.stderr)
         print("\n".join(out.tail[-15:]), file=sys.stderr)

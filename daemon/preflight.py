@@ -1,6 +1,6 @@
 """What every command that runs a night checks before it starts, and how a user-caused failure ends.
 
-One night at a time per state directory: `once`, `plan` and `calibrate` take the night lock, waiting
+One night at a time per state directory: `once` and `calibrate` take the night lock (`plan` only reads), waiting
 up to `[daemon] lock_wait_seconds` (default: not at all) before exiting with status 5 (busy) and a
 message naming the holder; the service waits for it instead, and retries until the night's latest
 start. A second `nightshift run` on the same state directory exits at once with status 5. Registry
@@ -44,7 +44,7 @@ def disk_problem(state_dir: Path, min_free_gb: float) -> str | None:
 
 @contextmanager
 def before_a_night(s: Settings, config: Path | None, what: str) -> Iterator[StateLock]:
-    """The checks of `once` / `plan` / `calibrate`, in order: paths, free disk, the night lock (returned,
+    """The checks of `once` / `calibrate`, in order: paths, free disk, the night lock (returned,
     held), the ledger. Raises ConfigError, DamagedState or LockTimeout, each one clear line."""
     problems = check_paths(s)
     if problems:

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = NightConfig.model_validate_json(raw)
     logs.route_transformers_logging()
     with contextlib.ExitStack() as held:
-        if not inherited_night_lock(cfg.state_dir):  # started by hand, not by `nightshift`: take it here
+        if not args.plan_only and not inherited_night_lock(cfg.state_dir):  # started by hand: take it here
             try:
                 held.enter_context(night_lock(cfg.state_dir, what=f"night {args.night} (child {os.getpid()})"))
             except LockTimeout as e:

@@ -6,20 +6,37 @@ import sqlite3
 import time
 from pathlib import Path
 
-from jobs.store.ledger import SCHEMA, Ledger
+from jobs.store.files import DamagedState
+from jobs.store.ledger import Ledger
+from jobs.store.schema import LATEST, migrate, schema_version
 
 
 def open_read_only(path: Path, *, clock=time.time) -> Ledger:
     """A Ledger whose every write raises sqlite3.OperationalError. A ledger that does not exist yet
-    reads as an empty one and nothing is created (next to an existing one, SQLite may leave its
-    -wal/-shm companions: they are not data)."""
+    reads as an empty one and nothing is created; one of an older schema is read through a migrated
+    copy in memory (the file is migrated by the next night, never here). Next to an existing ledger,
+    SQLite may leave its -wal/-shm companions: they are not data."""
     ledger = Ledger.__new__(Ledger)
     ledger.path, ledger.clock = Path(path), clock
     if ledger.path.is_file():
         uri = f"{ledger.path.resolve().as_uri()}?mode=ro"
-        ledger.db = sqlite3.connect(uri, uri=True, timeout=30, isolation_level=None, check_same_thread=False)
+        db = sqlite3.connect(uri, uri=True, timeout=30, isolation_level=None, check_same_thread=False)
+        try:
+            if schema_version(db) < LATEST:
+                copy = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+                db.backup(copy)
+                db.close()
+                db = copy
+                migrate(db, ledger.path)
+                db.execute("PRAGMA query_only=ON")
+        except sqlite3.DatabaseError as e:
+            db.close()
+            raise DamagedState(f"{ledger.path} is not a readable nightshift ledger ({e}): restore it from a "
+                               "backup; `nightshift doctor` lists what it finds") from None
     else:
-        ledger.db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
-        ledger.db.executescript(SCHEMA)
-    ledger.db.row_factory = sqlite3.Row
+        db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        migrate(db, ledger.path)
+        db.execute("PRAGMA query_only=ON")
+    db.row_factory = sqlite3.Row
+    ledger.db = db
     return ledger

@@ -123,18 +123,18 @@ def test_a_file_name_that_is_not_utf8_is_read_and_shown_escaped(env):
 
 
 def test_an_unexpected_error_on_one_record_quarantines_that_record_only(env, monkeypatch):
-    import jobs.data.pull as pull_mod
+    import jobs.data.check as check_mod
 
     inbox, _, do_pull, quarantined = env
     write_jsonl(inbox / "a.jsonl", [alpaca(1), alpaca(2), alpaca(3)])
-    real = pull_mod.normalise
+    real = check_mod.normalise
 
     def flaky(record, *a, **k):
         if "2 and 3" in record.get("instruction", ""):
             raise KeyError("a bug nobody foresaw")
         return real(record, *a, **k)
 
-    monkeypatch.setattr(pull_mod, "normalise", flaky)
+    monkeypatch.setattr(check_mod, "normalise", flaky)
     res = do_pull()
     assert res.ingested["s"] == 2 and res.quarantined == {"internal_error": 1}
     assert quarantined()[0]["line"] == 2 and "KeyError" in quarantined()[0]["detail"]
