@@ -23,7 +23,6 @@ from jobs.night.intake import PlannedRun
 from jobs.training.checkpoints import latest_checkpoint
 from jobs.training.load import Loaded, load_for_training
 from jobs.training.loop import TrainResult, train
-from jobs.training.shape import resolve_step
 
 log = structlog.get_logger("nightshift.night")
 Measured = dict[str, EvalMetrics | None]  # "<heldout|regression>_<before|after>" -> metrics
@@ -47,10 +46,8 @@ def load_model_and_data(ctx: RunContext, planned: PlannedRun) -> Prepared:
     cfg, ledger = ctx.cfg, ctx.ledger
     parent_path = ctx.registry.path_of(cfg.model.name, planned.parent) if planned.parent else None
     resume = latest_checkpoint(ctx.checkpoints)
+    shape = planned.shape  # chosen at plan time from the memory free then (jobs/night/intake.py)
     with ctx.phase(Phase.load):
-        shape = resolve_step(cfg.train, ledger.calibration(planned.key))
-        log.info("step_shape", tokens_per_step=shape.tokens_per_step,
-                 gradient_checkpointing=shape.gradient_checkpointing, basis=shape.basis)
         loaded = load_for_training(ctx.model_path, cfg.train, adapter=resume or parent_path, shape=shape,
                                    cache_dir=ctx.state / "models")
         tok, tk = loaded.tokenizer, {"max_seq_length": cfg.train.max_seq_length, "overlong": cfg.train.overlong}
@@ -100,8 +97,11 @@ def train_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun) -> Tra
 
     with ctx.phase(Phase.train):
         result = train(prep.loaded, prep.train_set, ctx.cfg.train, ckpt_root=ctx.checkpoints, deadline=ctx.deadline,
-                       stop=ctx.stop, shape=prep.shape, clock=ctx.clock, emit=relay, resume=prep.resume)
+                       stop=ctx.stop, shape=prep.shape, clock=ctx.clock, emit=relay, resume=prep.resume,
+                       probe_first=not planned.plan.measured)
     s = ctx.summary
+    if result.first_step_at is not None and ctx.process_started is not None:
+        s.first_step_seconds = result.first_step_at - ctx.process_started
     s.trained_samples = sum(1 for i in result.trained_ids if i not in prep.replay_ids)
     s.replay_samples = len(result.trained_ids) - s.trained_samples
     s.trained_tokens, s.steps, s.actual_train_seconds, s.stopped = (result.tokens, result.steps, result.seconds,

@@ -14,9 +14,12 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 from jobs.contract import ChildEvent, ResultEvent, outcome_exit_code
+
+PROCESS_STARTED = time.time()  # the night's "wake": before torch and the model are imported (in main)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = NightConfig.model_validate_json(raw)
     logs.route_transformers_logging()
     summary = run_night(cfg, night=args.night, deadline=args.deadline, emit=emit, stop=stop,
-                        plan_only=args.plan_only)
+                        plan_only=args.plan_only, process_started=PROCESS_STARTED)
     emit(ResultEvent(summary=summary))
     return outcome_exit_code(summary.outcome)
 

@@ -41,6 +41,7 @@ class RunContext:
     resumed: bool = False  # the run was opened before: its stored plan and checkpoints are used
     plan_only: bool = False  # `nightshift plan`: nothing is recorded
     gpu: GpuSampler | None = None
+    process_started: float | None = None  # when the child process started (wake -> first step)
 
     @property
     def state(self) -> Path:
@@ -62,6 +63,14 @@ class RunContext:
                 self.ledger.record_phase(self.run_id, name.value, started, secs)
             self.summary.phase_seconds[name.value] = self.summary.phase_seconds.get(name.value, 0.0) + secs
             self.emit(PhaseEvent(phase=name, state="end", seconds=secs))
+
+    def free_vram_gb(self) -> float | None:
+        """The card's free memory now (NVML; None without a card or with [gpu] enabled = false)."""
+        if not self.cfg.gpu.enabled:
+            return None
+        from jobs import gpu
+
+        return gpu.free_vram_gb(gpu.torch_device_uuid() or self.cfg.gpu.device)
 
     def start_gpu(self) -> None:
         if not self.cfg.gpu.enabled:
@@ -85,7 +94,8 @@ class RunContext:
 
 
 def open_context(cfg: NightConfig, *, model_path: Path, fingerprint: str, night: str, deadline: float, emit: Emit,
-                 stop: threading.Event, clock: Callable[[], float], plan_only: bool) -> RunContext:
+                 stop: threading.Event, clock: Callable[[], float], plan_only: bool,
+                 process_started: float | None = None) -> RunContext:
     """Open tonight's run in the ledger (or reopen the one a crash or stop left open)."""
     state = Path(cfg.state_dir)
     ledger = Ledger(state / "ledger.sqlite", clock=clock)
@@ -103,4 +113,4 @@ def open_context(cfg: NightConfig, *, model_path: Path, fingerprint: str, night:
     return RunContext(cfg=cfg, ledger=ledger, registry=Registry(state), emit=emit, clock=clock, stop=stop,
                       night=night, deadline=deadline, run_id=run_id, model_path=model_path,
                       fingerprint=fingerprint, summary=summary,
-                      resumed=open_run is not None, plan_only=plan_only)
+                      resumed=open_run is not None, plan_only=plan_only, process_started=process_started)

@@ -114,7 +114,8 @@ def _manifest(ctx: RunContext, prep: Prepared, planned: PlannedRun, result: Trai
         "gate": s.gate.model_dump() if s.gate else None, "promoted": promoted,
         "phase_seconds": s.phase_seconds,
         "plan": {"predicted_train_seconds": p.predicted_train_seconds, "tokens_per_second": p.tokens_per_second,
-                 "basis": p.basis, "train_tokens": p.train_tokens, "deferred_samples": p.deferred_samples},
+                 "basis": p.basis, "train_tokens": p.train_tokens, "deferred_samples": p.deferred_samples,
+                 "planned_tokens": s.planned_tokens},
         "replay_share": cfg.plan.replay_share,
         "config": cfg.model_dump(mode="json"),
     }
@@ -144,7 +145,9 @@ def close_run(ctx: RunContext, planned: PlannedRun, result: TrainResult, publish
     ctx.ledger.record_throughput(key=planned.key, run_id=ctx.run_id, origin="run", tokens=result.tokens,
                                  seconds=result.seconds, overhead_seconds=overhead,
                                  detail={"steps": result.steps, "backend": planned.plan.backend,
-                                         "device": planned.plan.device})
+                                         "device": planned.plan.device,
+                                         "tokens_per_step": result.detail.get("tokens_per_step"),
+                                         "gradient_checkpointing": result.detail.get("gradient_checkpointing")})
     ctx.finish("succeeded" if published.promoted else "rejected")
     remove_checkpoints(ctx)
 

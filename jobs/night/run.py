@@ -27,10 +27,13 @@ log = structlog.get_logger("nightshift.night")
 
 
 def run_night(cfg: NightConfig, *, night: str, deadline: float, emit: Emit, stop: threading.Event,
-              clock: Callable[[], float] = time.time, plan_only: bool = False) -> RunSummary:
+              clock: Callable[[], float] = time.time, plan_only: bool = False,
+              process_started: float | None = None) -> RunSummary:
+    """`process_started`: when the child process started (the summary's wake -> first step)."""
     model_path = ensure_model(cfg)
     ctx = open_context(cfg, model_path=model_path, fingerprint=model_fingerprint(model_path), night=night,
-                       deadline=deadline, emit=emit, stop=stop, clock=clock, plan_only=plan_only)
+                       deadline=deadline, emit=emit, stop=stop, clock=clock, plan_only=plan_only,
+                       process_started=process_started)
     if not plan_only:
         ctx.start_gpu()
     try:

@@ -39,26 +39,63 @@ class TrainResult:
     stopped: Literal["deadline", "signal"] | None  # None: finished
     resumed_from_step: int = 0
     detail: dict[str, Any] = field(default_factory=dict)
+    first_step_at: float | None = None  # clock() when this attempt's first step ended
+
+
+# A night without a measurement for its key does not bet the window on its first step (a 16,384-token
+# step of a slow model once took 337 s in a 3-minute window): two probe steps of about PROBE_TOKENS
+# each (the first warms up, the second is timed) size the rest, so a step takes at most
+# 1/STEPS_IN_TIME_LEFT of the time left, never more than the configured shape.
+PROBE_TOKENS = 256
+STEPS_IN_TIME_LEFT = 20
 
 
 def plan_batches(samples: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: int,
-                 tokens_per_step: int) -> list[Batch]:
-    """The whole run's batch sequence, deterministic from (samples, seed, step shape): a resume replays it."""
+                 tokens_per_step: int, probe_samples: Sequence[int] = ()) -> list[Batch]:
+    """The whole run's batch sequence, deterministic from (samples, seed, step shape, probe sizes): a
+    resume replays it. `probe_samples`: the first epoch opens with one batch of each of these many samples."""
     import random
-
-    from jobs.training.packing import packed_batches
 
     out: list[Batch] = []
     for epoch in range(cfg.epochs):
         order = list(samples)
         if epoch:  # first epoch in plan order (oldest first); later epochs shuffled
             random.Random(cfg.seed + epoch).shuffle(order)
-        if cfg.batching == "packed":
-            out.extend(packed_batches(order, tokens_per_step=tokens_per_step))
         else:
-            out.extend(padded_batches(order, batch_size=cfg.batch_size,
-                                      max_tokens_per_batch=cfg.max_tokens_per_batch, pad_id=pad_id))
+            start = 0
+            for k in probe_samples:
+                if order[start : start + k]:
+                    out.extend(_batches(order[start : start + k], cfg, pad_id, 1 << 30))
+                start += k
+            order = order[start:]
+        out.extend(_batches(order, cfg, pad_id, tokens_per_step))
     return out
+
+
+def _batches(order: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: int, tokens: int) -> list[Batch]:
+    from jobs.training.packing import packed_batches
+
+    if cfg.batching == "packed":
+        return list(packed_batches(order, tokens_per_step=tokens))
+    big = tokens >= 1 << 30  # a probe batch: all its samples in one step
+    return list(padded_batches(order, batch_size=len(order) if big else cfg.batch_size,
+                               max_tokens_per_batch=tokens if big else min(tokens, cfg.max_tokens_per_batch),
+                               pad_id=pad_id))
+
+
+def probe_sizes(samples: Sequence[TokenizedSample], tokens: int = PROBE_TOKENS) -> list[int]:
+    """How many samples each of the two probe steps takes (about `tokens` each, at least one)."""
+    sizes: list[int] = []
+    i = 0
+    for _ in range(2):
+        n = used = 0
+        while i + n < len(samples) and (n == 0 or used + samples[i + n].n_tokens <= tokens):
+            used += samples[i + n].n_tokens
+            n += 1
+        if n:
+            sizes.append(n)
+        i += n
+    return sizes
 
 
 # ---- the loop -----------------------------------------------------------------------------------
@@ -66,10 +103,11 @@ def plan_batches(samples: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: i
 def train(
     loaded: Loaded, samples: Sequence[TokenizedSample], cfg: TrainConfig, *, ckpt_root: Path, deadline: float,
     stop: threading.Event, shape: StepShape, clock: Callable[[], float] = time.time,
-    emit: Emit = lambda _: None, resume: Path | None = None, save_seconds: float = 5.0,
+    emit: Emit = lambda _: None, resume: Path | None = None, save_seconds: float = 5.0, probe_first: bool = False,
 ) -> TrainResult:
     """Train `samples` (in order, `cfg.epochs` times) until done, the deadline or `stop`; emits
-    ProgressEvent (version unset: the night knows it) and OomSplitEvent."""
+    ProgressEvent (version unset: the night knows it) and OomSplitEvent. `probe_first`: no
+    measurement of this key yet: size the steps from two short probe steps first."""
     import torch
 
     from jobs.training.step import train_step
@@ -80,22 +118,31 @@ def train(
                                   fused=device == "cuda")
     warm = max(1, cfg.warmup_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
-    state = {"next_batch": 0, "steps": 0, "tokens": 0, "seconds": 0.0, "loss_sum": 0.0, "loss_n": 0,
-             "halved": False, "tokens_per_step": shape.tokens_per_step}
+    state: dict[str, Any] = {"next_batch": 0, "steps": 0, "tokens": 0, "seconds": 0.0, "loss_sum": 0.0, "loss_n": 0,
+                             "halved": False, "tokens_per_step": shape.tokens_per_step, "probe_samples": []}
 
     def step_event(ev: OomSplitEvent) -> None:  # from now on every step runs as two halves (also after a resume)
         state["halved"] = True
         log.warning("cuda_out_of_memory_step_halved", tokens=ev.tokens, halves=ev.halves)
         emit(ev)
 
+    probing = probe_first and resume is None
     if resume is not None:
         state = json.loads((resume / "state.json").read_text())
         opt = torch.load(resume / "optimizer.pt", map_location=device, weights_only=False)
         optimizer.load_state_dict(opt["optimizer"])
         scheduler.load_state_dict(opt["scheduler"])
-        # the batch sequence the checkpoint counted in, even if calibrate changed the step shape since
-        shape = shape.model_copy(update={"tokens_per_step": int(state.get("tokens_per_step", shape.tokens_per_step))})
-    batches = plan_batches(samples, cfg, loaded.tokenizer.pad_token_id, shape.tokens_per_step)
+        # the batch sequence the checkpoint counted in, even if the step shape changed since; with less
+        # memory free than when it was chosen, its steps run as two halves from the start
+        ckpt_tokens = int(state.get("tokens_per_step", shape.tokens_per_step))
+        if shape.tokens_per_step < ckpt_tokens and cfg.batching == "packed":
+            state["halved"] = True
+        shape = shape.model_copy(update={"tokens_per_step": ckpt_tokens})
+    elif probing:
+        state["probe_samples"] = probe_sizes(samples)
+    n_probes = len(state.get("probe_samples") or [])
+    batches = plan_batches(samples, cfg, loaded.tokenizer.pad_token_id, int(state["tokens_per_step"]),
+                           state.get("probe_samples") or [])
     if resume is not None:
         log.info("resumed_from_checkpoint", checkpoint=str(resume), next_batch=state["next_batch"],
                  of=len(batches))
@@ -104,28 +151,37 @@ def train(
     started = clock()
     seconds_before = float(state["seconds"])
     last_ckpt = clock()
-    step_ema: float | None = None
+    per_token: float | None = None  # seconds per real token (EMA): the next step's predicted time
     stopped: str | None = None
     last_progress = 0.0
+    first_step_at: float | None = None
     total_tokens = sum(b.real_tokens for b in batches)
-    for i in range(resumed_from, len(batches)):
+    i = resumed_from
+    while i < len(batches):
         now = clock()
         if stop.is_set():
             stopped = "signal"
             break
-        if step_ema is not None and now + 1.5 * step_ema + save_seconds > deadline:
+        predicted = 1.5 * per_token * batches[i].real_tokens if per_token is not None else 0.0
+        if now + predicted + save_seconds > deadline:
             stopped = "deadline"
             break
         st = train_step(model, batches[i], optimizer, device=device, scheduler=scheduler, params=params,
                         on_event=step_event, halve=bool(state.get("halved")))
         loss, dt = st.loss, st.seconds
-        step_ema = dt if step_ema is None else 0.8 * step_ema + 0.2 * dt
+        rate = dt / max(1, batches[i].real_tokens)
+        per_token = rate if per_token is None or i < n_probes else 0.8 * per_token + 0.2 * rate
+        first_step_at = first_step_at or clock()
         state["next_batch"] = i + 1
         state["steps"] += 1
         state["tokens"] += batches[i].real_tokens
         state["loss_sum"] += loss
         state["loss_n"] += 1
         state["seconds"] = seconds_before + (clock() - started)
+        if probing and i + 1 == n_probes:  # the timed probe: size the rest of the night's steps from it
+            batches = _resize(batches, samples, cfg, loaded.tokenizer.pad_token_id, state, shape,
+                              left=deadline - clock() - save_seconds, per_token=rate)
+            total_tokens = sum(b.real_tokens for b in batches)
         if clock() - last_ckpt >= cfg.checkpoint_every_seconds and i + 1 < len(batches):
             save_checkpoint(ckpt_root, model, optimizer, scheduler, state)
             last_ckpt = clock()
@@ -136,18 +192,36 @@ def train(
             emit(ProgressEvent(fraction=(i + 1) / len(batches), tokens=state["tokens"], planned_tokens=total_tokens,
                                steps=state["steps"], samples=len(_consumed(batches, i + 1)), tokens_per_second=tps,
                                eta=clock() + remaining / tps if tps > 0 else None, loss=loss))
+        i += 1
     if stopped == "signal":
         save_checkpoint(ckpt_root, model, optimizer, scheduler, state)
         log.info("checkpoint_saved_on_stop", next_batch=state["next_batch"], of=len(batches))
     consumed = _consumed(batches, int(state["next_batch"]))
+    tokens_per_step = int(state["tokens_per_step"])
     return TrainResult(
         trained_ids=consumed, tokens=int(state["tokens"]), seconds=float(state["seconds"]),
         steps=int(state["steps"]), mean_loss=state["loss_sum"] / state["loss_n"] if state["loss_n"] else None,
-        stopped=stopped, resumed_from_step=resumed_from,
+        stopped=stopped, resumed_from_step=resumed_from, first_step_at=first_step_at,
         detail={"batches": len(batches), "batches_done": int(state["next_batch"]), "halved": state["halved"],
-                "tokens_per_step": shape.tokens_per_step, "gradient_checkpointing": shape.gradient_checkpointing,
-                "step_shape_basis": shape.basis, "batching": cfg.batching},
+                "tokens_per_step": tokens_per_step, "gradient_checkpointing": shape.gradient_checkpointing,
+                "step_shape_basis": shape.basis, "batching": cfg.batching,
+                "probe_samples": list(state.get("probe_samples") or []),
+                "step_shape": shape.model_copy(update={"tokens_per_step": tokens_per_step}).model_dump(mode="json")},
     )
+
+
+def _resize(batches: list[Batch], samples: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: int,
+            state: dict[str, Any], shape: StepShape, *, left: float, per_token: float) -> list[Batch]:
+    """After the timed probe: steps of at most 1/STEPS_IN_TIME_LEFT of the time left (and at most the
+    shape's size). Recorded in the state, so a resume rebuilds exactly this batch sequence."""
+    fit = int(max(0.0, left) / STEPS_IN_TIME_LEFT / max(per_token, 1e-9))
+    tokens = max(1, min(shape.tokens_per_step, fit))
+    log.info("step_size_from_probe", seconds_per_1k_tokens=round(per_token * 1000, 4), seconds_left=round(left, 1),
+             tokens_per_step=tokens, configured=shape.tokens_per_step)
+    if tokens == int(state["tokens_per_step"]):
+        return batches
+    state["tokens_per_step"] = tokens
+    return plan_batches(samples, cfg, pad_id, tokens, state["probe_samples"])
 
 
 def _consumed(batches: Sequence[Batch], upto: int) -> list[int]:
