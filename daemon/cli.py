@@ -24,14 +24,16 @@ from jobs.store.outcomes import NightOutcomes
 
 
 def parse_until(until: str | None, default_seconds: float, now: dt.datetime) -> float:
-    """--until HH:MM (local time, the next such moment) or now + default; unix seconds."""
+    """--until HH:MM[:SS] (local time, the next such moment) or now + default; unix seconds."""
     if until is None:
         return now.timestamp() + default_seconds
     try:
-        h, m = (int(x) for x in until.split(":"))
-        t = now.replace(hour=h, minute=m, second=0, microsecond=0)
+        parts = [int(x) for x in until.split(":")]
+        if len(parts) not in (2, 3):
+            raise ValueError
+        t = now.replace(hour=parts[0], minute=parts[1], second=parts[2] if len(parts) == 3 else 0, microsecond=0)
     except ValueError:
-        raise SystemExit(f"--until: expected HH:MM, got {until!r}") from None
+        raise SystemExit(f"--until: expected HH:MM or HH:MM:SS, got {until!r}") from None
     if t <= now:
         t += dt.timedelta(days=1)
     return t.timestamp()
@@ -42,14 +44,16 @@ def window_seconds(s: Settings) -> float:
 
 
 def run_child(s: Settings, *, night: str, deadline: float, plan_only: bool,
-              on_event=lambda _: None) -> Any:
+              on_event=lambda _: None, stop_at: float | None = None) -> Any:
+    """`stop_at`: the window's end (unix seconds): the child is stopped then as the service stops it
+    (SIGTERM, [daemon] stop_grace_seconds to save, SIGKILL), so no night outlives its window."""
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         child = NightChild(s.night_config().model_dump_json(), night=night, deadline=deadline,
                            plan_only=plan_only, on_event=on_event)
         child.start()
-        return wait_interruptibly(child, stop, grace=s.daemon.stop_grace_seconds)
+        return wait_interruptibly(child, stop, grace=s.daemon.stop_grace_seconds, stop_at=stop_at)
     finally:
         for sig, h in previous.items():
             signal.signal(sig, h)
@@ -72,7 +76,7 @@ def cmd_once(args: argparse.Namespace, s: Settings) -> int:
             print("plan:\n" + report.plan_table(ev.plan) + "\n", flush=True)
 
     out = run_child(s, night=night, deadline=window.deadline(s.window.save_margin).timestamp(), plan_only=False,
-                    on_event=show_plan)
+                    on_event=show_plan, stop_at=deadline)
     if out.summary is None or out.summary.outcome == Outcome.failed:
         # one attempt for a manual night: close it (a killed `once` leaves it open, and a rerun resumes)
         error = (out.summary.error if out.summary else None) or f"the night's process died ({out.describe_exit()})"
@@ -143,10 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="TOML file (default: %(default)s)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("once", help="run one night now")
-    p.add_argument("--until", help="HH:MM local time the window closes (default: now + window length)")
+    p.add_argument("--until", help="HH:MM[:SS] local time the window closes: the night stops by then "
+                   "(default: now + window length)")
     p.set_defaults(func=cmd_once)
     p = sub.add_parser("plan", help="pull and print tonight's plan; trains nothing")
-    p.add_argument("--until", help="HH:MM (default: now + window length)")
+    p.add_argument("--until", help="HH:MM[:SS] (default: now + window length)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("run", help="the service: wait for each night's window and run it (systemd)")

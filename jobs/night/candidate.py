@@ -100,6 +100,7 @@ def train_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun) -> Tra
                        stop=ctx.stop, shape=prep.shape, clock=ctx.clock, emit=relay, resume=prep.resume,
                        probe_first=not planned.plan.measured)
     s = ctx.summary
+    s.step_shape = StepShape.model_validate(result.detail["step_shape"])  # as trained (a probe may resize it)
     if result.first_step_at is not None and ctx.process_started is not None:
         s.first_step_seconds = result.first_step_at - ctx.process_started
     s.trained_samples = sum(1 for i in result.trained_ids if i not in prep.replay_ids)

@@ -198,15 +198,19 @@ def train(
         log.info("checkpoint_saved_on_stop", next_batch=state["next_batch"], of=len(batches))
     consumed = _consumed(batches, int(state["next_batch"]))
     tokens_per_step = int(state["tokens_per_step"])
+    basis = shape.basis
+    if state.get("probe_samples") and tokens_per_step != shape.tokens_per_step:
+        basis += f"; steps of {tokens_per_step:,} tokens, sized from two probe steps (nothing measured yet)"
     return TrainResult(
         trained_ids=consumed, tokens=int(state["tokens"]), seconds=float(state["seconds"]),
         steps=int(state["steps"]), mean_loss=state["loss_sum"] / state["loss_n"] if state["loss_n"] else None,
         stopped=stopped, resumed_from_step=resumed_from, first_step_at=first_step_at,
         detail={"batches": len(batches), "batches_done": int(state["next_batch"]), "halved": state["halved"],
                 "tokens_per_step": tokens_per_step, "gradient_checkpointing": shape.gradient_checkpointing,
-                "step_shape_basis": shape.basis, "batching": cfg.batching,
+                "step_shape_basis": basis, "batching": cfg.batching,
                 "probe_samples": list(state.get("probe_samples") or []),
-                "step_shape": shape.model_copy(update={"tokens_per_step": tokens_per_step}).model_dump(mode="json")},
+                "step_shape": shape.model_copy(update={"tokens_per_step": tokens_per_step,
+                                                       "basis": basis}).model_dump(mode="json")},
     )
 
 
