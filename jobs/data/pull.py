@@ -20,8 +20,9 @@ from typing import Any
 import structlog
 
 from jobs.data.formats import RecordError, normalise
-from jobs.data.render import OverlongPolicy, tokenize_record
+from jobs.data.render import OverlongPolicy, tokenize_records
 from jobs.data.sources import SourceConfig, new_files, read_records
+from jobs.data.token_cache import TokenCache
 from jobs.store.files import sha256_file
 from jobs.store.ledger import Ledger
 
@@ -58,8 +59,9 @@ class Quarantine:
 
 def pull(
     sources: list[SourceConfig], ledger: Ledger, tokenizer: Any, *, run_id: str, quarantine: Quarantine,
-    max_seq_length: int, overlong: OverlongPolicy, cache_dir: Path,
+    max_seq_length: int, overlong: OverlongPolicy, cache_dir: Path, token_cache: TokenCache | None = None,
 ) -> PullResult:
+    """`token_cache`: where the ids of accepted samples are kept for the night's load."""
     result = PullResult()
     for src in sources:
         for path in new_files(src, now=ledger.clock()):
@@ -71,44 +73,64 @@ def pull(
                 log.info("file_already_ingested", source=src.name, file=str(path), sha256=digest[:12])
                 continue
             _ingest_file(src, path, st, digest, ledger, tokenizer, run_id, quarantine,
-                         max_seq_length, overlong, cache_dir, result)
+                         max_seq_length, overlong, cache_dir, result, token_cache)
     return result
+
+
+TOKENIZE_BATCH = 512  # records per call of the tokenizer (its batch encode)
 
 
 def _ingest_file(src: SourceConfig, path: Path, st: os.stat_result, digest: str, ledger: Ledger,
                  tokenizer: Any, run_id: str, quarantine: Quarantine, max_seq_length: int,
-                 overlong: OverlongPolicy, cache_dir: Path, result: PullResult) -> None:
+                 overlong: OverlongPolicy, cache_dir: Path, result: PullResult,
+                 token_cache: TokenCache | None = None) -> None:
     counts = Counter[str]()
     with ledger.tx() as conn:
         file_id = ledger.record_file(conn, source=src.name, path=str(path), size=st.st_size,
                                      mtime=st.st_mtime, sha256=digest, run_id=run_id)
+
+        def reject(raw: Any, err: RecordError) -> None:
+            counts["quarantined"] += 1
+            result.quarantined[err.reason] += 1
+            quarantine.add(source=src.name, file=path, line=raw.line, reason=err.reason,
+                           detail=err.detail, record=raw.record, raw=raw.raw)
+            ledger.add_quarantine(conn, run_id=run_id, source=src.name, file=str(path), line=raw.line,
+                                  reason=err.reason, detail=err.detail)
+            log.warning("record_quarantined", source=src.name, file=str(path), line=raw.line,
+                        reason=err.reason, detail=err.detail)
+
+        def flush(batch: list[tuple[Any, Any]]) -> None:
+            toks = tokenize_records(tokenizer, [(0, norm.record) for _, norm in batch],
+                                    max_seq_length=max_seq_length, overlong=overlong)
+            kept = []
+            for (raw, norm), tokens in zip(batch, toks, strict=True):
+                if isinstance(tokens, RecordError):
+                    reject(raw, tokens)
+                elif ledger.add_sample(conn, hash=norm.hash, source=src.name, file_id=file_id, line=raw.line or 0,
+                                       record=norm.record, n_tokens=tokens.n_tokens):
+                    counts["accepted"] += 1
+                    result.ingested[src.name] += 1
+                    kept.append((norm.hash, tokens))
+                else:
+                    counts["duplicates"] += 1
+                    result.duplicates += 1
+            if token_cache is not None and kept:
+                token_cache.put(kept)
+            batch.clear()
+
+        pending: list[tuple[Any, Any]] = []
         for raw in read_records(path, cache_dir):
             counts["records"] += 1
-            err = raw.error
-            if err is None:
-                try:
-                    norm = normalise(raw.record, src.format, src.field_map)
-                    tokens = tokenize_record(tokenizer, 0, norm.record, max_seq_length=max_seq_length,
-                                             overlong=overlong)
-                except RecordError as e:
-                    err = e
-            if err is not None:
-                counts["quarantined"] += 1
-                result.quarantined[err.reason] += 1
-                quarantine.add(source=src.name, file=path, line=raw.line, reason=err.reason,
-                               detail=err.detail, record=raw.record, raw=raw.raw)
-                ledger.add_quarantine(conn, run_id=run_id, source=src.name, file=str(path), line=raw.line,
-                                      reason=err.reason, detail=err.detail)
-                log.warning("record_quarantined", source=src.name, file=str(path), line=raw.line,
-                            reason=err.reason, detail=err.detail)
+            if raw.error is not None:
+                reject(raw, raw.error)
                 continue
-            if ledger.add_sample(conn, hash=norm.hash, source=src.name, file_id=file_id, line=raw.line or 0,
-                                 record=norm.record, n_tokens=tokens.n_tokens):
-                counts["accepted"] += 1
-                result.ingested[src.name] += 1
-            else:
-                counts["duplicates"] += 1
-                result.duplicates += 1
+            try:
+                pending.append((raw, normalise(raw.record, src.format, src.field_map)))
+            except RecordError as e:
+                reject(raw, e)
+            if len(pending) >= TOKENIZE_BATCH:
+                flush(pending)
+        flush(pending)
         ledger.finish_file(conn, file_id, records=counts["records"], accepted=counts["accepted"],
                            duplicates=counts["duplicates"], quarantined=counts["quarantined"])
     result.files += 1

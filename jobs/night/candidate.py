@@ -15,11 +15,11 @@ from typing import Literal
 import structlog
 
 from jobs import evaluate
-from jobs.contract import ChildEvent, EvalMetrics, Phase, ProgressEvent, StepShape
+from jobs.contract import ChildEvent, EvalMetrics, Phase, ProgressEvent, StepShape, version_name
 from jobs.data.batching import TokenizedSample
-from jobs.data.render import tokenize_record
 from jobs.night.context import RunContext
-from jobs.night.intake import PlannedRun
+from jobs.night.eval_cache import EvalCache, eval_key
+from jobs.night.intake import PlannedRun, token_cache
 from jobs.training.checkpoints import latest_checkpoint
 from jobs.training.load import Loaded, load_for_training
 from jobs.training.loop import TrainResult, train
@@ -40,6 +40,7 @@ class Prepared:
     heldout: list[TokenizedSample]
     regression: list[TokenizedSample]
     resume: Path | None  # the checkpoint this attempt continues from
+    in_service: str = "base"  # the adapter "before" measures: the parent version's name, or the bare base
 
 
 def load_model_and_data(ctx: RunContext, planned: PlannedRun) -> Prepared:
@@ -50,37 +51,42 @@ def load_model_and_data(ctx: RunContext, planned: PlannedRun) -> Prepared:
     with ctx.phase(Phase.load):
         loaded = load_for_training(ctx.model_path, cfg.train, adapter=resume or parent_path, shape=shape,
                                    cache_dir=ctx.state / "models")
-        tok, tk = loaded.tokenizer, {"max_seq_length": cfg.train.max_seq_length, "overlong": cfg.train.overlong}
+        tok = loaded.tokenizer
         train_ids = [sid for sid, role in planned.roles if role in ("train", "replay")]
         heldout_ids = [sid for sid, role in planned.roles if role == "heldout"]
+        cache = token_cache(ctx, tok)  # pull left the ids there: no second tokenisation of the night's data
+        try:
+            train_set = cache.samples(ledger.samples_by_id(train_ids))
+            heldout = cache.samples(ledger.samples_by_id(heldout_ids[: cfg.eval.max_eval_samples]))
+        finally:
+            cache.close()
         prepared = Prepared(
             loaded=loaded, shape=shape,
-            train_set=[tokenize_record(tok, r.id, r.record, **tk) for r in ledger.samples_by_id(train_ids)],
+            train_set=train_set,
             replay_ids={sid for sid, role in planned.roles if role == "replay"},
             heldout_ids=heldout_ids,
-            heldout=[tokenize_record(tok, r.id, r.record, **tk)
-                     for r in ledger.samples_by_id(heldout_ids[: cfg.eval.max_eval_samples])],
+            heldout=heldout,
             regression=(evaluate.load_regression_set(cfg.eval.regression_set, tok, limit=cfg.eval.max_eval_samples,
                                                      max_seq_length=cfg.train.max_seq_length,
                                                      cache_dir=ctx.state / "cache" / "datasets")
                         if cfg.eval.regression_set else []),
-            resume=resume)
+            resume=resume,
+            in_service=version_name(cfg.model.name, planned.parent) if planned.parent else "base")
     ctx.summary.load_info, ctx.summary.step_shape = loaded.info, shape
     return prepared
 
 
 def evaluate_candidate(ctx: RunContext, prep: Prepared, when: Literal["before", "after"]) -> Measured:
     """Held-out and regression metrics of the model as it is now: the adapter in service before
-    training, the candidate after. "before" is measured once per run (kept across attempts)."""
+    training, the candidate after. "before" is measured once per run (kept across attempts), and
+    not at all on data that adapter was already measured on (its own "after", the night it was
+    the candidate: jobs/night/eval_cache.py)."""
     kept = ctx.checkpoints / "before.json"
     with ctx.phase(Phase.evaluate):
         if when == "before" and kept.exists():
             measured: Measured = json.loads(kept.read_text())
         else:
-            kw = {"pad_id": prep.loaded.tokenizer.pad_token_id, "device": prep.loaded.device,
-                  "max_tokens_per_batch": ctx.cfg.eval.max_tokens_per_batch}
-            measured = {f"heldout_{when}": evaluate.eval_metrics(prep.loaded.model, prep.heldout, **kw),
-                        f"regression_{when}": evaluate.eval_metrics(prep.loaded.model, prep.regression, **kw)}
+            measured = _measure(ctx, prep, when)
             if when == "before":
                 kept.parent.mkdir(parents=True, exist_ok=True)
                 kept.write_text(json.dumps(measured))
@@ -88,6 +94,29 @@ def evaluate_candidate(ctx: RunContext, prep: Prepared, when: Literal["before", 
     s.metrics.update(measured)
     for k, m in measured.items():
         setattr(s.losses, k, (m or {}).get("loss"))
+    return measured
+
+
+def _measure(ctx: RunContext, prep: Prepared, when: Literal["before", "after"]) -> Measured:
+    loaded, cfg = prep.loaded, ctx.cfg
+    kw = {"pad_id": loaded.tokenizer.pad_token_id, "device": loaded.device,
+          "max_tokens_per_batch": cfg.eval.max_tokens_per_batch}
+    adapter = prep.in_service if when == "before" else (ctx.summary.version_name or "candidate")
+    cache = EvalCache(ctx.state / "cache" / "eval")
+    measured: Measured = {}
+    hits = []
+    for name, samples in (("heldout", prep.heldout), ("regression", prep.regression)):
+        key = eval_key(base=ctx.fingerprint, adapter=adapter, backend=loaded.backend, device=loaded.device,
+                       settings={"max_tokens_per_batch": cfg.eval.max_tokens_per_batch}, samples=samples)
+        found, metrics = cache.get(key) if when == "before" else (False, None)
+        if found:
+            hits.append(name)
+        else:
+            metrics = evaluate.eval_metrics(loaded.model, samples, **kw)
+            cache.put(key, metrics)  # "after": the next night's "before", if this candidate is promoted
+        measured[f"{name}_{when}"] = metrics
+    if hits:
+        log.info("evaluation_reused", adapter=adapter, sets=hits)
     return measured
 
 

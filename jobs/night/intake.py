@@ -10,19 +10,31 @@ import structlog
 from jobs import plan as budget
 from jobs.contract import CalibrationRecord, Phase, Plan, PlanEvent, StepShape, version_name
 from jobs.data.pull import PullResult, Quarantine, pull
+from jobs.data.token_cache import TokenCache
 from jobs.night.context import RunContext
 from jobs.training.shape import history_for_shape, resolve_step
 
 log = structlog.get_logger("nightshift.night")
 
 
+def token_cache(ctx: RunContext, tokenizer: Any) -> TokenCache:
+    """Where pull leaves the new samples' token ids for the night's load."""
+    return TokenCache(ctx.state / "cache" / "tokens", tokenizer, max_seq_length=ctx.cfg.train.max_seq_length,
+                      overlong=ctx.cfg.train.overlong)
+
+
 def pull_new_data(ctx: RunContext, tokenizer: Any) -> PullResult:
     cfg, s = ctx.cfg, ctx.summary
     with ctx.phase(Phase.pull):
-        res = pull(cfg.sources, ctx.ledger, tokenizer, run_id=ctx.run_id,
-                   quarantine=Quarantine(ctx.state / "quarantine" / f"{ctx.run_id}.jsonl"),
-                   max_seq_length=cfg.train.max_seq_length, overlong=cfg.train.overlong,
-                   cache_dir=ctx.state / "cache" / "datasets")
+        cache = token_cache(ctx, tokenizer) if not ctx.plan_only else None
+        try:
+            res = pull(cfg.sources, ctx.ledger, tokenizer, run_id=ctx.run_id,
+                       quarantine=Quarantine(ctx.state / "quarantine" / f"{ctx.run_id}.jsonl"),
+                       max_seq_length=cfg.train.max_seq_length, overlong=cfg.train.overlong,
+                       cache_dir=ctx.state / "cache" / "datasets", token_cache=cache)
+        finally:
+            if cache is not None:
+                cache.close()
     s.files_ingested, s.ingested, s.duplicates = res.files, dict(res.ingested), res.duplicates
     s.quarantined = dict(res.quarantined)
     return res
