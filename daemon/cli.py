@@ -133,6 +133,8 @@ def cmd_calibrate(args: argparse.Namespace, s: Settings) -> int:
     """Our own GPU path, measured in a child process and recorded for the planner."""
     out = args.out or Path(s.state_dir) / "calibrate"
     cmd = [sys.executable, "-m", "jobs.night.calibrate", "--out", str(out), "--seconds", str(args.seconds)]
+    if args.no_checkpointing_line:
+        cmd.append("--no-checkpointing-line")
     return subprocess.run(cmd, input=s.night_config().model_dump_json(), text=True, env=child_env()).returncode
 
 
@@ -165,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="measure our training path on this GPU and record it for the planner")
     p.add_argument("--out", type=Path, help="where the measurement's JSON goes (default: <state_dir>/calibrate)")
     p.add_argument("--seconds", type=float, default=30.0, help="timed seconds per length profile")
+    p.add_argument("--no-checkpointing-line", action="store_true",
+                   help="skip reloading the model to measure the checkpointing line (the night estimates it)")
     p.set_defaults(func=cmd_calibrate)
     p = sub.add_parser("bench", help="GPU benchmark: baseline, Unsloth, Unsloth+TRL and ours, side by side "
                        "(its own options follow: `nightshift bench --help`)", add_help=False)

@@ -1,6 +1,8 @@
 """Fast wake: pull tokenises in batches and leaves the ids for the load; the adapter in service is not
 re-evaluated on data it was already evaluated on."""
 
+import pytest
+
 from jobs import evaluate
 from jobs.data import token_cache
 from jobs.data.render import tokenize_record, tokenize_records
@@ -67,3 +69,21 @@ def test_the_adapter_in_service_is_not_re_evaluated_on_the_regression_set(night_
     assert len(evaluated) == 3
     assert s2["losses"]["regression_before"] == s1["losses"]["regression_after"]
     assert s2["metrics"]["regression_before"] == s1["metrics"]["regression_after"]
+
+
+def test_calibrate_measures_the_overheads_the_night_pays(night_env, tmp_path):
+    """Load, evaluate (before + after: held-out at its cap, and the regression set), publish (save + fsync + hash)."""
+    from jobs.contract import StepShape
+    from jobs.night.overheads import measure_overheads
+    from jobs.training.load import load_for_training
+
+    _, make = night_env
+    reg = write_jsonl(tmp_path / "regression.jsonl", [alpaca(i) for i in range(20)])
+    cfg = make(eval={"regression_set": reg, "max_eval_samples": 16})
+    cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    loaded = load_for_training(cfg.model.path, cfg.train, adapter=None,
+                               shape=StepShape(tokens_per_step=256, gradient_checkpointing=False, basis="t"))
+    out = measure_overheads(loaded, cfg, load_seconds=1.25, vocab=len(loaded.tokenizer), cap=128)
+    assert out["load"] == 1.25 and out["evaluate"] > 0 and out["publish"] > 0
+    assert out["total"] == pytest.approx(out["load"] + out["evaluate"] + out["publish"], abs=0.02)
+    assert not list(cfg.state_dir.glob(".calibrate-save-*"))  # the trial save is gone
