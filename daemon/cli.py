@@ -38,14 +38,16 @@ from jobs.store.outcomes import NightOutcomes
 
 
 def parse_until(until: str | None, default_seconds: float, now: dt.datetime) -> float:
-    """--until HH:MM (local time, the next such moment) or now + default; unix seconds."""
+    """--until HH:MM[:SS] (local time, the next such moment) or now + default; unix seconds."""
     if until is None:
         return now.timestamp() + default_seconds
     try:
-        h, m = (int(x) for x in until.split(":"))
-        t = now.replace(hour=h, minute=m, second=0, microsecond=0)
+        parts = [int(x) for x in until.split(":")]
+        if len(parts) not in (2, 3):
+            raise ValueError
+        t = now.replace(hour=parts[0], minute=parts[1], second=parts[2] if len(parts) == 3 else 0, microsecond=0)
     except ValueError:
-        raise SystemExit(f"--until: expected HH:MM, got {until!r}") from None
+        raise SystemExit(f"--until: expected HH:MM or HH:MM:SS, got {until!r}") from None
     if t <= now:
         t += dt.timedelta(days=1)
     return t.timestamp()
@@ -56,14 +58,17 @@ def window_seconds(s: Settings) -> float:
 
 
 def run_child(s: Settings, *, night: str, deadline: float, plan_only: bool,
-              on_event=lambda _: None, lock_fd: int | None = None, run_id: str | None = None) -> Any:
+              on_event=lambda _: None, lock_fd: int | None = None, run_id: str | None = None,
+              stop_at: float | None = None) -> Any:
+    """`stop_at`: the window's end (unix seconds): the child is stopped then as the service stops it
+    (SIGTERM, [daemon] stop_grace_seconds to save, SIGKILL), so no night outlives its window."""
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         child = NightChild(s.night_config().model_dump_json(), night=night, deadline=deadline,
                            plan_only=plan_only, on_event=on_event, lock_fd=lock_fd, run_id=run_id)
         child.start()
-        return wait_interruptibly(child, stop, grace=s.daemon.stop_grace_seconds)
+        return wait_interruptibly(child, stop, grace=s.daemon.stop_grace_seconds, stop_at=stop_at)
     finally:
         for sig, h in previous.items():
             signal.signal(sig, h)
@@ -102,7 +107,7 @@ def _run_once(s: Settings, window: Window, ledger: Ledger, run_id: str, lock_fd:
             progress.on_event(ev)
 
         out = run_child(s, night=night, deadline=window.deadline(s.window.save_margin).timestamp(),
-                        plan_only=False, on_event=show, lock_fd=lock_fd, run_id=run_id)
+                        plan_only=False, on_event=show, lock_fd=lock_fd, run_id=run_id, stop_at=deadline)
     summary = out.summary
     if summary is None or summary.outcome == Outcome.failed:
         # one attempt for a manual night: close it (a killed `once` leaves it open, and a rerun resumes)
@@ -173,6 +178,8 @@ def cmd_calibrate(args: argparse.Namespace, s: Settings) -> int:
     """Our own GPU path, measured in a child process and recorded for the planner."""
     out = args.out or Path(s.state_dir) / "calibrate"
     cmd = [sys.executable, "-m", "jobs.night.calibrate", "--out", str(out), "--seconds", str(args.seconds)]
+    if args.no_checkpointing_line:
+        cmd.append("--no-checkpointing-line")
     with before_a_night(s, args.config, "nightshift calibrate") as lock:  # the GPU and the ledger: one at a time
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(),
                                 pass_fds=(lock.fd,) if lock.fd is not None else ())
@@ -197,12 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", type=Path, default=None, help=config_cli.SEARCH_HELP)
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     p = sub.add_parser("once", help="run one night now")
-    p.add_argument("--until", metavar="HH:MM",
-                   help="local time the window closes (default: now + the configured window's length)")
+    p.add_argument("--until", metavar="HH:MM[:SS]",
+                   help="local time the window closes: the night stops by then (default: now + the configured "
+                   "window's length)")
     p.set_defaults(func=cmd_once)
     p = sub.add_parser("plan", help="print tonight's plan over the pending samples and what the inbox would add; "
                        "changes nothing")
-    p.add_argument("--until", metavar="HH:MM", help="local time the window closes (default: now + window length)")
+    p.add_argument("--until", metavar="HH:MM[:SS]", help="local time the window closes (default: now + window length)")
     p.add_argument("--json", action="store_true", help="the plan as JSON (no progress display)")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("run", help="the service: wait for each night's window and run it (systemd)")
@@ -219,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="measure our training path on this GPU and record it for the planner")
     p.add_argument("--out", type=Path, help="where the measurement's JSON goes (default: <state_dir>/calibrate)")
     p.add_argument("--seconds", type=float, default=30.0, help="timed seconds per length profile")
+    p.add_argument("--no-checkpointing-line", action="store_true",
+                   help="skip reloading the model to measure the checkpointing line (the night estimates it)")
     p.set_defaults(func=cmd_calibrate)
     p = sub.add_parser("bench", help="GPU benchmark: baseline, Unsloth, Unsloth+TRL and ours, side by side "
                        "(its own options follow: `nightshift bench --help`)", add_help=False)

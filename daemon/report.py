@@ -55,6 +55,8 @@ def summary_table(s: RunSummary) -> str:
         version += " (promoted: now in service)" if s.promoted else f" (kept, NOT promoted: {why})"
     predicted, actual = s.predicted_train_seconds, s.actual_train_seconds
     ratio = f" (actual/predicted {actual / predicted:.2f})" if predicted and actual else ""
+    planned = s.planned_tokens
+    share = f" ({s.trained_tokens / planned:.0%} of the plan)" if planned else ""
     return key_values([
         ("outcome", s.outcome.value + (f": {s.error}" if s.error else "")),
         ("run", s.run_id),
@@ -68,6 +70,11 @@ def summary_table(s: RunSummary) -> str:
         ("backlog now", f"{_num(s.backlog_samples)} samples, {_num(s.backlog_tokens)} tokens"),
         ("throughput", f"{_num(s.tokens_per_second)} tok/s, {_num(s.samples_per_hour)} samples/h"),
         ("train seconds", f"predicted {_num(predicted, ',.1f')}, actual {_num(actual, ',.1f')}{ratio}"),
+        ("train tokens", f"planned {_num(planned)}, trained {_num(s.trained_tokens)}{share}"),
+        ("step shape", f"{_num(s.step_shape.tokens_per_step)} tokens, checkpointing "
+                       f"{'on' if s.step_shape.gradient_checkpointing else 'off'}: {s.step_shape.basis}"
+         if s.step_shape else "—"),
+        ("wake -> first step", f"{_num(s.first_step_seconds, ',.1f')} s"),
         ("loss: train", _loss(losses.train)),
         ("loss: held-out", f"{_loss(losses.heldout_before)} -> {_loss(losses.heldout_after)}"),
         ("loss: regression", f"{_loss(losses.regression_before)} -> {_loss(losses.regression_after)}"),

@@ -316,10 +316,16 @@ class Service:
                                                 manifest.get("base_model", {}).get("path", ""))
 
     def _restore_metrics(self) -> None:
+        """The last run's series from the ledger (its typed summary), so a restart blanks no dashboard."""
         runs = self.ledger.last_runs(50)
-        finished = [r for r in runs if r["ended_at"]]
+        finished = sorted((r for r in runs if r["ended_at"]), key=lambda r: r["ended_at"], reverse=True)
         success = next((r["ended_at"] for r in finished if r["status"] == "succeeded"), None)
         last = finished[0] if finished else None
+        summary = self.ledger.summary_of(last) if last is not None else None
+        if summary is not None:  # the row is the truth on how the run ended (the daemon may have closed it)
+            summary = summary.model_copy(update={"outcome": Outcome(last["status"]), "ended_at": last["ended_at"]})
+            end = summary.deadline + self.s.window.save_margin.total_seconds() if summary.deadline else None
+            self.metrics.restore_last_run(summary, window_end=end)
         self.metrics.restore(last_success=success, last_run=last["ended_at"] if last else None,
                              last_outcome=last["status"] if last else None)
         self._refresh_metrics()

@@ -95,6 +95,17 @@ class StepShape(Frozen):
     tokens_per_step: int = Field(ge=1)
     gradient_checkpointing: bool
     basis: str = Field(description="where the shape comes from, in words")
+    free_vram_gb: float | None = Field(None, description="free card memory when the shape was chosen (NVML)")
+    limit_gb: float | None = Field(None, description="what the step's predicted peak had to stay under")
+    predicted_peak_gb: float | None = Field(None, description="the memory model's peak for this shape")
+
+
+class ShapeRate(Frozen):
+    """Training speed of one step shape on the slower length profile (calibrate times a few shapes)."""
+
+    tokens_per_step: int = Field(ge=1)
+    gradient_checkpointing: bool
+    tokens_per_second: float = Field(gt=0)
 
 
 class CalibrationRecord(Frozen):
@@ -108,6 +119,11 @@ class CalibrationRecord(Frozen):
     device: str
     versions: dict[str, str] = Field(default_factory=dict, description="library -> version measured with")
     overhead_seconds: float | None = Field(None, ge=0, description="load + evaluate + publish, if measured")
+    overhead_detail: dict[str, float] = Field(default_factory=dict, description="load/evaluate/publish seconds")
+    checkpointing_memory: MemoryModel | None = Field(
+        None, description="the memory line with checkpointing on (when the main line is without)")
+    checkpointing_measured: bool = Field(False, description="checkpointing_memory was probed, not estimated")
+    rates: list[ShapeRate] = Field(default_factory=list, description="further shapes timed (smaller, ckpt)")
     measured_at: float = Field(default_factory=time.time)
 
     @property
@@ -146,6 +162,7 @@ class Plan(BaseModel):
     parent_version: int | None = None
     backend: str | None = None
     device: str | None = None
+    step_shape: StepShape | None = None  # the shape the throughput above is for
 
     def roles(self) -> list[tuple[int, str]]:
         """(sample id, role) in training order: replay spread evenly among the new samples, so an
@@ -258,6 +275,7 @@ class RunSummary(BaseModel):
     plan_basis: str | None = None
     trained_samples: int = 0
     trained_tokens: int = 0
+    planned_tokens: int | None = None  # what the plan meant to train (all epochs); None: no plan
     replay_samples: int = 0
     heldout_samples: int = 0
     deferred_samples: int | None = None  # None: unknown (no plan was made); includes samples cut by the trainer
@@ -273,6 +291,7 @@ class RunSummary(BaseModel):
     predicted_train_seconds: float | None = None
     actual_train_seconds: float | None = None
     stopped: Literal["deadline", "signal"] | None = None
+    first_step_seconds: float | None = None  # from the child's start to the end of its first training step
     step_shape: StepShape | None = None
     load_info: dict[str, Any] = Field(default_factory=dict)  # backend's own figures (parameter counts, cache)
     # evaluation and publication

@@ -44,6 +44,9 @@ class GpuConfig(BaseModel):
         0, description="NVML index, or the card's UUID (GPU-...) when indices differ")
     max_vram_gb: float | None = Field(
         None, gt=0, description="training stays under this (the card may be shared with an inference server)")
+    headroom_gb: float = Field(
+        3.0, ge=0, description="kept free below max_vram_gb and below the free memory at the night's start: "
+        "CUDA context, allocator slack, an inference server's growth")
     min_free_vram_gb: float = Field(
         0.0, ge=0, description="pre-flight: wait (until the latest start) for this much free memory")
     preflight_retry_seconds: float = Field(60.0, gt=0, description="how often to re-check free memory")

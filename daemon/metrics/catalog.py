@@ -50,6 +50,10 @@ SAMPLES_SET_ASIDE_TOTAL = "nightshift_samples_set_aside_total"
 LAST_RUN_PREDICTED_TRAIN_SECONDS = "nightshift_last_run_predicted_train_seconds"
 LAST_RUN_ACTUAL_TRAIN_SECONDS = "nightshift_last_run_actual_train_seconds"
 LAST_RUN_BUDGET_RATIO = "nightshift_last_run_budget_ratio"
+LAST_RUN_PLANNED_TOKENS = "nightshift_last_run_planned_tokens"
+LAST_RUN_TRAINED_TOKENS = "nightshift_last_run_trained_tokens"
+LAST_RUN_TRAINED_TOKENS_RATIO = "nightshift_last_run_trained_tokens_ratio"
+LAST_RUN_FIRST_STEP_SECONDS = "nightshift_last_run_first_step_seconds"
 LAST_RUN_DEFERRED_SAMPLES = "nightshift_last_run_deferred_samples"
 BACKLOG_SAMPLES = "nightshift_backlog_samples"
 BACKLOG_TOKENS = "nightshift_backlog_tokens"
@@ -155,6 +159,14 @@ SPECS: tuple[Spec, ...] = (
     Spec(LAST_RUN_PREDICTED_TRAIN_SECONDS, G, "Train seconds the plan predicted for the last run."),
     Spec(LAST_RUN_ACTUAL_TRAIN_SECONDS, G, "Train seconds the last run actually took."),
     Spec(LAST_RUN_BUDGET_RATIO, G, "Actual / predicted train seconds of the last completed training."),
+    Spec(LAST_RUN_PLANNED_TOKENS, G, "Tokens the last run's plan meant to train (all epochs)."),
+    Spec(LAST_RUN_TRAINED_TOKENS, G, "Tokens the last run trained (all epochs)."),
+    Spec(
+        LAST_RUN_TRAINED_TOKENS_RATIO,
+        G,
+        "Trained / planned tokens of the last completed training (below 1: the deadline cut the night short).",
+    ),
+    Spec(LAST_RUN_FIRST_STEP_SECONDS, G, "Seconds from the night's process start to its first training step."),
     Spec(LAST_RUN_DEFERRED_SAMPLES, G, "Pending samples the last run's plan left for a later night."),
     Spec(BACKLOG_SAMPLES, G, "Samples ingested and not trained yet."),
     Spec(BACKLOG_TOKENS, G, "Tokens of the samples ingested and not trained yet."),

@@ -211,39 +211,17 @@ class NightshiftMetrics:
 
     def _summary(self, s: RunSummary) -> None:
         v = self.values
-        outcome = s.outcome.value
         ended = s.ended_at or float(self.clock())
-        v.inc(m.RUNS_TOTAL, outcome=outcome)
-        for o in m.OUTCOMES:
-            v.set(m.LAST_RUN_OUTCOME, 1 if o == outcome else 0, outcome=o)
-        v.set(m.LAST_RUN_TIMESTAMP_SECONDS, ended)
-        if s.outcome == Outcome.succeeded:
-            v.set(m.LAST_SUCCESS_TIMESTAMP_SECONDS, ended)
+        v.inc(m.RUNS_TOTAL, outcome=s.outcome.value)
         if s.started_at is not None and ended >= s.started_at:
             self.run_duration.observe(ended - s.started_at)
-        v.clear(m.LAST_RUN_PHASE_DURATION_SECONDS)
-        for phase, secs in s.phase_seconds.items():
-            v.set(m.LAST_RUN_PHASE_DURATION_SECONDS, secs, phase=phase)
         end_limit = self._run_window_end or self._window_end or s.deadline
-        v.set(m.LAST_RUN_OVERRUN_SECONDS, None if end_limit is None else max(0.0, ended - end_limit))
         self._run_window_end = None
-        # training and budget
+        self._last_run(s, ended, end_limit)
+        # counters: training and data
         self._count_trained(s.version, s.trained_tokens, s.trained_samples)
-        v.set(m.LAST_RUN_STEPS, s.steps)
-        v.set(m.LAST_RUN_TOKENS_PER_SECOND, s.tokens_per_second)
-        v.set(m.LAST_RUN_SAMPLES_PER_HOUR, s.samples_per_hour)
-        v.clear(m.LAST_RUN_LOSS)
-        for field, (kind, stage) in m.LOSS_LABELS.items():
-            v.set(m.LAST_RUN_LOSS, getattr(s.losses, field), kind=kind, stage=stage)
-        self._answers(s)
-        predicted, actual = s.predicted_train_seconds, s.actual_train_seconds
-        completed = s.outcome in COMPLETED
-        v.set(m.LAST_RUN_PREDICTED_TRAIN_SECONDS, predicted)
-        v.set(m.LAST_RUN_ACTUAL_TRAIN_SECONDS, actual)
-        v.set(m.LAST_RUN_BUDGET_RATIO, actual / predicted if completed and predicted and actual else None)
-        v.set(m.LAST_RUN_DEFERRED_SAMPLES, s.deferred_samples)
-        if s.backlog_samples is not None:
-            self.set_backlog(s.backlog_samples, s.backlog_tokens)
+        v.inc(m.SAMPLES_RETURNED_TOTAL, s.returned_samples)
+        v.inc(m.SAMPLES_SET_ASIDE_TOTAL, s.set_aside_samples)
         # data
         for source, n in s.ingested.items():
             v.inc(m.INGESTED_SAMPLES_TOTAL, n, source=source)
@@ -251,17 +229,16 @@ class NightshiftMetrics:
             v.inc(m.QUARANTINED_SAMPLES_TOTAL, n, reason=reason)
         v.inc(m.INGESTED_FILES_TOTAL, s.files_ingested)
         v.inc(m.DUPLICATE_SAMPLES_TOTAL, s.duplicates)
-        self._summary_gpu(s.gpu, s.trained_tokens)
         # adapters
         version = s.version
-        if version is not None and s.adapter_path and completed and version not in self._published:
+        if version is not None and s.adapter_path and s.outcome in COMPLETED and version not in self._published:
             self._published.add(version)
             v.inc(m.ADAPTER_VERSIONS_PUBLISHED_TOTAL)
         if s.promoted and version is not None:
             self.set_adapter_in_service(version, s.version_name or str(version), s.base_model)
 
     def _answers(self, s: RunSummary) -> None:
-        """Exact match and reply token accuracy of every model the gate compared; rejected nights' samples."""
+        """Exact match and reply token accuracy of every model the gate compared; the regression set's size."""
         v = self.values
         v.clear(m.LAST_RUN_EXACT_MATCH_RATIO)
         v.clear(m.LAST_RUN_TOKEN_ACCURACY_RATIO)
@@ -270,10 +247,49 @@ class NightshiftMetrics:
                 figures = s.metrics.get(f"{data}_{stage}") or {}
                 v.set(m.LAST_RUN_EXACT_MATCH_RATIO, _num(figures.get("exact_match")), data=data, model=model)
                 v.set(m.LAST_RUN_TOKEN_ACCURACY_RATIO, _num(figures.get("token_accuracy")), data=data, model=model)
-        v.inc(m.SAMPLES_RETURNED_TOTAL, s.returned_samples)
-        v.inc(m.SAMPLES_SET_ASIDE_TOTAL, s.set_aside_samples)
         if s.regression_samples is not None:
             v.set(m.REGRESSION_SET_SAMPLES, s.regression_samples)
+
+    def _last_run(self, s: RunSummary, ended: float, window_end: float | None) -> None:
+        """Every last-run gauge from one summary: at a run's end, and from the ledger at a restart."""
+        v = self.values
+        outcome = s.outcome.value
+        for o in {*m.OUTCOMES, outcome}:
+            v.set(m.LAST_RUN_OUTCOME, 1 if o == outcome else 0, outcome=o)
+        v.set(m.LAST_RUN_TIMESTAMP_SECONDS, ended)
+        if s.outcome == Outcome.succeeded:
+            v.set(m.LAST_SUCCESS_TIMESTAMP_SECONDS, ended)
+        v.clear(m.LAST_RUN_PHASE_DURATION_SECONDS)
+        for phase, secs in s.phase_seconds.items():
+            v.set(m.LAST_RUN_PHASE_DURATION_SECONDS, secs, phase=phase)
+        v.set(m.LAST_RUN_OVERRUN_SECONDS, None if window_end is None else max(0.0, ended - window_end))
+        v.set(m.LAST_RUN_STEPS, s.steps)
+        v.set(m.LAST_RUN_TOKENS_PER_SECOND, s.tokens_per_second)
+        v.set(m.LAST_RUN_SAMPLES_PER_HOUR, s.samples_per_hour)
+        v.clear(m.LAST_RUN_LOSS)
+        for field, (kind, stage) in m.LOSS_LABELS.items():
+            v.set(m.LAST_RUN_LOSS, getattr(s.losses, field), kind=kind, stage=stage)
+        self._answers(s)
+        # the budget: seconds and tokens; a night cut short by its deadline shows in the tokens
+        predicted, actual, planned = s.predicted_train_seconds, s.actual_train_seconds, s.planned_tokens
+        completed = s.outcome in COMPLETED
+        v.set(m.LAST_RUN_PREDICTED_TRAIN_SECONDS, predicted)
+        v.set(m.LAST_RUN_ACTUAL_TRAIN_SECONDS, actual)
+        v.set(m.LAST_RUN_BUDGET_RATIO, actual / predicted if completed and predicted and actual else None)
+        v.set(m.LAST_RUN_PLANNED_TOKENS, planned)
+        v.set(m.LAST_RUN_TRAINED_TOKENS, s.trained_tokens if planned is not None else None)
+        v.set(m.LAST_RUN_TRAINED_TOKENS_RATIO, s.trained_tokens / planned if completed and planned else None)
+        v.set(m.LAST_RUN_FIRST_STEP_SECONDS, s.first_step_seconds)
+        v.set(m.LAST_RUN_DEFERRED_SAMPLES, s.deferred_samples)
+        if s.backlog_samples is not None:
+            self.set_backlog(s.backlog_samples, s.backlog_tokens)
+        self._summary_gpu(s.gpu, s.trained_tokens)
+
+    def restore_last_run(self, s: RunSummary, *, window_end: float | None = None) -> None:
+        """The last run's gauges from its summary in the ledger at daemon start (no counter moves):
+        dashboards and the budget alert keep their values across a restart or an upgrade."""
+        with self._lock:
+            self._last_run(s, s.ended_at or float(self.clock()), window_end)
 
     def _summary_gpu(self, gpu: GpuSummary | None, tokens: int) -> None:
         v = self.values

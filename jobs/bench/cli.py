@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="QLoRA throughput measured side by side on this GPU: HF transformers + PEFT, Unsloth, "
         "Unsloth + TRL and nightshift, each stack in its own process (see jobs/bench/__init__.py).",
         epilog="modes: bench (stacks side by side), faststart (time to first step, night 1 / night 2), "
-        "budget (plan from a calibration, then train: predicted vs actual), moe (LoRA reaches the experts?)",
+        "budget (plan from a calibration, then train: predicted vs actual), moe (LoRA reaches the experts?); "
+        "and `python -m jobs.bench acceptance --help`: the whole product on one card (daemon, server, nights)",
     )
     hidden = argparse.SUPPRESS
     p.add_argument("mode", choices=[*MODES, "worker"], metavar="{" + ",".join(MODES) + "}")
@@ -184,8 +185,13 @@ def worker(a: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["acceptance"]:  # the end-to-end acceptance run has its own options
+        from jobs.bench.acceptance.run import main as acceptance
+
+        return acceptance(args[1:])
     parser = build_parser()
-    a = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    a = parser.parse_args(args)
     if a.mode == "worker":
         if not (a.stack and a.model and a.rows):
             parser.error("worker needs --stack, --model and --rows")

@@ -20,22 +20,25 @@ import os
 import shutil
 import sqlite3
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import structlog
 
-from jobs.data.check import check_record
+from jobs.data.check import Checked, check_records
 from jobs.data.formats import RecordError
 from jobs.data.inbox import InboxFile, list_inbox, open_inbox_file, printable, roots
 from jobs.data.quarantine import Quarantine
 from jobs.data.readers import RawRecord, read_stream
 from jobs.data.render import OverlongPolicy, SpecialTokens
 from jobs.data.sources import SourceConfig
+from jobs.data.token_cache import TokenCache
 from jobs.store.ledger import Ledger, SampleRow
 
 __all__ = ["PullResult", "Quarantine", "pull"]
+TOKENIZE_BATCH = 512  # records per call of the tokenizer (its batch encode)
 log = structlog.get_logger("nightshift.pull")
 
 
@@ -63,6 +66,7 @@ class _Pull:
     overlong: OverlongPolicy
     special_tokens: SpecialTokens
     result: PullResult
+    token_cache: TokenCache | None = None  # where accepted samples' ids are kept for the night's load
 
     def reject(self, conn: sqlite3.Connection | None, src: SourceConfig, file: str, raw: RawRecord,
                err: RecordError) -> None:
@@ -85,9 +89,11 @@ class _Pull:
 def pull(
     sources: list[SourceConfig], ledger: Ledger, tokenizer: Any, *, run_id: str, quarantine: Quarantine,
     max_seq_length: int, overlong: OverlongPolicy, cache_dir: Path | None = None,
-    special_tokens: SpecialTokens = "escape", excerpt_bytes: int = 16384,
+    special_tokens: SpecialTokens = "escape", excerpt_bytes: int = 16384, token_cache: TokenCache | None = None,
 ) -> PullResult:
-    p = _Pull(ledger, tokenizer, run_id, quarantine, max_seq_length, overlong, special_tokens, PullResult())
+    """`token_cache`: where the ids of accepted samples are kept for the night's load."""
+    p = _Pull(ledger, tokenizer, run_id, quarantine, max_seq_length, overlong, special_tokens, PullResult(),
+              token_cache)
     try:
         for src in sources:
             _pull_source(p, src, excerpt_bytes)
@@ -152,12 +158,20 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
         with ledger.tx() as conn:
             file_id = ledger.record_file(conn, source=src.name, path=f.display, size=st.st_size, mtime=st.st_mtime,
                                          sha256=digest, run_id=p.run_id, stat_key=key)
-            for raw in read_stream(fh, f.path.suffix, src.limits(excerpt_bytes)):
-                counts["records"] += 1
-                outcome, reason = _one_record(p, conn, src, f.display, file_id, raw)
-                counts[outcome] += 1
-                if reason:
-                    reasons[reason] += 1
+            for raws in _chunks(read_stream(fh, f.path.suffix, src.limits(excerpt_bytes)), TOKENIZE_BATCH):
+                checked = check_records(raws, src, p.tokenizer, max_seq_length=p.max_seq_length,
+                                        overlong=p.overlong, special_tokens=p.special_tokens)
+                kept = []
+                for c in checked:
+                    counts["records"] += 1
+                    outcome, reason = _store(p, conn, src, f.display, file_id, c)
+                    counts[outcome] += 1
+                    if reason:
+                        reasons[reason] += 1
+                    elif outcome == "accepted" and c.norm is not None and c.tokens is not None:
+                        kept.append((c.norm.hash, c.tokens))
+                if p.token_cache is not None and kept:
+                    p.token_cache.put(kept)
             after = os.fstat(fh.fileno())
             if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
                 raise _Retry("it changed while it was read")
@@ -173,12 +187,21 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
         _move_processed(ledger, src, f, file_id, digest)
 
 
-def _one_record(p: _Pull, conn: sqlite3.Connection, src: SourceConfig, file: str, file_id: int,
-                raw: RawRecord) -> tuple[str, str | None]:
-    """One record, inside its own guard: ('accepted' | 'duplicates' | 'quarantined', reason)."""
-    c = check_record(raw, src, p.tokenizer, max_seq_length=p.max_seq_length, overlong=p.overlong,
-                     special_tokens=p.special_tokens)
-    err = c.error
+def _chunks(it: Iterator[RawRecord], n: int) -> Iterator[list[RawRecord]]:
+    chunk: list[RawRecord] = []
+    for x in it:
+        chunk.append(x)
+        if len(chunk) >= n:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _store(p: _Pull, conn: sqlite3.Connection, src: SourceConfig, file: str, file_id: int,
+           c: Checked) -> tuple[str, str | None]:
+    """One checked record into the ledger, inside its own guard: ('accepted' | 'duplicates' | 'quarantined', reason)."""
+    err, raw = c.error, c.raw
     if err is None and c.norm is not None and c.tokens is not None:
         try:
             new = p.ledger.add_sample(conn, hash=c.norm.hash, source=src.name, file_id=file_id,

@@ -15,6 +15,7 @@ Records without such text are tokenised exactly as before.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from jobs.data.batching import IGNORE_INDEX, TokenizedSample
@@ -41,7 +42,8 @@ def char_spans(tokenizer: Any, record: dict[str, Any]) -> tuple[str, list[tuple[
         if m["role"] != "assistant":
             continue
         before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        # the last turn's prefix is the whole conversation: one render fewer per record
+        upto = full if i == len(messages) - 1 else tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         if not full.startswith(upto) or not upto.startswith(before):
             # Template rewrites earlier turns (e.g. strips reasoning): train on the last reply only.
             last = max(j for j, x in enumerate(messages) if x["role"] == "assistant")
@@ -140,11 +142,56 @@ def tokenize_record(
     tokenizer: Any, sample_id: int, record: dict[str, Any], *, max_seq_length: int,
     overlong: OverlongPolicy = "reject", special_tokens: SpecialTokens = "escape",
 ) -> TokenizedSample:
+    _check_size(record, max_seq_length, overlong)
+    text, spans = char_spans(tokenizer, record)
+    ids, offsets = _encode(tokenizer, record, text, special_tokens)
+    return _labelled(tokenizer, sample_id, record, text, spans, ids, offsets, max_seq_length, overlong)
+
+
+def tokenize_records(
+    tokenizer: Any, items: Sequence[tuple[int, dict[str, Any]]], *, max_seq_length: int,
+    overlong: OverlongPolicy = "reject", special_tokens: SpecialTokens = "escape",
+) -> list[TokenizedSample | RecordError]:
+    """Many records, the same result as tokenize_record for each, in one call of the Rust tokenizer's
+    batch encode (no per-record Python round trip); a record that cannot be trained on comes back as
+    its RecordError, in its place. Records holding control-token text go one by one (escaped)."""
+    out: list[TokenizedSample | RecordError | None] = [None] * len(items)
+    batch: list[tuple[int, str, list[tuple[int, int]]]] = []  # (position, text, spans)
+    pattern, _ = _specials(tokenizer)
+    fast = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    for k, (sample_id, record) in enumerate(items):
+        try:
+            if fast is None or (pattern and any(pattern.search(c) for c in _contents(record))):
+                out[k] = tokenize_record(tokenizer, sample_id, record, max_seq_length=max_seq_length,
+                                         overlong=overlong, special_tokens=special_tokens)
+                continue
+            _check_size(record, max_seq_length, overlong)
+            text, spans = char_spans(tokenizer, record)
+            batch.append((k, text, spans))
+        except RecordError as e:
+            out[k] = e
+    if batch:
+        encs = fast.encode_batch([text for _, text, _ in batch], add_special_tokens=False)
+        for (k, text, spans), enc in zip(batch, encs, strict=True):
+            sample_id, record = items[k]
+            try:
+                out[k] = _labelled(tokenizer, sample_id, record, text, spans, list(enc.ids), enc.offsets,
+                                   max_seq_length, overlong)
+            except RecordError as e:
+                out[k] = e
+    return [x for x in out if x is not None]
+
+
+def _check_size(record: dict[str, Any], max_seq_length: int, overlong: OverlongPolicy) -> None:
     chars = sum(len(c) for c in _contents(record))
     if overlong == "reject" and chars > max_seq_length * CHARS_PER_TOKEN_MAX:  # not worth tokenising to know
         raise RecordError("too_long", f"{chars:,} characters cannot fit in max_seq_length {max_seq_length} tokens")
-    text, spans = char_spans(tokenizer, record)
-    ids, offsets = _encode(tokenizer, record, text, special_tokens)
+
+
+def _labelled(tokenizer: Any, sample_id: int, record: dict[str, Any], text: str, spans: list[tuple[int, int]],
+              ids: list[int], offsets: Sequence[tuple[int, int]], max_seq_length: int,
+              overlong: OverlongPolicy) -> TokenizedSample:
+    """A token is trained on when its characters lie inside one of the trained spans."""
     labels = [
         tok if any(a <= start and end <= b and end > start for a, b in spans) else IGNORE_INDEX
         for tok, (start, end) in zip(ids, offsets, strict=True)
@@ -156,6 +203,8 @@ def tokenize_record(
         if overlong == "reject":
             raise RecordError("too_long", f"{len(ids)} tokens > max_seq_length {max_seq_length}")
         ids, labels, reply = ids[:max_seq_length], labels[:max_seq_length], reply[:max_seq_length]
+    if not ids:
+        raise RecordError("empty_field", "the record renders to no tokens")
     labels[0] = IGNORE_INDEX  # the first token is never predicted (and packing relies on it)
     if all(x == IGNORE_INDEX for x in labels):
         raise RecordError("too_long", "no trainable token left within max_seq_length")

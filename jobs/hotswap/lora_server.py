@@ -1,6 +1,7 @@
 """Load a version into vLLM or SGLang at runtime, confirm it is served, unload our old ones.
 
-What the servers document (checked against their docs and source, not guessed):
+What the servers document (checked against their docs and released wheels, not guessed: vLLM
+0.11.0 to 0.33.0, SGLang 0.4.9 to 0.5.23):
 
 vLLM (docs/features/lora.md, "Dynamically serving LoRA Adapters"; server code
 vllm/entrypoints/openai/serving_models.py):
@@ -21,9 +22,11 @@ python/sglang/srt/entrypoints/http_server.py):
 - POST /load_lora_adapter and /unload_lora_adapter with the same {"lora_name", "lora_path"}
   / {"lora_name"} bodies; answer LoRAUpdateOutput {"success", "error_message",
   "loaded_adapters"}, HTTP 200 on success and 400 otherwise (a duplicate name included).
-- Loaded adapters are listed by the OpenAI-compatible GET /v1/models (when --enable-lora):
-  id = lora_name, root = lora_path, parent = the served model. We use that list, the same
-  one as vLLM; /get_server_info carries no per-adapter list.
+- The load (and unload) answer's `loaded_adapters` is every adapter held after the operation,
+  name -> path (0.4.9 to 0.5.23): that confirms a load. GET /v1/models lists adapters (id =
+  lora_name, root = lora_path, parent = the served model) only from 0.5.4.post2 (sglang PR
+  #12229); 0.4.9 to 0.5.4.post1 list the base model alone, so /v1/models is asked only when the
+  answer carries no `loaded_adapters`, and believed only when it lists adapters at all.
 - The docs advise starting it with --max-lora-rank and --lora-target-modules when adapters
   are loaded at runtime (their shape must fit what the server reserved).
 
@@ -74,8 +77,7 @@ class _Client:
             ctx=self.ctx,
         )
 
-    def models(self) -> dict[str, str | None]:
-        """Every id served (base models and adapters) -> its `root` (an adapter's path)."""
+    def cards(self) -> list[dict[str, Any]]:
         url = self.t.base_url + self.routes["list"]
         r = request("GET", url, headers=self.headers, timeout_s=self.t.timeout_s, ctx=self.ctx)
         if not r.ok:
@@ -84,7 +86,26 @@ class _Client:
         items = data.get("data") if isinstance(data, dict) else None
         if not isinstance(items, list):
             raise TargetError(f"GET {url}: no data[] list in the answer", retryable=False)
-        return {str(m["id"]): m.get("root") for m in items if isinstance(m, dict) and "id" in m}
+        return [m for m in items if isinstance(m, dict) and "id" in m]
+
+    def models(self) -> dict[str, str | None]:
+        """Every id served (base models and adapters) -> its `root` (an adapter's path)."""
+        return {str(m["id"]): m.get("root") for m in self.cards()}
+
+    def served(self, answer: Any = None) -> tuple[dict[str, str | None] | None, str]:
+        """The adapters the server holds, and who said so. SGLang: the `loaded_adapters` of a load or
+        unload answer (name -> path, every SGLang since 0.4.9); else /v1/models, but only where it
+        lists adapters (SGLang 0.4.9 to 0.5.4.post1 lists the base model alone: None, "unknown").
+        vLLM: /v1/models, which lists every loaded adapter."""
+        if self.t.kind == "sglang":
+            loaded = answer.get("loaded_adapters") if isinstance(answer, dict) else None
+            if isinstance(loaded, dict):
+                return {str(k): (v if isinstance(v, str) else None) for k, v in loaded.items()}, "load response"
+            cards = self.cards()
+            if not any(m.get("parent") for m in cards):
+                return None, "unknown: /v1/models lists no adapters on this SGLang build"
+            return {str(m["id"]): m.get("root") for m in cards}, self.routes["list"]
+        return self.models(), self.routes["list"]
 
 
 def ours(names: list[str] | dict[str, Any], prefix: str) -> list[str]:
@@ -108,8 +129,10 @@ def _version(name: str) -> int:
 
 
 def loaded_versions(t: LoraServerTarget, prefix: str) -> list[str]:
-    """The 'kept loaded' set: our versions that the server lists now, oldest first."""
-    return ours(_Client(t).models(), prefix)
+    """The 'kept loaded' set: our versions that the server lists now, oldest first (an SGLang that
+    lists no adapters in /v1/models cannot say without a load: [])."""
+    served, _ = _Client(t).served()
+    return ours(served or {}, prefix)
 
 
 def lora_path_for(t: LoraServerTarget, adapter: AdapterRef) -> str:
@@ -138,18 +161,27 @@ def swap(
         body = r.json()
         if r.ok and isinstance(body, dict) and body.get("success") is False:  # SGLang says no
             raise TargetError(f"load {name}: {r.message()}", retryable=False)
+        served, said_by = c.served(body)
         if not r.ok:
-            if r.status in (400, 409) and name in c.models():
-                detail["already_loaded"] = True  # idempotent re-send: the server has it
+            # idempotent re-send: the server has it (SGLang may say so only in its own words)
+            held = name in (served or {}) or (t.kind == "sglang" and "already loaded" in r.message())
+            if r.status in (400, 409) and held:
+                detail["already_loaded"] = True
             else:
                 raise TargetError(
                     f"load {name}: HTTP {r.status}: {r.message()}",
                     retryable=retryable_status(r.status),
                     detail={"status": r.status},
                 )
-        served = c.models()
+        if detail["already_loaded"] and name not in (served or {}):
+            served = {**(served or {}), name: None}
+            said_by = "the server's 'already loaded' answer"
+        if served is None:
+            raise TargetError(f"{name}: the load answer lists no adapters and {c.routes['list']} lists none on "
+                              "this server: cannot confirm the load", retryable=False)
         if name not in served:
-            raise TargetError(f"{name} was accepted but is not listed by {c.routes['list']}", retryable=True)
+            raise TargetError(f"{name} was accepted but is not listed by the {said_by}", retryable=True)
+        detail["confirmed_by"] = said_by
         root = served[name]
         if root and root != path:
             detail["warning"] = f"{name} is served from {root}, not {path}"
@@ -173,7 +205,8 @@ def _unload_extra(c: _Client, adapter: AdapterRef, served: list[str], keep: int)
         except TargetError as e:
             errors[old] = str(e)
             continue
-        if r.ok or r.status == 404:  # 404: already gone, which is what we wanted
+        gone = r.status == 404 or (c.t.kind == "sglang" and "does not exist" in r.message())
+        if r.ok or gone:  # already gone is what we wanted
             unloaded.append(old)
         else:
             errors[old] = f"HTTP {r.status}: {r.message()}"

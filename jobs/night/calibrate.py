@@ -3,10 +3,12 @@ and record it for the night: `python -m jobs.night.calibrate --out DIR < night-c
 
 A child process like the night (the daemon never imports torch), and the only process on the
 card that calibrate adds: it loads the model exactly as the night does, probes memory per token,
-chooses the step shape under `[gpu] max_vram_gb`, times packed steps on both length profiles and
-stores one typed CalibrationRecord in the ledger under the night's throughput key. Its stdout
-carries phase and progress events (JSON lines, as the night's child) for `nightshift calibrate`'s
-display, then the measurement's JSON.
+chooses the step shape under min(`[gpu] max_vram_gb`, free VRAM now) - headroom, times packed
+steps on both length profiles and at half that size, measures the overheads (load, evaluate,
+publish: jobs/night/overheads.py) and the checkpointing line (the model reloaded with
+checkpointing on), and stores one typed CalibrationRecord in the ledger under the night's key. Its
+stdout carries phase and progress events (JSON lines, as the night's child) for `nightshift
+calibrate`'s display, then the measurement's JSON.
 """
 
 from __future__ import annotations
@@ -15,10 +17,19 @@ import argparse
 import importlib.metadata as md
 import json
 import sys
-import time
 from pathlib import Path
 
-from jobs.contract import ChildEvent, Emit, ExitCode, Phase, PhaseEvent, ProgressEvent, StepShape
+from jobs.contract import (
+    CalibrationRecord,
+    ChildEvent,
+    Emit,
+    ExitCode,
+    Phase,
+    PhaseEvent,
+    ProgressEvent,
+    ShapeRate,
+    StepShape,
+)
 from jobs.night.config import NightConfig
 from jobs.night.model import ensure_model, model_fingerprint, throughput_key
 from jobs.store.ledger import Ledger
@@ -30,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.night.calibrate")
     ap.add_argument("--out", required=True, help="folder for the measurement's JSON")
     ap.add_argument("--seconds", type=float, default=30.0, help="timed seconds per length profile")
+    ap.add_argument("--no-checkpointing-line", action="store_true",
+                    help="do not reload the model to measure the checkpointing line (the night estimates it)")
     args = ap.parse_args(argv)
     cfg = NightConfig.model_validate_json(sys.stdin.read())
     from jobs.training.load import device_name, resolve_backend
@@ -42,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     model_path = ensure_model(cfg)
     key = throughput_key(cfg, model_fingerprint(model_path), backend, device_name())
     try:
-        record, slowest = measure(cfg, model_path, seconds=args.seconds, emit=_emit)
+        record, slowest = measure(cfg, model_path, seconds=args.seconds,
+                                  checkpointing_line=not args.no_checkpointing_line, emit=_emit)
     except ValueError as e:
         print(f"calibrate: {e}", file=sys.stderr)
         return ExitCode.FAILED
@@ -63,44 +77,112 @@ def _emit(ev: ChildEvent) -> None:
     print(ev.model_dump_json(), flush=True)
 
 
-def measure(cfg: NightConfig, model_path: Path, *, seconds: float,
+def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing_line: bool = True,
             emit: Emit = lambda _: None):  # -> (CalibrationRecord, Throughput)
-    """Load, probe the memory per token, time each length profile; reports phases and progress."""
+    """Probe and time our path under min([gpu] max_vram_gb, free VRAM now) - headroom: a card shared
+    with an inference server is the use this is for (a probe beside another process once went out
+    of memory on the configured cap alone). Then the overheads, a half-size step, and the
+    checkpointing line (reloaded with checkpointing on), so the night can shrink its step honestly."""
+    import gc as pygc
+    import time
+
+    import torch
+
+    from jobs.gpu import free_vram_gb, torch_device_uuid
+    from jobs.night.overheads import measure_overheads
     from jobs.training.load import device_name, load_for_training
     from jobs.training.probe import ProbeSettings, calibration_record, probe_memory, timed_steps
     from jobs.training.step import make_optimizer
     from jobs.training.synthetic import PROFILES, make_samples
 
     t = cfg.train
-    max_vram = cfg.gpu.max_vram_gb or DEFAULT_MAX_VRAM_GB
+    cap = cfg.gpu.max_vram_gb or DEFAULT_MAX_VRAM_GB
+    free = free_vram_gb(torch_device_uuid() or cfg.gpu.device)  # before anything of ours is on the card
+    max_vram = min(cap, free) if free is not None else cap
+    print(f"calibrate: cap {cap:g} GB, free now {free if free is None else round(free, 1)} GB: probing under "
+          f"{max_vram:.1f} GB - {cfg.gpu.headroom_gb:g} GB headroom", file=sys.stderr, flush=True)
     gc = t.gradient_checkpointing if isinstance(t.gradient_checkpointing, bool) else False  # auto: off if it fits
-    settings = ProbeSettings(max_vram_gb=max_vram, min_tokens=t.max_seq_length)
+    settings = ProbeSettings(max_vram_gb=max_vram, min_tokens=t.max_seq_length, headroom_gb=cfg.gpu.headroom_gb)
     shape = StepShape(tokens_per_step=settings.max_tokens, gradient_checkpointing=gc, basis="calibration")
-    t0 = time.time()
+    t0 = time.perf_counter()
     emit(PhaseEvent(phase=Phase.load, state="start"))
     loaded = load_for_training(model_path, t, adapter=None, shape=shape, cache_dir=Path(cfg.state_dir) / "models")
-    emit(PhaseEvent(phase=Phase.load, state="end", seconds=time.time() - t0))
-    t0 = time.time()
+    load_seconds = time.perf_counter() - t0
+    emit(PhaseEvent(phase=Phase.load, state="end", seconds=load_seconds))
+    t0 = time.perf_counter()
     emit(PhaseEvent(phase=Phase.train, state="start"))
-    vocab, cap = len(loaded.tokenizer), min(t.max_seq_length, 2048)
+    vocab, cap_len = len(loaded.tokenizer), min(t.max_seq_length, 2048)
     optimizer = make_optimizer(loaded.model, lr=t.learning_rate)
-    probe = probe_memory(loaded.model, make_samples("wiki", 8 * settings.probe_tokens, vocab=vocab, cap=cap),
+    probe = probe_memory(loaded.model, make_samples("wiki", 8 * settings.probe_tokens, vocab=vocab, cap=cap_len),
                          settings, optimizer)
     if probe.tokens_per_step is None:
-        raise ValueError(f"nothing fits under max_vram_gb={max_vram:g} without checkpointing: set [train] "
-                         "gradient_checkpointing = true (or raise [gpu] max_vram_gb) and calibrate again")
+        raise ValueError(f"nothing fits under {max_vram:.1f} GB without checkpointing: set [train] "
+                         "gradient_checkpointing = true (or free the card / raise [gpu] max_vram_gb) "
+                         "and calibrate again")
+    budget = probe.tokens_per_step
     rates, profiles = {}, list(PROFILES)
     for i, p in enumerate(profiles):  # progress: a profile at a time, each about `seconds` long
         emit(ProgressEvent(fraction=i / len(profiles), eta=time.time() + (len(profiles) - i) * seconds,
                            tokens_per_second=rates[profiles[i - 1]].tokens_per_second if i else 0.0))
-        rates[p] = timed_steps(loaded.model, make_samples(p, 40 * probe.tokens_per_step, vocab=vocab, cap=cap,
-                                                          seed=1), probe.tokens_per_step, optimizer, seconds=seconds)
+        rates[p] = timed_steps(loaded.model, make_samples(p, 40 * budget, vocab=vocab, cap=cap_len, seed=1),
+                               budget, optimizer, seconds=seconds)
     emit(ProgressEvent(fraction=1.0, tokens_per_second=min(r.tokens_per_second for r in rates.values())))
-    emit(PhaseEvent(phase=Phase.train, state="end", seconds=time.time() - t0))
+    slow = min(rates, key=lambda p: rates[p].tokens_per_second)
+    extra: list[ShapeRate] = []
+    half = max(t.max_seq_length, budget // 2 // 256 * 256)
+    if half < budget:  # a second size: the night's smaller steps are predicted through both
+        r = timed_steps(loaded.model, make_samples(slow, 40 * half, vocab=vocab, cap=cap_len, seed=2), half,
+                        optimizer, seconds=max(3.0, seconds / 3))
+        extra.append(ShapeRate(tokens_per_step=half, gradient_checkpointing=gc, tokens_per_second=r.tokens_per_second))
+    overheads = measure_overheads(loaded, cfg, load_seconds=load_seconds, vocab=vocab, cap=cap_len)
+    emit(PhaseEvent(phase=Phase.train, state="end", seconds=time.perf_counter() - t0))
     versions = {p: md.version(p) for p in ("torch", "transformers", "peft", "unsloth") if _installed(p)}
     record = calibration_record(probe, rates, gradient_checkpointing=gc, max_vram_gb=max_vram, device=device_name(),
                                 versions=versions)
-    return record, min(rates.values(), key=lambda r: r.tokens_per_second)
+    update: dict = {"overhead_seconds": overheads["total"], "overhead_detail": overheads}
+    del loaded, optimizer
+    pygc.collect()
+    torch.cuda.empty_cache()
+    if not gc and checkpointing_line:
+        try:
+            line, rate = _checkpointing_line(cfg, model_path, settings, slow, seconds=max(3.0, seconds / 3))
+            update.update(checkpointing_memory=line, checkpointing_measured=True)
+            extra.append(rate)
+        except Exception as e:  # the night then estimates it (jobs/training/shape.py) and says so
+            print(f"calibrate: the checkpointing line could not be measured ({type(e).__name__}: {e}); "
+                  "the night will estimate it", file=sys.stderr, flush=True)
+    record = record.model_copy(update={**update, "rates": extra})
+    return CalibrationRecord.model_validate(record.model_dump()), rates[slow]
+
+
+def _checkpointing_line(cfg: NightConfig, model_path: Path, settings, profile: str, *, seconds: float):
+    """The model again with checkpointing on: its memory line and its speed at the size that line allows."""
+    import gc as pygc
+
+    import torch
+
+    from jobs.training.load import load_for_training
+    from jobs.training.probe import probe_memory, timed_steps
+    from jobs.training.step import make_optimizer
+    from jobs.training.synthetic import make_samples
+
+    t = cfg.train
+    shape = StepShape(tokens_per_step=settings.max_tokens, gradient_checkpointing=True, basis="calibration")
+    loaded = load_for_training(model_path, t, adapter=None, shape=shape, cache_dir=Path(cfg.state_dir) / "models")
+    try:
+        vocab, cap_len = len(loaded.tokenizer), min(t.max_seq_length, 2048)
+        optimizer = make_optimizer(loaded.model, lr=t.learning_rate)
+        probe = probe_memory(loaded.model, make_samples("wiki", 8 * settings.probe_tokens, vocab=vocab, cap=cap_len),
+                             settings, optimizer)
+        tokens = probe.tokens_per_step or t.max_seq_length
+        r = timed_steps(loaded.model, make_samples(profile, 40 * tokens, vocab=vocab, cap=cap_len, seed=3), tokens,
+                        optimizer, seconds=seconds)
+        return probe.memory, ShapeRate(tokens_per_step=tokens, gradient_checkpointing=True,
+                                       tokens_per_second=r.tokens_per_second)
+    finally:
+        del loaded
+        pygc.collect()
+        torch.cuda.empty_cache()
 
 
 def _installed(pkg: str) -> bool:

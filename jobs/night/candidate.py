@@ -16,15 +16,13 @@ import structlog
 
 from jobs.contract import ChildEvent, EvalMetrics, Phase, ProgressEvent, StepShape
 from jobs.data.batching import TokenizedSample
-from jobs.data.render import tokenize_record
 from jobs.night.context import RunContext
-from jobs.night.intake import PlannedRun
+from jobs.night.intake import PlannedRun, token_cache
 from jobs.night.measure import EvalSets, build_sets, kept_before, measure_all
 from jobs.store.integrity import verified
 from jobs.training.checkpoints import latest_checkpoint
 from jobs.training.load import Loaded, load_for_training
 from jobs.training.loop import TrainResult, train
-from jobs.training.shape import resolve_step
 
 log = structlog.get_logger("nightshift.night")
 Measured = dict[str, EvalMetrics | None]  # "<heldout|regression>_<before|after>" -> metrics
@@ -50,19 +48,21 @@ def load_model_and_data(ctx: RunContext, planned: PlannedRun) -> Prepared:
                    if planned.parent else None)
     # a checkpoint continues the adapter the "before" figures were measured on: without them, start over
     resume = latest_checkpoint(ctx.checkpoints) if kept_before(ctx) is not None else None
+    shape = planned.shape  # chosen at plan time from the memory free then (jobs/night/intake.py)
     with ctx.phase(Phase.load):
-        shape = resolve_step(cfg.train, ledger.calibration(planned.key))
-        log.info("step_shape", tokens_per_step=shape.tokens_per_step,
-                 gradient_checkpointing=shape.gradient_checkpointing, basis=shape.basis)
         loaded = load_for_training(ctx.model_path, cfg.train, adapter=resume or parent_path, shape=shape,
                                    cache_dir=ctx.state / "models")
-        tok, tk = loaded.tokenizer, {"max_seq_length": cfg.train.max_seq_length, "overlong": cfg.train.overlong,
-                                     "special_tokens": cfg.train.special_tokens}
+        tok = loaded.tokenizer
         train_ids = [sid for sid, role in planned.roles if role in ("train", "replay")]
         heldout_ids = [sid for sid, role in planned.roles if role == "heldout"]
+        cache = token_cache(ctx, tok)  # pull left the ids there: no second tokenisation of the night's data
+        try:
+            train_set = cache.samples(ledger.samples_by_id(train_ids))
+        finally:
+            cache.close()
         prepared = Prepared(
             loaded=loaded, shape=shape,
-            train_set=[tokenize_record(tok, r.id, r.record, **tk) for r in ledger.samples_by_id(train_ids)],
+            train_set=train_set,
             replay_ids={sid for sid, role in planned.roles if role == "replay"},
             heldout_ids=heldout_ids, sets=build_sets(ctx, tok, heldout_ids, planned.parent), resume=resume)
     ctx.summary.load_info, ctx.summary.step_shape = loaded.info, shape
@@ -91,8 +91,12 @@ def train_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun) -> Tra
 
     with ctx.phase(Phase.train):
         result = train(prep.loaded, prep.train_set, ctx.cfg.train, ckpt_root=ctx.checkpoints, deadline=ctx.deadline,
-                       stop=ctx.stop, shape=prep.shape, clock=ctx.clock, emit=relay, resume=prep.resume)
+                       stop=ctx.stop, shape=prep.shape, clock=ctx.clock, emit=relay, resume=prep.resume,
+                       probe_first=not planned.plan.measured)
     s = ctx.summary
+    s.step_shape = StepShape.model_validate(result.detail["step_shape"])  # as trained (a probe may resize it)
+    if result.first_step_at is not None and ctx.process_started is not None:
+        s.first_step_seconds = result.first_step_at - ctx.process_started
     s.trained_samples = sum(1 for i in result.trained_ids if i not in prep.replay_ids)
     s.replay_samples = len(result.trained_ids) - s.trained_samples
     s.cut_samples = sum(1 for i in result.cut_ids + result.partial_ids if i not in prep.replay_ids)

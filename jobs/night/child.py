@@ -16,6 +16,7 @@ import signal
 import sqlite3
 import sys
 import threading
+import time
 from typing import Any
 
 import structlog
@@ -23,6 +24,8 @@ import structlog
 from jobs.contract import ChildEvent, ExitCode, Outcome, ResultEvent, RunSummary, outcome_exit_code
 from jobs.store.files import DamagedState
 from jobs.store.locking import LockTimeout, inherited_night_lock, night_lock
+
+PROCESS_STARTED = time.time()  # the night's "wake": before torch and the model are imported (in main)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                 return ExitCode.BUSY
         try:
             summary = run_night(cfg, night=args.night, deadline=args.deadline, emit=emit, stop=stop,
-                                plan_only=args.plan_only, run_id=args.run_id)
+                                plan_only=args.plan_only, run_id=args.run_id,
+                                process_started=PROCESS_STARTED)
         except (DamagedState, OSError, sqlite3.Error) as e:  # before a run could open: the model, the ledger
             summary = RunSummary(night=args.night, outcome=Outcome.failed, error=failure_text(e))
             structlog.get_logger("nightshift.night").error("night_refused", error=summary.error)

@@ -43,6 +43,7 @@ class RunContext:
     plan_only: bool = False  # `nightshift plan`: nothing is recorded
     parent: int | None = None  # the version in service a new plan continues from (checked by the night)
     gpu: GpuSampler | None = None
+    process_started: float | None = None  # when the child process started (wake -> first step)
 
     @property
     def state(self) -> Path:
@@ -64,6 +65,14 @@ class RunContext:
                 self.ledger.record_phase(self.run_id, name.value, started, secs)
             self.summary.phase_seconds[name.value] = self.summary.phase_seconds.get(name.value, 0.0) + secs
             self.emit(PhaseEvent(phase=name, state="end", seconds=secs))
+
+    def free_vram_gb(self) -> float | None:
+        """The card's free memory now (NVML; None without a card or with [gpu] enabled = false)."""
+        if not self.cfg.gpu.enabled:
+            return None
+        from jobs import gpu
+
+        return gpu.free_vram_gb(gpu.torch_device_uuid() or self.cfg.gpu.device)
 
     def start_gpu(self) -> None:
         if not self.cfg.gpu.enabled:
@@ -88,9 +97,10 @@ class RunContext:
 
 def open_context(cfg: NightConfig, *, model_path: Path, fingerprint: str, night: str, deadline: float, emit: Emit,
                  stop: threading.Event, clock: Callable[[], float], plan_only: bool,
-                 run_id: str | None = None) -> RunContext:
+                 run_id: str | None = None, process_started: float | None = None) -> RunContext:
     """Open tonight's run in the ledger (or reopen the one a crash or stop left open). `run_id`: the id a
-    new run gets (the supervisor chose it to log under); a plan opens the ledger read-only."""
+    new run gets (the supervisor chose it to log under); a plan opens the ledger read-only.
+    `process_started`: when the child process started (wake -> first step)."""
     state = Path(cfg.state_dir)
     ledger = open_read_only(state / "ledger.sqlite", clock=clock) if plan_only else Ledger(state / "ledger.sqlite",
                                                                                           clock=clock)
@@ -111,4 +121,4 @@ def open_context(cfg: NightConfig, *, model_path: Path, fingerprint: str, night:
                       clock=clock, stop=stop,
                       night=night, deadline=deadline, run_id=run_id, model_path=model_path,
                       fingerprint=fingerprint, summary=summary,
-                      resumed=open_run is not None, plan_only=plan_only)
+                      resumed=open_run is not None, plan_only=plan_only, process_started=process_started)

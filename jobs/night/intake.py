@@ -9,15 +9,23 @@ from typing import Any
 import structlog
 
 from jobs import plan as budget
-from jobs.contract import Phase, Plan, PlanEvent, version_name
+from jobs.contract import CalibrationRecord, Phase, Plan, PlanEvent, StepShape, version_name
 from jobs.data.preview import preview
 from jobs.data.pull import PullResult, Quarantine, pull
 from jobs.data.quarantine import prune_quarantine
+from jobs.data.token_cache import TokenCache
 from jobs.night.context import RunContext
 from jobs.store import learning
 from jobs.store.ledger import SampleRow
+from jobs.training.shape import history_for_shape, resolve_step
 
 log = structlog.get_logger("nightshift.night")
+
+
+def token_cache(ctx: RunContext, tokenizer: Any) -> TokenCache:
+    """Where pull leaves the new samples' token ids for the night's load."""
+    return TokenCache(ctx.state / "cache" / "tokens", tokenizer, max_seq_length=ctx.cfg.train.max_seq_length,
+                      overlong=ctx.cfg.train.overlong, special_tokens=ctx.cfg.train.special_tokens)
 
 
 def pull_new_data(ctx: RunContext, tokenizer: Any) -> PullResult:
@@ -31,10 +39,15 @@ def pull_new_data(ctx: RunContext, tokenizer: Any) -> PullResult:
                           excerpt_bytes=cfg.quarantine.excerpt_bytes)
         else:
             prune_quarantine(qfile.parent, cfg.quarantine.keep_days, now=ctx.clock(), keep=qfile)
-            res = pull(cfg.sources, ctx.ledger, tokenizer, run_id=ctx.run_id,
-                       quarantine=Quarantine(qfile, excerpt_bytes=cfg.quarantine.excerpt_bytes),
-                       max_seq_length=cfg.train.max_seq_length, overlong=cfg.train.overlong,
-                       special_tokens=cfg.train.special_tokens, excerpt_bytes=cfg.quarantine.excerpt_bytes)
+            cache = token_cache(ctx, tokenizer)
+            try:
+                res = pull(cfg.sources, ctx.ledger, tokenizer, run_id=ctx.run_id,
+                           quarantine=Quarantine(qfile, excerpt_bytes=cfg.quarantine.excerpt_bytes),
+                           max_seq_length=cfg.train.max_seq_length, overlong=cfg.train.overlong,
+                           special_tokens=cfg.train.special_tokens, excerpt_bytes=cfg.quarantine.excerpt_bytes,
+                           token_cache=cache)
+            finally:
+                cache.close()
     s.files_ingested, s.ingested, s.duplicates = res.files, dict(res.ingested), res.duplicates
     s.quarantined = dict(res.quarantined)
     return res
@@ -45,6 +58,7 @@ class PlannedRun:
     plan: Plan
     roles: list[tuple[int, str]]  # (sample id, train | replay | heldout), in training order
     key: str  # the throughput key: calibrate's record and the run's measurement are filed under it
+    shape: StepShape  # the step shape, fitted into the memory free at the start of this attempt
 
     @property
     def version(self) -> int:
@@ -56,27 +70,42 @@ class PlannedRun:
         return self.plan.parent_version
 
 
+def choose_shape(ctx: RunContext, key: str) -> tuple[StepShape, CalibrationRecord | None]:
+    """The step shape from the calibration and the memory free now (every attempt: the server may
+    have grown or shrunk since the plan was made)."""
+    cal = ctx.ledger.calibration(key)
+    shape = resolve_step(ctx.cfg.train, cal, free_vram_gb=ctx.free_vram_gb(), max_vram_gb=ctx.cfg.gpu.max_vram_gb,
+                         headroom_gb=ctx.cfg.gpu.headroom_gb)
+    log.info("step_shape", tokens_per_step=shape.tokens_per_step, gradient_checkpointing=shape.gradient_checkpointing,
+             free_vram_gb=shape.free_vram_gb, limit_gb=shape.limit_gb, predicted_peak_gb=shape.predicted_peak_gb,
+             basis=shape.basis)
+    return shape, cal
+
+
 def plan_night(ctx: RunContext, *, key: str, backend: str, device: str,
                incoming: Sequence[SampleRow] = ()) -> PlannedRun:
-    """A resumed run keeps the plan it stored (same samples, same version); a new one plans now.
-    `incoming`: samples not ingested yet (a plan's preview of the inbox), newer than every pending one."""
+    """A resumed run keeps the plan it stored (same samples, same version); a new one plans now, with the
+    speed of the step shape it will train with. `incoming`: samples not ingested yet (a plan's preview of
+    the inbox), newer than every pending one."""
     cfg, ledger = ctx.cfg, ctx.ledger
     with ctx.phase(Phase.plan):
+        shape, cal = choose_shape(ctx, key)
         run = ledger.run(ctx.run_id) if ctx.resumed else None
         stored = ledger.plan_of(run) if run is not None else None
         if stored is not None:
-            planned = PlannedRun(stored, ledger.run_samples(ctx.run_id), key)
+            planned = PlannedRun(stored, ledger.run_samples(ctx.run_id), key, shape)
         else:
             pending = ledger.pending(order=cfg.plan.order)
             pending = pending + list(incoming) if cfg.plan.order == "oldest" else [*reversed(incoming), *pending]
-            plan = budget.make_plan(pending, now=ctx.clock(), deadline=ctx.deadline,
-                                    history=ledger.throughput_history(key, cfg.plan.history_runs), cfg=cfg.plan,
+            history, note = history_for_shape(ledger.throughput_history(key, cfg.plan.history_runs), shape, cal)
+            plan = budget.make_plan(pending, now=ctx.clock(), deadline=ctx.deadline, history=history, cfg=cfg.plan,
                                     epochs=cfg.train.epochs, key=key, replay_pool=learning.replay_pool(ledger),
                                     seed=ctx.night, min_heldout=cfg.eval.min_eval_samples)
             plan = plan.model_copy(update={"version": ledger.next_version(),
                                            "parent_version": ctx.parent,
-                                           "backend": backend, "device": device})
-            planned = PlannedRun(plan, plan.roles(), key)
+                                           "backend": backend, "device": device, "step_shape": shape,
+                                           "basis": f"{plan.basis}; {note}" if plan.measured else plan.basis})
+            planned = PlannedRun(plan, plan.roles(), key, shape)
             if not ctx.plan_only and plan.train_ids:
                 ledger.save_plan(ctx.run_id, plan, planned.roles, version_name(cfg.model.name, planned.version))
         p = planned.plan
@@ -86,5 +115,6 @@ def plan_night(ctx: RunContext, *, key: str, backend: str, device: str,
                  basis=p.basis)
     s = ctx.summary
     s.plan, s.plan_basis, s.predicted_train_seconds = p, p.basis, p.predicted_train_seconds
+    s.planned_tokens, s.step_shape = p.train_tokens * p.epochs, planned.shape
     s.deferred_samples, s.parent_version, s.heldout_samples = p.deferred_samples, p.parent_version, len(p.heldout_ids)
     return planned

@@ -159,7 +159,8 @@ def _manifest(ctx: RunContext, prep: Prepared, planned: PlannedRun, result: Trai
         "loss_curve": loss_curve_points(result.loss_curve),
         "phase_seconds": s.phase_seconds,
         "plan": {"predicted_train_seconds": p.predicted_train_seconds, "tokens_per_second": p.tokens_per_second,
-                 "basis": p.basis, "train_tokens": p.train_tokens, "deferred_samples": p.deferred_samples},
+                 "basis": p.basis, "train_tokens": p.train_tokens, "deferred_samples": p.deferred_samples,
+                 "planned_tokens": s.planned_tokens},
         "replay_share": cfg.plan.replay_share, "cut_samples": s.cut_samples,
         "config": shareable_config(cfg),
     }
@@ -199,7 +200,9 @@ def close_run(ctx: RunContext, planned: PlannedRun, result: TrainResult, publish
     ctx.ledger.record_throughput(key=planned.key, run_id=ctx.run_id, origin="run", tokens=result.tokens,
                                  seconds=result.seconds, overhead_seconds=overhead,
                                  detail={"steps": result.steps, "backend": planned.plan.backend,
-                                         "device": planned.plan.device})
+                                         "device": planned.plan.device,
+                                         "tokens_per_step": result.detail.get("tokens_per_step"),
+                                         "gradient_checkpointing": result.detail.get("gradient_checkpointing")})
     ctx.finish("succeeded" if published.promoted else "rejected")
     remove_checkpoints(ctx)
 

@@ -31,22 +31,25 @@ log = structlog.get_logger("nightshift.night")
 
 
 def run_night(cfg: NightConfig, *, night: str, deadline: float, emit: Emit, stop: threading.Event,
-              clock: Callable[[], float] = time.time, plan_only: bool = False, run_id: str | None = None
-              ) -> RunSummary:
+              clock: Callable[[], float] = time.time, plan_only: bool = False, run_id: str | None = None,
+              process_started: float | None = None) -> RunSummary:
     """`plan_only`: pull and plan without changing anything (no ingest, no quarantine file, no move,
-    no model built in the state directory). `run_id`: the id the supervisor logs under (a new run only)."""
+    no model built in the state directory). `run_id`: the id the supervisor logs under (a new run only).
+    `process_started`: when the child process started (the summary's wake -> first step)."""
     if plan_only:
         with model_to_read(cfg) as model_path:
             return _run(cfg, model_path, night=night, deadline=deadline, emit=emit, stop=stop, clock=clock,
-                        plan_only=True, run_id=run_id)
+                        plan_only=True, run_id=run_id, process_started=process_started)
     return _run(cfg, ensure_model(cfg), night=night, deadline=deadline, emit=emit, stop=stop, clock=clock,
-                plan_only=False, run_id=run_id)
+                plan_only=False, run_id=run_id, process_started=process_started)
 
 
 def _run(cfg: NightConfig, model_path: Path, *, night: str, deadline: float, emit: Emit, stop: threading.Event,
-         clock: Callable[[], float], plan_only: bool, run_id: str | None) -> RunSummary:
+         clock: Callable[[], float], plan_only: bool, run_id: str | None, process_started: float | None
+         ) -> RunSummary:
     ctx = open_context(cfg, model_path=model_path, fingerprint=model_fingerprint(model_path), night=night,
-                       deadline=deadline, emit=emit, stop=stop, clock=clock, plan_only=plan_only, run_id=run_id)
+                       deadline=deadline, emit=emit, stop=stop, clock=clock, plan_only=plan_only, run_id=run_id,
+                       process_started=process_started)
     if not plan_only:
         ctx.start_gpu()
     try:

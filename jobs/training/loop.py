@@ -11,6 +11,11 @@ samples it has not reached yet (from the tail) out of every epoch, so the others
 their epochs and the cut ones stay pending for the next night. A sample counts as trained only
 once all its epochs ran; if the deadline still stops a later epoch, the samples it did not
 finish stay pending too. The loss of every step is kept (the night's loss curve).
+
+A night without a measurement for its key does not bet the window on its first step (a 16,384-token
+step of a slow model once took 337 s in a 3-minute window): two probe steps of about PROBE_TOKENS
+each (the first warms up, the second is timed) size the rest, so a step takes at most
+1/STEPS_IN_TIME_LEFT of the time left, never more than the configured shape.
 """
 
 from __future__ import annotations
@@ -49,44 +54,73 @@ class TrainResult:
     cut_ids: list[int] = field(default_factory=list)  # cut whole before their first step (time ran short)
     partial_ids: list[int] = field(default_factory=list)  # stopped before their last epoch: not trained
     loss_curve: list[tuple[int, float]] = field(default_factory=list)  # (optimizer step, loss)
+    first_step_at: float | None = None  # clock() when this attempt's first step ended
 
 
+PROBE_TOKENS = 256
+STEPS_IN_TIME_LEFT = 20
 Cut = tuple[int, list[int]]  # (batch index the cut was made at, sample ids cut)
 
 
-def plan_batches(samples: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: int,
-                 tokens_per_step: int, cuts: Sequence[Cut] = ()) -> list[Batch]:
-    """The whole run's batch sequence, deterministic from (samples, seed, step shape, cuts): a resume replays it."""
-    return _plan(samples, cfg, pad_id, tokens_per_step, cuts)[0]
+def plan_batches(samples: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: int, tokens_per_step: int,
+                 probe_samples: Sequence[int] = (), cuts: Sequence[Cut] = ()) -> list[Batch]:
+    """The whole run's batch sequence, deterministic from (samples, seed, step shape, probe sizes, cuts):
+    a resume replays it. `probe_samples`: the first epoch opens with one batch of each of these many samples."""
+    return _plan(samples, cfg, pad_id, tokens_per_step, probe_samples, cuts)[0]
 
 
 def _plan(samples: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: int, tokens_per_step: int,
-          cuts: Sequence[Cut]) -> tuple[list[Batch], int]:
+          probe_samples: Sequence[int], cuts: Sequence[Cut]) -> tuple[list[Batch], int]:
     """(batches, how many of them are the first epoch's). Each cut keeps the batches before it and
     packs the rest of the first epoch again without the cut samples; later epochs leave them out."""
     import random
 
-    from jobs.training.packing import packed_batches
-
-    def pack(order: list[TokenizedSample]) -> list[Batch]:
-        if cfg.batching == "packed":
-            return list(packed_batches(order, tokens_per_step=tokens_per_step))
-        return list(padded_batches(order, batch_size=cfg.batch_size, max_tokens_per_batch=cfg.max_tokens_per_batch,
-                                   pad_id=pad_id))
-
-    first = pack(list(samples))  # first epoch in plan order (oldest first); later epochs shuffled
+    first: list[Batch] = []
+    start = 0
+    for k in probe_samples:  # first epoch in plan order (oldest first); later epochs shuffled
+        if samples[start : start + k]:
+            first.extend(_batches(samples[start : start + k], cfg, pad_id, 1 << 30))
+        start += k
+    first.extend(_batches(samples[start:], cfg, pad_id, tokens_per_step))
     gone: set[int] = set()
     for at, ids in cuts:
         gone |= set(ids)
         done = {sid for b in first[:at] for sid in b.sample_ids}
-        first = first[:at] + pack([s for s in samples if s.sample_id not in done | gone])
+        first = first[:at] + _batches([s for s in samples if s.sample_id not in done | gone], cfg, pad_id,
+                                      tokens_per_step)
     kept = [s for s in samples if s.sample_id not in gone]
     out = list(first)
     for epoch in range(1, cfg.epochs):
         order = list(kept)
         random.Random(cfg.seed + epoch).shuffle(order)
-        out.extend(pack(order))
+        out.extend(_batches(order, cfg, pad_id, tokens_per_step))
     return out, len(first)
+
+
+def _batches(order: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: int, tokens: int) -> list[Batch]:
+    from jobs.training.packing import packed_batches
+
+    if cfg.batching == "packed":
+        return list(packed_batches(order, tokens_per_step=tokens))
+    big = tokens >= 1 << 30  # a probe batch: all its samples in one step
+    return list(padded_batches(order, batch_size=len(order) if big else cfg.batch_size,
+                               max_tokens_per_batch=tokens if big else min(tokens, cfg.max_tokens_per_batch),
+                               pad_id=pad_id))
+
+
+def probe_sizes(samples: Sequence[TokenizedSample], tokens: int = PROBE_TOKENS) -> list[int]:
+    """How many samples each of the two probe steps takes (about `tokens` each, at least one)."""
+    sizes: list[int] = []
+    i = 0
+    for _ in range(2):
+        n = used = 0
+        while i + n < len(samples) and (n == 0 or used + samples[i + n].n_tokens <= tokens):
+            used += samples[i + n].n_tokens
+            n += 1
+        if n:
+            sizes.append(n)
+        i += n
+    return sizes
 
 
 def _to_cut(batches: Sequence[Batch], i: int, first_len: int, tokens_over: float, epochs: int) -> list[int]:
@@ -117,10 +151,11 @@ def _lengths(b: Batch) -> list[int]:
 def train(
     loaded: Loaded, samples: Sequence[TokenizedSample], cfg: TrainConfig, *, ckpt_root: Path, deadline: float,
     stop: threading.Event, shape: StepShape, clock: Callable[[], float] = time.time,
-    emit: Emit = lambda _: None, resume: Path | None = None, save_seconds: float = 5.0,
+    emit: Emit = lambda _: None, resume: Path | None = None, save_seconds: float = 5.0, probe_first: bool = False,
 ) -> TrainResult:
     """Train `samples` (in order, `cfg.epochs` times) until done, the deadline or `stop`; emits
-    ProgressEvent (version unset: the night knows it) and OomSplitEvent."""
+    ProgressEvent (version unset: the night knows it) and OomSplitEvent. `probe_first`: no
+    measurement of this key yet: size the steps from two short probe steps first."""
     import torch
 
     from jobs.training.step import train_step
@@ -133,22 +168,35 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
     state: dict[str, Any] = {"next_batch": 0, "steps": 0, "tokens": 0, "seconds": 0.0, "loss_sum": 0.0,
                              "loss_n": 0, "halved": False, "tokens_per_step": shape.tokens_per_step, "cuts": [],
-                             "loss_curve": []}
+                             "loss_curve": [], "probe_samples": []}
 
     def step_event(ev: OomSplitEvent) -> None:  # from now on every step runs as two halves (also after a resume)
         state["halved"] = True
         log.warning("cuda_out_of_memory_step_halved", tokens=ev.tokens, halves=ev.halves)
         emit(ev)
 
+    probing = probe_first and resume is None
     if resume is not None:
-        state = {"cuts": [], "loss_curve": [], **json.loads((resume / "state.json").read_text())}
+        state = {"cuts": [], "loss_curve": [], "probe_samples": [], **json.loads((resume / "state.json").read_text())}
         opt = torch.load(resume / "optimizer.pt", map_location=device, weights_only=False)
         optimizer.load_state_dict(opt["optimizer"])
         scheduler.load_state_dict(opt["scheduler"])
-        # the batch sequence the checkpoint counted in, even if calibrate changed the step shape since
-        shape = shape.model_copy(update={"tokens_per_step": int(state.get("tokens_per_step", shape.tokens_per_step))})
+        # the batch sequence the checkpoint counted in, even if the step shape changed since; with less
+        # memory free than when it was chosen, its steps run as two halves from the start
+        ckpt_tokens = int(state.get("tokens_per_step", shape.tokens_per_step))
+        if shape.tokens_per_step < ckpt_tokens and cfg.batching == "packed":
+            state["halved"] = True
+        shape = shape.model_copy(update={"tokens_per_step": ckpt_tokens})
+    elif probing:
+        state["probe_samples"] = probe_sizes(samples)
+    state["tokens_per_step"] = int(state.get("tokens_per_step", shape.tokens_per_step))
+    n_probes = len(state["probe_samples"])
     pad_id = loaded.tokenizer.pad_token_id
-    batches, first_len = _plan(samples, cfg, pad_id, shape.tokens_per_step, state["cuts"])
+
+    def replan() -> tuple[list[Batch], int]:
+        return _plan(samples, cfg, pad_id, state["tokens_per_step"], state["probe_samples"], state["cuts"])
+
+    batches, first_len = replan()
     if resume is not None:
         log.info("resumed_from_checkpoint", checkpoint=str(resume), next_batch=state["next_batch"],
                  of=len(batches))
@@ -157,28 +205,30 @@ def train(
     started = clock()
     seconds_before = float(state["seconds"])
     last_ckpt = clock()
-    step_ema: float | None = None
+    per_token: float | None = None  # seconds per real token (EMA): the next step's predicted time
     stopped: str | None = None
     last_progress = 0.0
+    first_step_at: float | None = None
     total_tokens = sum(b.real_tokens for b in batches)
-    tokens_here = 0  # this attempt's, for its throughput
+    measured_from, since, tokens_here = max(resumed_from, n_probes), started, 0  # this attempt's throughput
     i = resumed_from
     while i < len(batches):
         now = clock()
         if stop.is_set():
             stopped = "signal"
             break
-        if step_ema is not None and now + 1.5 * step_ema + save_seconds > deadline:
+        predicted = 1.5 * per_token * batches[i].real_tokens if per_token is not None else 0.0
+        if now + predicted + save_seconds > deadline:
             stopped = "deadline"
             break
-        if step_ema is not None and i < first_len and i - resumed_from >= 3:
-            rate = tokens_here / max(1e-9, clock() - started)  # tokens/s measured this attempt
-            left = deadline - now - save_seconds - 1.5 * step_ema
+        if per_token is not None and i < first_len and i - measured_from >= 3:
+            rate = tokens_here / max(1e-9, now - since)  # tokens/s measured this attempt (after the probes)
+            left = deadline - now - save_seconds - predicted
             over = (sum(b.real_tokens for b in batches[i:]) / rate - left) * rate * 1.1
             cut = _to_cut(batches, i, first_len, over, cfg.epochs) if over > 0 else []
             if cut:
                 state["cuts"].append([i, cut])
-                batches, first_len = _plan(samples, cfg, pad_id, shape.tokens_per_step, state["cuts"])
+                batches, first_len = replan()
                 total_tokens = sum(b.real_tokens for b in batches)
                 log.info("samples_cut", samples=len(cut), at_batch=i, batches=len(batches),
                          reason="the rest of the run would not fit before the deadline")
@@ -187,15 +237,25 @@ def train(
         st = train_step(model, batches[i], optimizer, device=device, scheduler=scheduler, params=params,
                         on_event=step_event, halve=bool(state.get("halved")))
         loss, dt = st.loss, st.seconds
-        step_ema = dt if step_ema is None else 0.8 * step_ema + 0.2 * dt
+        step_rate = dt / max(1, batches[i].real_tokens)
+        per_token = step_rate if per_token is None or i < n_probes else 0.8 * per_token + 0.2 * step_rate
+        first_step_at = first_step_at or clock()
         state["next_batch"] = i + 1
         state["steps"] += 1
         state["tokens"] += batches[i].real_tokens
         state["loss_sum"] += loss
         state["loss_n"] += 1
         state["loss_curve"].append([state["steps"], loss])
-        tokens_here += batches[i].real_tokens
+        if i >= measured_from:
+            tokens_here += batches[i].real_tokens
+        else:
+            since = clock()
         state["seconds"] = seconds_before + (clock() - started)
+        # after the timed probe, the rest of the night's steps are sized from it
+        if probing and i + 1 == n_probes and _resize(state, shape, left=deadline - clock() - save_seconds,
+                                                      per_token=step_rate):
+            batches, first_len = replan()
+            total_tokens = sum(b.real_tokens for b in batches)
         if clock() - last_ckpt >= cfg.checkpoint_every_seconds and i + 1 < len(batches):
             save_checkpoint(ckpt_root, model, optimizer, scheduler, state)
             last_ckpt = clock()
@@ -214,17 +274,37 @@ def train(
     consumed = _consumed(batches, done)
     last = {sid: k for k, b in enumerate(batches) for sid in b.sample_ids}  # each sample's last batch
     trained = [sid for sid in consumed if last[sid] < done]
+    tokens_per_step = int(state["tokens_per_step"])
+    basis = shape.basis
+    if state["probe_samples"] and tokens_per_step != shape.tokens_per_step:
+        basis += f"; steps of {tokens_per_step:,} tokens, sized from two probe steps (nothing measured yet)"
     return TrainResult(
         trained_ids=trained, partial_ids=[sid for sid in consumed if last[sid] >= done],
         cut_ids=[sid for _, ids in state["cuts"] for sid in ids],
         loss_curve=[(int(st), float(v)) for st, v in state["loss_curve"]],
         tokens=int(state["tokens"]), seconds=float(state["seconds"]),
         steps=int(state["steps"]), mean_loss=state["loss_sum"] / state["loss_n"] if state["loss_n"] else None,
-        stopped=stopped, resumed_from_step=resumed_from,
-        detail={"batches": len(batches), "batches_done": int(state["next_batch"]), "halved": state["halved"],
-                "tokens_per_step": shape.tokens_per_step, "gradient_checkpointing": shape.gradient_checkpointing,
-                "step_shape_basis": shape.basis, "batching": cfg.batching, "cuts": state["cuts"]},
+        stopped=stopped, resumed_from_step=resumed_from, first_step_at=first_step_at,
+        detail={"batches": len(batches), "batches_done": done, "halved": state["halved"],
+                "tokens_per_step": tokens_per_step, "gradient_checkpointing": shape.gradient_checkpointing,
+                "step_shape_basis": basis, "batching": cfg.batching, "cuts": state["cuts"],
+                "probe_samples": list(state["probe_samples"]),
+                "step_shape": shape.model_copy(update={"tokens_per_step": tokens_per_step,
+                                                       "basis": basis}).model_dump(mode="json")},
     )
+
+
+def _resize(state: dict[str, Any], shape: StepShape, *, left: float, per_token: float) -> bool:
+    """After the timed probe: steps of at most 1/STEPS_IN_TIME_LEFT of the time left (and at most the
+    shape's size). Recorded in the state, so a resume rebuilds exactly this batch sequence."""
+    fit = int(max(0.0, left) / STEPS_IN_TIME_LEFT / max(per_token, 1e-9))
+    tokens = max(1, min(shape.tokens_per_step, fit))
+    log.info("step_size_from_probe", seconds_per_1k_tokens=round(per_token * 1000, 4), seconds_left=round(left, 1),
+             tokens_per_step=tokens, configured=shape.tokens_per_step)
+    if tokens == int(state["tokens_per_step"]):
+        return False
+    state["tokens_per_step"] = tokens
+    return True
 
 
 def _consumed(batches: Sequence[Batch], upto: int) -> list[int]:

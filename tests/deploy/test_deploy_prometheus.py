@@ -96,7 +96,7 @@ def promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProces
 def test_promtool_check_rules() -> None:
     out = promtool("check", "rules", str(RULES))
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "SUCCESS: 8 rules found" in out.stdout
+    assert "SUCCESS: 9 rules found" in out.stdout
 
 
 @needs_promtool

@@ -240,6 +240,48 @@ def test_sglang_same_policy(tmp_path: Path, servers: list[Fake]) -> None:
     assert again.ok and again.detail["already_loaded"]
 
 
+def test_sglang_load_is_confirmed_from_its_answer_where_v1_models_lists_only_the_base(
+    tmp_path: Path, servers: list[Fake]
+) -> None:
+    """SGLang 0.4.9 to 0.5.4.post1: /v1/models lists the base model alone; the load answer's
+    `loaded_adapters` is what says the adapter is held (the hot-swap used to fail here)."""
+    srv = start(servers, "sglang-base-only")
+    c = cfg({"kind": "sglang", "name": "sg", "base_url": srv.url, "keep_loaded": 2})
+    for v in (1, 2, 3):
+        [out] = notify_all(c, adapter(tmp_path, v), sleep=Sleeps())
+        assert out.ok, out.error
+        assert out.detail["confirmed_by"] == "load response"
+        assert out.detail["loaded"] == [f"tiny-v000{n}" for n in range(max(1, v - 1), v + 1)]
+    assert list(srv.loaded) == ["tiny-v0002", "tiny-v0003"]  # keep_loaded, from the answer's list
+    assert [r["body"]["lora_name"] for r in srv.posts("/unload_lora_adapter")] == ["tiny-v0001"]
+    # a re-send: SGLang says "already loaded" (its error answer lists nothing here): held, so a success
+    [again] = notify_all(c, adapter(tmp_path, 3), sleep=Sleeps())
+    assert again.ok and again.detail["already_loaded"] and again.attempts == 1
+    assert loaded_versions(c.targets[0], "tiny") == []  # /v1/models cannot tell on this build
+
+
+def test_a_lora_server_that_cannot_confirm_a_load_is_a_clear_failure(tmp_path: Path, servers: list[Fake]) -> None:
+    """An answer without `loaded_adapters` and a /v1/models without adapters: not confirmed, not retried."""
+    srv = start(servers, "sglang-base-only")
+    real = srv._sglang_answer
+    srv._sglang_answer = lambda ok, msg: {**real(ok, msg), "loaded_adapters": None}  # type: ignore[method-assign]
+    c = cfg({"kind": "sglang", "name": "sg", "base_url": srv.url, "retries": 3})
+    [out] = notify_all(c, adapter(tmp_path, 1), sleep=Sleeps())
+    assert not out.ok and out.attempts == 1 and "cannot confirm the load" in (out.error or "")
+
+
+def test_vllm_error_bodies_as_0_11_and_later_send_them(tmp_path: Path, servers: list[Fake]) -> None:
+    srv = start(servers, "vllm")
+    c = cfg({"kind": "vllm", "name": "v", "base_url": srv.url, "retries": 2})
+    gone = adapter(tmp_path, 4)
+    gone.path.joinpath("adapter_config.json").unlink()
+    gone.path.rmdir()
+    [out] = notify_all(c, gone, sleep=Sleeps())
+    assert not out.ok and "No adapter found for" in (out.error or "")  # read from {"error": {"message"}}
+    [ok] = notify_all(c, adapter(tmp_path, 5), sleep=Sleeps())
+    assert ok.ok and ok.detail["confirmed_by"] == "/v1/models"
+
+
 # -- failures, retries, timeouts --------------------------------------------------------------
 def test_retries_with_exponential_backoff(tmp_path: Path, servers: list[Fake]) -> None:
     srv = start(servers, "fail", status=503)

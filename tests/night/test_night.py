@@ -107,7 +107,10 @@ def test_stop_signal_checkpoints_and_the_rerun_resumes_without_retraining(night_
     manifest = json.loads((cfg.state_dir / "current" / "manifest.json").read_text())
     done_before = manifest["training"]["resumed_from_step"]
     assert done_before >= 1
-    batches = 3 * 15  # 60 samples / 4 per batch x 3 epochs
+    # 60 samples / 4 per batch x 3 epochs, but the unmeasured night opens with two probe steps
+    probed = sum(manifest["training"]["probe_samples"])
+    batches = manifest["training"]["batches"]
+    assert len(manifest["training"]["probe_samples"]) == 2 and batches == 2 + -(-(60 - probed) // 4) + 2 * 15
     assert s2["steps"] == batches  # every batch exactly once across both attempts
     assert led.sample_counts() == {"trained": 60}
     assert not (cfg.state_dir / "checkpoints" / s1["run_id"]).exists()

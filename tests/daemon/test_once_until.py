@@ -1,0 +1,89 @@
+"""`nightshift once --until` ends the night by the window's end, whatever the prior promised."""
+
+import datetime as dt
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from daemon import cli
+from daemon.supervisor import ChildOutcome
+from jobs.store.ledger import Ledger
+from tests.conftest import REPO, toml_config, write_jsonl
+
+
+def test_once_stops_the_child_at_the_windows_end_as_the_service_does(tmp_path, monkeypatch):
+    """SIGTERM at --until, then the grace, then SIGKILL: `once` hands the window's end to the same wait."""
+    cfg, _ = toml_config(tmp_path, tmp_path / "model", more="[daemon]\nstop_grace_seconds = 7\n")
+    seen = {}
+
+    class Child:
+        def __init__(self, *a, **kw):
+            pass
+
+        def start(self):
+            return 1
+
+    def wait(child, stop, grace, stop_at=None, **kw):
+        seen.update(grace=grace, stop_at=stop_at)
+        return ChildOutcome(-9, None, ["killed"])
+
+    monkeypatch.setattr(cli, "NightChild", Child)
+    monkeypatch.setattr(cli, "wait_interruptibly", wait)
+    until = (dt.datetime.now() + dt.timedelta(minutes=5)).replace(microsecond=0)
+    assert cli.main(["--config", str(cfg), "once", "--until", until.strftime("%H:%M:%S")]) == 1
+    assert seen == {"grace": 7, "stop_at": until.timestamp()}
+    assert cli.parse_until("01:02:03", 0, dt.datetime(2026, 1, 1, 0, 0)) == dt.datetime(2026, 1, 1, 1, 2, 3).timestamp()
+    with pytest.raises(SystemExit, match="HH:MM or HH:MM:SS"):
+        cli.parse_until("1", 0, dt.datetime(2026, 1, 1))
+
+
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory):
+    """A model slow enough on a CPU (~50-100 tok/s) that the configured 16,384-token step would take minutes."""
+    from jobs.training.architectures import build_random_model
+
+    return build_random_model("small-llama", tmp_path_factory.mktemp("slow") / "small-llama")
+
+
+def words(i: int, n: int) -> str:
+    return " ".join(f"w{(i * 7 + j) % 256}" for j in range(n))
+
+
+@pytest.mark.slow
+def test_once_with_a_wrong_prior_ends_by_until_and_trains_what_fit(tmp_path, slow_model):
+    """Prior 1,000,000 tok/s on a model that does ~50-100 tok/s here: the plan takes every sample (minutes
+    of work); the probe steps size the rest, the night stops at its deadline, publishes what it
+    trained, and `once` returns before --until. The summary shows the miss in tokens."""
+    cfg, inbox = toml_config(tmp_path, slow_model, tokens_per_step="auto", more="""
+[window]
+save_margin_minutes = 0.15
+min_run_minutes = 0.1
+[daemon]
+stop_grace_seconds = 5
+""")
+    text = cfg.read_text().replace("prior_tokens_per_second = 2000", "prior_tokens_per_second = 1000000")
+    text = text.replace('batching = "padded"', 'batching = "packed"')
+    cfg.write_text(text)
+    write_jsonl(inbox / "a.jsonl", [{"instruction": words(i, 12), "output": words(i + 1, 12)} for i in range(300)])
+    until = (dt.datetime.now() + dt.timedelta(seconds=55)).replace(microsecond=0)
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "daemon", "--config", str(cfg), "once", "--until",
+                        until.strftime("%H:%M:%S")], cwd=REPO, capture_output=True, text=True, timeout=240)
+    ended = time.time()
+    assert ended <= until.timestamp() + 1.0, f"once ended {ended - until.timestamp():.1f} s after --until"
+    assert r.returncode == 0, r.stderr[-3000:]
+    led = Ledger(tmp_path / "state" / "ledger.sqlite")
+    try:
+        [run] = led.last_runs(5)
+        s = led.summary_of(run)
+    finally:
+        led.close()
+    assert s is not None and s.stopped == "deadline" and s.plan is not None and not s.plan.measured
+    assert 0 < s.trained_tokens < s.planned_tokens  # the plan promised everything; the window held less
+    assert ended - t0 < 60 and s.first_step_seconds is not None
+    manifest = json.loads((tmp_path / "state" / "adapters" / "tiny-v0001" / "manifest.json").read_text())
+    assert manifest["training"]["probe_samples"] and manifest["training"]["tokens_per_step"] < 16384
+    assert "of the plan)" in r.stdout and "sized from two probe steps" in r.stdout  # the table says both

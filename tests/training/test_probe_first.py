@@ -1,0 +1,54 @@
+"""A night without a measurement sizes its steps from two short probe steps, not the whole budget."""
+
+import threading
+import time
+
+from jobs.contract import StepShape
+from jobs.data.batching import TokenizedSample
+from jobs.training import step as step_mod
+from jobs.training.config import TrainConfig
+from jobs.training.loop import PROBE_TOKENS, STEPS_IN_TIME_LEFT, plan_batches, probe_sizes, train
+
+
+def samples(n: int, length: int = 40) -> list[TokenizedSample]:
+    return [TokenizedSample(i, [5 + (i + j) % 50 for j in range(length)], [-100] + [7] * (length - 1))
+            for i in range(n)]
+
+
+def test_probe_batches_open_the_first_epoch_and_are_rebuilt_identically():
+    cfg = TrainConfig(batching="packed", epochs=2)
+    xs = samples(50)
+    sizes = probe_sizes(xs)
+    assert sizes == [PROBE_TOKENS // 40, PROBE_TOKENS // 40]
+    a = plan_batches(xs, cfg, 0, 400, sizes)
+    assert [len(b.sample_ids) for b in a[:2]] == sizes and a[0].sample_ids == list(range(sizes[0]))
+    assert [b.sample_ids for b in a] == [b.sample_ids for b in plan_batches(xs, cfg, 0, 400, sizes)]
+    assert sum(len(b.sample_ids) for b in a) == 100  # every sample once per epoch
+
+
+def test_a_slow_model_with_a_wrong_prior_takes_steps_that_fit_the_time_left(tiny_model, tmp_path, monkeypatch):
+    """Each token costs 1 ms here: one configured 16,384-token step would take 16 s of a 15 s budget."""
+    from jobs.training.load import load_for_training
+
+    cfg = TrainConfig(backend="hf", batching="packed", max_seq_length=128, lora_rank=4)
+    shape = StepShape(tokens_per_step=16384, gradient_checkpointing=False, basis="test")
+    loaded = load_for_training(tiny_model, cfg, adapter=None, shape=shape)
+    real_step = step_mod.train_step
+    seen: list[tuple[int, float]] = []
+
+    def slow_step(model, batch, optimizer, **kw):
+        st = real_step(model, batch, optimizer, **kw)
+        time.sleep(batch.real_tokens * 1e-3)
+        st.seconds += batch.real_tokens * 1e-3
+        seen.append((batch.real_tokens, st.seconds))
+        return st
+
+    monkeypatch.setattr(step_mod, "train_step", slow_step)
+    t0 = time.time()
+    res = train(loaded, samples(600), cfg, ckpt_root=tmp_path / "ck", deadline=t0 + 15.0, stop=threading.Event(),
+                shape=shape, save_seconds=0.5, probe_first=True)
+    assert time.time() - t0 < 15.0  # no step ran past the deadline
+    assert res.stopped == "deadline" and res.steps >= 3
+    assert res.detail["probe_samples"] == probe_sizes(samples(600))
+    assert res.detail["tokens_per_step"] <= 15.0 / STEPS_IN_TIME_LEFT / 1e-3  # 1/20 of the time left at most
+    assert max(s for _, s in seen[1:]) < 15.0 / 3  # after the first (warm-up) probe, no step near the budget
