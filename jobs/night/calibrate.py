@@ -68,6 +68,13 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float):  # -> (Calib
     settings = ProbeSettings(max_vram_gb=max_vram, min_tokens=t.max_seq_length)
     shape = StepShape(tokens_per_step=settings.max_tokens, gradient_checkpointing=gc, basis="calibration")
     loaded = load_for_training(model_path, t, adapter=None, shape=shape, cache_dir=Path(cfg.state_dir) / "models")
+    fp8 = decision = None
+    if t.compute != "bf16":  # issue 16: the FP8 check decides what is measured (refused: says why)
+        from jobs.training.fp8_setup import calibrate_fp8
+
+        decision, fp8 = calibrate_fp8(loaded, cfg, model_path)
+        if decision.error:
+            raise ValueError(decision.error)
     vocab, cap = len(loaded.tokenizer), min(t.max_seq_length, 2048)
     optimizer = make_optimizer(loaded.model, lr=t.learning_rate)
     probe = probe_memory(loaded.model, make_samples("wiki", 8 * settings.probe_tokens, vocab=vocab, cap=cap),
@@ -80,6 +87,9 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float):  # -> (Calib
     versions = {p: md.version(p) for p in ("torch", "transformers", "peft", "unsloth") if _installed(p)}
     record = calibration_record(probe, rates, gradient_checkpointing=gc, max_vram_gb=max_vram, device=device_name(),
                                 versions=versions)
+    if decision is not None:
+        record = record.model_copy(update={"compute": decision.compute, "fp8_refused": decision.refused,
+                                           "numerics": None if fp8 is None else fp8.numerics})
     return record, min(rates.values(), key=lambda r: r.tokens_per_second)
 
 

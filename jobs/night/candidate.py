@@ -21,6 +21,7 @@ from jobs.data.render import tokenize_record
 from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun
 from jobs.training.checkpoints import latest_checkpoint
+from jobs.training.compute import with_compute
 from jobs.training.load import Loaded, load_for_training
 from jobs.training.loop import TrainResult, train
 from jobs.training.shape import resolve_step
@@ -48,9 +49,10 @@ def load_model_and_data(ctx: RunContext, planned: PlannedRun) -> Prepared:
     parent_path = ctx.registry.path_of(cfg.model.name, planned.parent) if planned.parent else None
     resume = latest_checkpoint(ctx.checkpoints)
     with ctx.phase(Phase.load):
-        shape = resolve_step(cfg.train, ledger.calibration(planned.key))
+        calibrated = ledger.calibration(planned.key)
+        shape = with_compute(resolve_step(cfg.train, calibrated), cfg.train, calibrated)  # compute: issue 16
         log.info("step_shape", tokens_per_step=shape.tokens_per_step,
-                 gradient_checkpointing=shape.gradient_checkpointing, basis=shape.basis)
+                 gradient_checkpointing=shape.gradient_checkpointing, compute=shape.compute, basis=shape.basis)
         loaded = load_for_training(ctx.model_path, cfg.train, adapter=resume or parent_path, shape=shape,
                                    cache_dir=ctx.state / "models")
         tok, tk = loaded.tokenizer, {"max_seq_length": cfg.train.max_seq_length, "overlong": cfg.train.overlong}
