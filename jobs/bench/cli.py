@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ours-ckpt", action="store_true", help="our path with Unsloth checkpointing (large models)")
     p.add_argument("--compute", type=_csv, default=["bf16"],
                    help="ours: comma-separated bf16, fp8 (frozen base on FP8), fp8t (FP8 + kept transposed copy); "
-                        "one worker each (default: bf16)")
+                        "each in its own process (default: bf16)")
     p.add_argument("--fp8-learnable-steps", type=int, default=30,
                    help="ours fp8: steps per loss curve of the numerics check (0: per-layer errors only)")
     p.add_argument("--lora-r", type=int, default=16)
@@ -111,12 +111,12 @@ def bench(s: BenchSettings) -> int:
     with smi_log(s.smi_log, s.smi_fields):
         for stack in s.stacks:
             for c in (s.compute if stack == "ours" else ("bf16",)):  # ours: one worker per compute (issue 16)
-                name = stack if c == "bf16" else f"{stack}[{c}]"
+                run_name = stack if c == "bf16" else f"{stack}[{c}]"
                 left = s.deadline - (time.time() - t0) if s.deadline else 3600
                 if left < 30:
-                    codes[name] = "skipped: no time left"
+                    codes[run_name] = "skipped: no time left"
                     continue
-                codes[name] = spawn(stack, s.model_copy(update={"ours_compute": c}), model.path, rows_path, left)
+                codes[run_name] = spawn(stack, s.model_copy(update={"ours_compute": c}), model.path, rows_path, left)
     rows = summarise(read_rows(rows_path), matmul=model.matmul_params, peak_flops=s.peak_flops)
     write_result(
         s.out / f"bench-{name}.json",
