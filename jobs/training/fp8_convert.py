@@ -92,6 +92,19 @@ def dense_weight(base: Any) -> tuple[torch.Tensor | None, bool, str]:
     return None, False, f"unsupported base {type(base).__name__} ({w.dtype})"
 
 
+def not_plain(proj: Any) -> str | None:
+    """Why a LoRA layer is not plain LoRA (one adapter, no dropout, no lora bias, no DoRA), else None."""
+    if len(proj.lora_A) != 1:
+        return "several adapters"
+    if any(not isinstance(d, torch.nn.Identity) for d in proj.lora_dropout.values()):
+        return "LoRA dropout (the FP8 layers run plain LoRA)"
+    if any(getattr(b, "bias", None) is not None for b in proj.lora_B.values()):
+        return "LoRA bias (the FP8 layers run plain LoRA)"
+    if len(getattr(proj, "lora_magnitude_vector", None) or {}):
+        return "DoRA"
+    return None
+
+
 @dataclass
 class Conversion:
     """Swaps bases for FP8Base, unit by unit; `revert()` puts the originals back (if kept), `commit()`
@@ -127,6 +140,10 @@ class Conversion:
 
     def _unit(self, u: Unit) -> None:
         names = [n for n, _ in u.projs.values()]
+        if u.route == "fused":  # the FP8 Functions run plain LoRA only: anything else would run Unsloth's own
+            why = next((w for _, p in u.projs.values() if (w := not_plain(p))), None)
+            if why:
+                u.route, u.why = "blocked", why
         if u.route == "blocked":
             self._keep(names, u.why, {})
             return

@@ -182,6 +182,13 @@ def test_a_fused_layer_converts_whole_or_not_at_all_and_every_fallback_is_counte
     assert conv2.converted == 6 and conv2.fallbacks == {"shape (40, 64) not divisible by 16": 1}
 
 
+def test_a_fused_layer_with_lora_dropout_stays_bf16(fake_unsloth):
+    model, attn, _ = _block()
+    attn.k_proj.lora_dropout["default"] = torch.nn.Dropout(0.1)
+    conv = Conversion().run(find_units(model))
+    assert conv.converted == 4 and conv.fallbacks == {"LoRA dropout (the FP8 layers run plain LoRA)": 3}
+
+
 def test_a_layer_with_too_much_error_stays_bf16(fake_unsloth, monkeypatch):
     import jobs.training.fp8_convert as fc
     from jobs.contract import LayerNumerics
