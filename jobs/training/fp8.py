@@ -41,7 +41,9 @@ log = structlog.get_logger("nightshift.train")
 
 E4M3 = torch.float8_e4m3fn
 FMAX = 448.0  # largest finite e4m3fn
-MIN_AMAX = 1e-12  # an all-zero row (padding) gets this instead of a zero scale
+# An all-zero row (padding) gets this instead of a zero scale. Far below any real row, so that tiny
+# rows (dy * s_w in the backward: gradients times weight scales of ~1e-4) keep their own scale.
+MIN_AMAX = 1e-30
 ALIGN = 16  # the FP8 GEMM needs K and N divisible by 16 (M is free)
 
 

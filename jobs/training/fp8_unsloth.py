@@ -201,6 +201,15 @@ def _mlp_override(module: Any) -> tuple[str, Any] | None:
     return None
 
 
+def _dist_version(name: str) -> str:
+    import importlib.metadata as md
+
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return "?"
+
+
 def install(model: Any) -> PatchReport:
     """Replace Unsloth's fused LoRA functions on this model's layers by ours (see the module doc)."""
     try:
@@ -208,7 +217,7 @@ def install(model: Any) -> PatchReport:
         fl = _fast_lora()
     except Exception as e:
         return PatchReport("unavailable", f"unsloth not importable: {type(e).__name__}: {e}"[:300])
-    version = getattr(unsloth, "__version__", "?")
+    version = getattr(unsloth, "__version__", None) or _dist_version("unsloth")
     missing = [n for n in _NEEDED if not hasattr(fl, n)]
     if version != UNSLOTH_VERSION or missing:
         return PatchReport("unavailable", f"written against Unsloth {UNSLOTH_VERSION}, found {version}"

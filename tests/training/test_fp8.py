@@ -73,6 +73,15 @@ def test_dgrad_folds_the_weight_scales_into_dy_and_sums_a_group_in_one_gemm():
     assert torch.equal(kept, dx)  # the kept transposed copy and the per-backward transpose agree
 
 
+def test_tiny_gradients_are_not_flushed_to_zero():
+    """dy times the weight scales (~1e-4) is quantised per row: a row's scale follows it down (only an
+    all-zero row gets the floor), so even 1e-16 gradients keep FP8's relative precision."""
+    base = FP8Base.from_weight(torch.randn(64, 32) * 0.02)
+    dy = torch.randn(8, 64) * 1e-16
+    dx = fp8_dgrad((dy,), base.own_group(), torch.float32)
+    assert rel_error(dx, dy @ base.dequantized()) < 0.05
+
+
 @pytest.mark.parametrize(("kind", "shapes"), [
     ("qkv", [(64, 64), (32, 64), (32, 64)]),
     ("o", [(64, 128)]),
