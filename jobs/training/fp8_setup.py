@@ -76,6 +76,9 @@ def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, 
         patch = fp8_unsloth.install(model) if unsloth else fp8_unsloth.PatchReport(
             "native", "PEFT's forwards call the FP8 base modules")
         out.patch = patch.as_dict()
+        from jobs.training.fp8 import fast_accum_forward
+
+        out.conversion["fast_accum_forward"] = fast_accum_forward()
         units = find_units(model)
         tested = _self_test(units, unsloth) if cuda else {}
         out.conversion["self_test"] = {f"{k[0]} {list(k[2])}": v or "ok" for k, v in tested.items()}
