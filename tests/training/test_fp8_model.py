@@ -272,3 +272,48 @@ def test_a_night_on_the_cpu_runs_bf16_and_says_why_and_fp8_there_is_a_clear_erro
     assert summary["step_shape"]["compute"] == "bf16" and "no CUDA device" in summary["step_shape"]["basis"]
     failed = run(make(train={"compute": "fp8"}), night="2026-11-22")
     assert failed["outcome"] == "failed" and '[train] compute = "fp8": no CUDA device' in failed["error"]
+
+
+def _fake_unsloth_package(monkeypatch, version="2026.10.9"):
+    """Enough of `unsloth` for install(): the version and fast_lora's names."""
+    import sys
+
+    def apply_lora_qkv(self, x, inplace=True):
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def apply_lora_o(self, x):
+        return self.o_proj(x)
+
+    def apply_lora_mlp_swiglu(self, x, inplace=True):
+        return type(self).forward(self, x)
+
+    fl = types.ModuleType("unsloth.kernels.fast_lora")
+    fl.__dict__.update(apply_lora_qkv=apply_lora_qkv, apply_lora_o=apply_lora_o,
+                       apply_lora_mlp_swiglu=apply_lora_mlp_swiglu, _lora_dropout_and_bias=None,
+                       _has_multiple_active_adapters=None, _has_active_dora_adapter=None,
+                       _has_activation_fake_quantizer=None, _active_lora_adapter=None)
+    kernels = types.ModuleType("unsloth.kernels")
+    kernels.fast_lora = fl
+    pkg = types.ModuleType("unsloth")
+    pkg.__version__, pkg.kernels = version, kernels
+    for name, mod in (("unsloth", pkg), ("unsloth.kernels", kernels), ("unsloth.kernels.fast_lora", fl)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    return fl
+
+
+def test_install_replaces_unsloths_fused_functions_per_instance_or_reports_why_not(monkeypatch):
+    fl = _fake_unsloth_package(monkeypatch)
+    model, attn, mlp = _block()
+    attn.apply_qkv, attn.apply_o = fl.apply_lora_qkv, fl.apply_lora_o  # as Unsloth's patch_peft_model binds
+    mlp.forward = types.MethodType(fl.apply_lora_mlp_swiglu, mlp)
+    assert [u.route for u in find_units(model)] == ["blocked"] * 3  # not ours yet: nothing may convert
+    rep = fp8_unsloth.install(model)
+    assert (rep.status, rep.qkv, rep.o, rep.mlp) == ("patched", 1, 1, 1)
+    assert attn.apply_qkv is fp8_unsloth.fp8_apply_qkv and attn._ns_orig_apply_qkv is fl.apply_lora_qkv
+    assert mlp.forward.__func__ is fp8_unsloth.fp8_apply_mlp and mlp._ns_orig_mlp.__func__ is fl.apply_lora_mlp_swiglu
+    assert [u.route for u in find_units(model)] == ["fused"] * 3
+
+    model2, _, _ = _block()
+    _fake_unsloth_package(monkeypatch, version="2027.1.1")
+    rep = fp8_unsloth.install(model2)
+    assert rep.status == "unavailable" and "written against Unsloth 2026.10.9, found 2027.1.1" in rep.detail
