@@ -98,6 +98,7 @@ class StepShape(Frozen):
     free_vram_gb: float | None = Field(None, description="free card memory when the shape was chosen (NVML)")
     limit_gb: float | None = Field(None, description="what the step's predicted peak had to stay under")
     predicted_peak_gb: float | None = Field(None, description="the memory model's peak for this shape")
+    compute: Literal["bf16", "fp8"] = Field("bf16", description="the frozen base's matmuls (issue 16)")
 
 
 class ShapeRate(Frozen):
@@ -106,6 +107,42 @@ class ShapeRate(Frozen):
     tokens_per_step: int = Field(ge=1)
     gradient_checkpointing: bool
     tokens_per_second: float = Field(gt=0)
+
+
+
+class LayerNumerics(Frozen):
+    """One frozen projection: relative output error ||y - y_ref|| / ||y_ref|| on captured activations."""
+
+    name: str
+    shape: tuple[int, int] = Field(description="(out_features, in_features)")
+    fp8: float | None = Field(description="FP8 forward against the bf16 matmul with the weight as loaded")
+    fp8_dgrad: float | None = Field(None, description="FP8 input gradient (s_w folded into dy) against bf16")
+    nf4: float | None = Field(None, description="NF4 weight against the bf16 source weight (None: no source)")
+    fp8_vs_source: float | None = Field(None, description="FP8 forward against the bf16 source weight")
+    converted: bool = True
+    fallback: str | None = Field(None, description="why it stays bf16")
+
+
+class FP8Numerics(Frozen):
+    """The FP8 numerics check of one model on one card: per-layer errors, the loss of a learnable task."""
+
+    passed: bool
+    reasons: list[str] = Field(default_factory=list, description="why it failed")
+    activations: str = Field(description="where the activations came from")
+    layers: int = 0
+    converted: int = 0
+    fallbacks: dict[str, int] = Field(default_factory=dict, description="reason -> projections kept in bf16")
+    max_layer_error: float = Field(description="the per-layer limit")
+    fp8_error: dict[str, float] = Field(default_factory=dict, description="median / p90 / max over layers")
+    nf4_error: dict[str, float] = Field(default_factory=dict, description="median / p90 / max (bf16 source only)")
+    by_projection: dict[str, dict[str, float]] = Field(default_factory=dict, description="q_proj -> fp8/nf4 medians")
+    worst: list[LayerNumerics] = Field(default_factory=list)
+    loss_bf16: list[float] = Field(default_factory=list)
+    loss_fp8: list[float] = Field(default_factory=list)
+    loss_max_rel_diff: float | None = Field(None, description="max over 5-step windows of |fp8 - bf16| / bf16")
+    loss_tolerance: float | None = None
+    loss_learned: bool | None = Field(None, description="the bf16 curve fell: the task was learnable")
+    seconds: float = 0.0
 
 
 class CalibrationRecord(Frozen):
@@ -125,6 +162,9 @@ class CalibrationRecord(Frozen):
     checkpointing_measured: bool = Field(False, description="checkpointing_memory was probed, not estimated")
     rates: list[ShapeRate] = Field(default_factory=list, description="further shapes timed (smaller, ckpt)")
     measured_at: float = Field(default_factory=time.time)
+    compute: Literal["bf16", "fp8"] = Field("bf16", description="what was measured: the frozen base in bf16 or FP8")
+    fp8_refused: str | None = Field(None, description="why FP8 was refused on this card/model (compute auto)")
+    numerics: FP8Numerics | None = Field(None, description="the FP8 numerics check, when it ran")
 
     @property
     def slowest_tokens_per_second(self) -> float:
@@ -133,7 +173,7 @@ class CalibrationRecord(Frozen):
 
     def shape(self) -> StepShape:
         return StepShape(tokens_per_step=self.tokens_per_step, gradient_checkpointing=self.gradient_checkpointing,
-                         basis=f"calibrated under max_vram_gb={self.max_vram_gb:g}")
+                         basis=f"calibrated under max_vram_gb={self.max_vram_gb:g}", compute=self.compute)
 
 
 # ---- the plan -----------------------------------------------------------------------------------

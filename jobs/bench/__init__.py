@@ -5,6 +5,8 @@ nothing under daemon/ or jobs/{night,training,data,store} imports this package.
     python -m jobs.bench faststart --arch llama3.1-8b --state-dir S    (time to first step, night 1 / night 2)
     python -m jobs.bench budget --arch llama3.1-8b                     (plan from calibration, then train)
     python -m jobs.bench moe --arch gpt-oss-small                      (LoRA reaches the experts?)
+    python -m jobs.bench bench --arch llama3.1-8b --stacks ours --compute fp8,bf16
+                                       (our path with the frozen base on FP8 beside bf16: issue 16)
 
 (`nightshift calibrate` measures and records our path for the planner: jobs/night/calibrate.py.)
 
@@ -14,7 +16,9 @@ and a fresh process frees every byte of VRAM between stacks):
   unsloth    Unsloth defaults (its offloaded checkpointing), batch 4 padded
   trl        Unsloth + TRL SFTTrainer: padding_free with a large batch, and packing=True
   ours       nightshift: packed rows to a token budget chosen from measured memory under
-             max_vram_gb, varlen attention (no cross-sample attention), checkpointing off when it fits
+             max_vram_gb, varlen attention (no cross-sample attention), checkpointing off when it fits;
+             one worker per --compute (bf16; fp8: frozen base on FP8 after the numerics check, whose
+             row "numerics" and fp8-layers-<compute>.json it writes; fp8t: FP8 + kept transposed copy)
 
 The parent (cli.py) holds no GPU memory while workers run: it never imports torch; the model is
 built random-initialised (or read) in a child of its own (model.py). Workers get the settings
@@ -23,5 +27,6 @@ built random-initialised (or read) in a child of its own (model.py). Workers get
 Data: random token ids, lengths log-normal with mean 117 ("alpaca") or 861 ("wiki"), capped at
 2048 (jobs.training.synthetic). Each row: warm-up steps, then timed steps (up to --max-steps or
 --seconds) (measure.py). real tok/s counts non-padding tokens. MFU = real tok/s x 4 x matmul
-params / --peak-flops (report.py). Power and energy: NVML (jobs.gpu.GpuSampler) over the timed window.
+params / --peak-flops (report.py); the table shows each row against its own format's peaks.
+Power and energy: NVML (jobs.gpu.GpuSampler) over the timed window.
 """

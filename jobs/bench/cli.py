@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from jobs.bench.measure import smi_log
 from jobs.bench.model import resolve_model
-from jobs.bench.report import gpu_info, read_rows, summarise, table, write_result
+from jobs.bench.report import gpu_info, numerics_table, read_rows, summarise, table, write_result
 from jobs.bench.settings import PEAK_BF16, STACKS, BenchSettings
 from jobs.training.synthetic import CAP, PROFILES
 
@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=0, help="force the token budget (skip the choice)")
     p.add_argument("--probe-tokens", type=int, default=2048)
     p.add_argument("--ours-ckpt", action="store_true", help="our path with Unsloth checkpointing (large models)")
+    p.add_argument("--compute", type=_csv, default=["bf16"],
+                   help="ours: comma-separated bf16, fp8 (frozen base on FP8), fp8t (FP8 + kept transposed copy); "
+                        "each in its own process (default: bf16)")
+    p.add_argument("--fp8-learnable-steps", type=int, default=30,
+                   help="ours fp8: steps per loss curve of the numerics check (0: per-layer errors only)")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-steps", type=int, default=30)
@@ -106,11 +111,13 @@ def bench(s: BenchSettings) -> int:
     t0 = time.time()
     with smi_log(s.smi_log, s.smi_fields):
         for stack in s.stacks:
-            left = s.deadline - (time.time() - t0) if s.deadline else 3600
-            if left < 30:
-                codes[stack] = "skipped: no time left"
-                continue
-            codes[stack] = spawn(stack, s, model.path, rows_path, left)
+            for c in (s.compute if stack == "ours" else ("bf16",)):  # ours: one worker per compute (issue 16)
+                run_name = stack if c == "bf16" else f"{stack}[{c}]"
+                left = s.deadline - (time.time() - t0) if s.deadline else 3600
+                if left < 30:
+                    codes[run_name] = "skipped: no time left"
+                    continue
+                codes[run_name] = spawn(stack, s.model_copy(update={"ours_compute": c}), model.path, rows_path, left)
     rows = summarise(read_rows(rows_path), matmul=model.matmul_params, peak_flops=s.peak_flops)
     write_result(
         s.out / f"bench-{name}.json",
@@ -127,6 +134,9 @@ def bench(s: BenchSettings) -> int:
         rows=rows,
     )
     print(table(rows))
+    numerics = numerics_table(rows)
+    if numerics:
+        print(numerics)
     return 0 if rows else 1
 
 

@@ -15,6 +15,11 @@ from jobs.bench.stacks import WORKERS
 from jobs.training.synthetic import PROFILES
 
 PEAK_BF16 = 790e12  # dense bf16 FLOP/s measured on these H100/H200 machines (ANCHORS.md)
+# MFU against each number format's own peak (issue 16). bf16: 790 measured, 989.4 datasheet dense.
+# FP8 e4m3: 1978.9 datasheet dense (H100/H200 SXM); "measured" = the best row-wise FP8 GEMM measured on
+# these H100/H200 (1,353-1,406 TFLOP/s with fast accumulation, notes/fp8.md §5): 1,400.
+PEAKS = {"bf16": {"measured": 790e12, "datasheet": 989.4e12}, "fp8": {"measured": 1400e12, "datasheet": 1978.9e12}}
+COMPUTES = ("bf16", "fp8", "fp8t")  # ours: bf16 base; FP8 base; FP8 base with a kept transposed copy
 STACKS = ("ours", "baseline", "unsloth", "trl")  # `bench`'s default: the published comparison
 
 
@@ -38,6 +43,9 @@ class BenchSettings(BaseModel):
     budget: int = Field(0, ge=0, description="force the token budget (0: choose it)")
     probe_tokens: int = Field(2048, ge=2)
     ours_ckpt: bool = False
+    compute: tuple[str, ...] = ("bf16",)  # ours: one worker per value (issue 16)
+    ours_compute: str = "bf16"  # the worker's own value (set by the parent)
+    fp8_learnable_steps: int = Field(30, ge=0, description="FP8 loss check: steps per curve (0: no check)")
     lora_r: int = Field(16, ge=1)
     # the timed window of every stack
     warmup: int = Field(3, ge=1)
@@ -71,6 +79,14 @@ class BenchSettings(BaseModel):
         unknown = [x for x in v if x not in PROFILES]
         if unknown or not v:
             raise ValueError(f"unknown profile(s) {', '.join(unknown)}; known: {', '.join(PROFILES)}")
+        return v
+
+    @field_validator("compute")
+    @classmethod
+    def _known_computes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [x for x in v if x not in COMPUTES]
+        if unknown or not v:
+            raise ValueError(f"unknown compute(s) {', '.join(unknown)}; known: {', '.join(COMPUTES)}")
         return v
 
     @field_validator("trl_configs")

@@ -108,6 +108,13 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     emit(PhaseEvent(phase=Phase.load, state="start"))
     loaded = load_for_training(model_path, t, adapter=None, shape=shape, cache_dir=Path(cfg.state_dir) / "models")
     load_seconds = time.perf_counter() - t0
+    fp8 = decision = None
+    if t.compute != "bf16":  # issue 16: the FP8 check decides what is measured (refused: says why)
+        from jobs.training.fp8_setup import calibrate_fp8
+
+        decision, fp8 = calibrate_fp8(loaded, cfg, model_path)
+        if decision.error:
+            raise ValueError(decision.error)
     emit(PhaseEvent(phase=Phase.load, state="end", seconds=load_seconds))
     t0 = time.perf_counter()
     emit(PhaseEvent(phase=Phase.train, state="start"))
@@ -140,6 +147,9 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     record = calibration_record(probe, rates, gradient_checkpointing=gc, max_vram_gb=max_vram, device=device_name(),
                                 versions=versions)
     update: dict = {"overhead_seconds": overheads["total"], "overhead_detail": overheads}
+    if decision is not None:
+        update.update(compute=decision.compute, fp8_refused=decision.refused,
+                      numerics=None if fp8 is None else fp8.numerics)
     del loaded, optimizer
     pygc.collect()
     torch.cuda.empty_cache()

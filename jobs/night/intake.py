@@ -17,6 +17,7 @@ from jobs.data.token_cache import TokenCache
 from jobs.night.context import RunContext
 from jobs.store import learning
 from jobs.store.ledger import SampleRow
+from jobs.training.compute import with_compute
 from jobs.training.shape import history_for_shape, resolve_step
 
 log = structlog.get_logger("nightshift.night")
@@ -76,7 +77,9 @@ def choose_shape(ctx: RunContext, key: str) -> tuple[StepShape, CalibrationRecor
     cal = ctx.ledger.calibration(key)
     shape = resolve_step(ctx.cfg.train, cal, free_vram_gb=ctx.free_vram_gb(), max_vram_gb=ctx.cfg.gpu.max_vram_gb,
                          headroom_gb=ctx.cfg.gpu.headroom_gb)
+    shape = with_compute(shape, ctx.cfg.train, cal)  # bf16 or FP8 frozen base (issue 16)
     log.info("step_shape", tokens_per_step=shape.tokens_per_step, gradient_checkpointing=shape.gradient_checkpointing,
+             compute=shape.compute,
              free_vram_gb=shape.free_vram_gb, limit_gb=shape.limit_gb, predicted_peak_gb=shape.predicted_peak_gb,
              basis=shape.basis)
     return shape, cal

@@ -77,8 +77,11 @@ def model_fingerprint(path: Path) -> str:
 def throughput_key(cfg: NightConfig, fingerprint: str, backend: str, device: str) -> str:
     """'The same work on the same machine': calibrate and every night of this config share it."""
     t = cfg.train
-    return budget.throughput_key({
+    parts = {
         "model": fingerprint, "backend": backend, "device": device, "rank": t.lora_rank,
         "targets": t.target_modules, "batch_size": t.batch_size, "max_tokens": t.max_tokens_per_batch,
         "max_seq": t.max_seq_length, "grad_ckpt": t.gradient_checkpointing, "4bit": t.load_in_4bit,
-        "batching": t.batching, "tokens_per_step": t.tokens_per_step, "max_vram_gb": cfg.gpu.max_vram_gb})
+        "batching": t.batching, "tokens_per_step": t.tokens_per_step, "max_vram_gb": cfg.gpu.max_vram_gb}
+    if t.compute != "auto" or t.fp8_keep_transposed:  # issue 16; the default keeps the keys measured before it
+        parts.update(compute=t.compute, fp8_keep_transposed=t.fp8_keep_transposed)
+    return budget.throughput_key(parts)

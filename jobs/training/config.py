@@ -39,3 +39,9 @@ class TrainConfig(BaseModel):
         "auto", description="recompute activations to save memory; auto: calibrate's choice, else on")
     checkpoint_every_seconds: float = Field(600.0, gt=0)
     seed: int = 0
+    compute: Literal["bf16", "fp8", "auto"] = Field(
+        "auto", description="the frozen base's matmuls: fp8 on FP8 tensor cores (compute capability >= 8.9); "
+        "auto: fp8 where the card has them and `nightshift calibrate` measured the numerics check passing")
+    fp8_keep_transposed: bool = Field(
+        False, description="fp8: keep a transposed FP8 copy of every frozen weight for the backward "
+        "(+1 byte per parameter) instead of transposing it in each backward")

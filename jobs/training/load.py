@@ -64,6 +64,10 @@ def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | Non
             max_seq_length=max(cfg.max_seq_length, shape.tokens_per_step if cfg.batching == "packed" else 0),
             parent_adapter=adapter, cache_dir=cache_dir)
         ensure_pad_token(tok)
+        if shape.compute == "fp8":  # issue 16: the frozen base on FP8 tensor cores (never fails the load)
+            from jobs.training.fp8_setup import enable_for_run
+
+            info["fp8"] = enable_for_run(model, tok, cfg, unsloth=True, device="cuda")
         log.info("model_loaded", device=device_name(), **info)
         return Loaded(model, tok, "unsloth", "cuda", info)
     import torch
@@ -101,5 +105,10 @@ def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | Non
     total = sum(p.numel() for p in model.parameters())
     info = {"trainable_parameters": trainable, "total_parameters": total, "quantized_4bit": quantized,
             "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False))}
+    tok = load_tokenizer(model_path)
+    if shape.compute == "fp8":  # issue 16: the frozen base on FP8 tensor cores (never fails the load)
+        from jobs.training.fp8_setup import enable_for_run
+
+        info["fp8"] = enable_for_run(model, tok, cfg, unsloth=False, device="cuda" if cuda else "cpu")
     log.info("model_loaded", backend="hf", device=device_name(), **info)
-    return Loaded(model, load_tokenizer(model_path), "hf", "cuda" if cuda else "cpu", info)
+    return Loaded(model, tok, "hf", "cuda" if cuda else "cpu", info)

@@ -26,26 +26,60 @@ LABEL = "nightshift (packed, varlen, budgeted)"
 def run(s: BenchSettings, job: Job) -> None:
     import torch
 
+    from jobs.training.fp8 import STATS
+
     gc = "unsloth" if s.ours_ckpt else False
-    model, _tok, info = load_ours(s, job.model, gc=gc, cache=s.state_dir is not None, max_seq=s.max_budget)
+    model, tok, info = load_ours(s, job.model, gc=gc, cache=s.state_dir is not None, max_seq=s.max_budget)
+    fp8 = setup_fp8(model, tok, s, job) if s.ours_compute != "bf16" else None
+    compute = "bf16" if fp8 is None else fp8["compute"]
+    label = LABEL if fp8 is None else LABEL + (", FP8 base" + (" + transposed copy" if s.ours_compute == "fp8t" else "")
+                                               if compute == "fp8" else ", FP8 refused: bf16")
     events: list[GpuEvent] = []
     for prof in s.profiles:
-        row = run_ours(model, s, prof, vocab_size(job.model), label=LABEL,
+        row = run_ours(model, s, prof, vocab_size(job.model), label=label,
                        on_gpu_event=events.append if s.gpu_events else None)
         first = row.pop("first_step_end", None)
         row.update(
             load_seconds=info["load_seconds"],
             load=info,
             first_step_s=round(first - job.t_launch, 1) if first and prof == s.profiles[0] else None,
+            compute=compute,
+            variant=s.ours_compute,
         )
+        if fp8 is not None:
+            row["fp8"] = {**fp8, "stats": STATS.as_dict()}
         append_row(job.rows, row)
         if s.torch_profile and row.get("token_budget"):
-            profile_steps(model, s, job.model, prof, row["token_budget"], Path(f"{s.torch_profile}.{prof}.txt"))
+            tag = "" if s.ours_compute == "bf16" else f".{s.ours_compute}"
+            profile_steps(model, s, job.model, prof, row["token_budget"], Path(f"{s.torch_profile}{tag}.{prof}.txt"))
         torch.cuda.empty_cache()
     if s.gpu_events and events:
         with open(s.gpu_events, "w") as f:
             for e in events:
                 f.write(json.dumps(e.model_dump(mode="json")) + "\n")
+
+
+def setup_fp8(model: Any, tok: Any, s: BenchSettings, job: Job) -> dict[str, Any]:
+    """The frozen base to FP8 with the numerics check (issue 16): a "numerics" row (JSON, and the table
+    under the main one), every projection's errors in fp8-layers-<variant>.json; returns the outcome."""
+    import tempfile
+
+    from jobs.training.fp8_setup import Learnable, data_files, enable_fp8, sample_tokens
+
+    with tempfile.TemporaryDirectory(prefix="nightshift-fp8-") as tmp:
+        ids, source = sample_tokens(tok, data_files(None, []), cache_dir=Path(tmp))
+    out = enable_fp8(model, device="cuda", tokens=ids, activations=source, unsloth=True,
+                     keep_transposed=s.ours_compute == "fp8t", source_dir=job.model,
+                     learnable=Learnable(steps=s.fp8_learnable_steps) if s.fp8_learnable_steps else None,
+                     vocab=vocab_size(job.model))
+    info = out.info()
+    (job.rows.parent / f"fp8-layers-{s.ours_compute}.json").write_text(
+        json.dumps([x.model_dump(mode="json") for x in out.layers], indent=0))
+    row = {"stack": "numerics", "compute": s.ours_compute, "outcome": info,
+           **(out.numerics.model_dump(mode="json") if out.numerics is not None else {"passed": False,
+                                                                                    "reasons": [str(out.error)]})}
+    append_row(job.rows, row)
+    return info
 
 
 def run_ours(

@@ -1,0 +1,349 @@
+"""FP8 (e4m3) matmuls for frozen base projections: quantisation, the scaled matmul, the weight module
+and the autograd Function (issue 16; the measured facts behind each choice are in notes/fp8.md).
+
+y = x W^T with W frozen, [N, K]:
+- W is quantised once, at load, per output channel: Wq [N, K] e4m3 and s_w [N] fp32 dequant scales
+  (W ~ diag(s_w) Wq). That is the layout of transformers' FbgemmFp8Linear (weight [N, K] fp8,
+  weight_scale [N, 1] fp32), which Unsloth's own FP8 path reads too.
+- forward: x is quantised per token (row), xq [M, K] and s_x [M, 1]; y = scaled_mm(xq, Wq^T, s_x, s_w).
+  Wq^T is a free view: Wq stored [N, K] row-major is [K, N] column-major, the K-major layout that
+  Hopper's FP8 GEMM requires of both operands.
+- input gradient: dx = dy W = (dy * s_w) Wq. s_w is folded into dy before dy is quantised per row, so
+  the gradient is exactly that of the quantised forward and W is never quantised twice. The GEMM
+  contracts over N, so it needs Wq with N contiguous: the transposed copy Wq^T [K, N], kept
+  (+1 byte per parameter) or built in each backward by a compiled transpose (~2 % of a step).
+- no weight gradient (frozen) and nothing saved for the backward: dx does not need x.
+
+Projections that share their input (q, k, v; gate, up) share one quantisation of x, and their input
+gradients are ONE GEMM over the concatenated contraction, dx = [dy_q s_q | dy_k s_k | ...] [Wq; Wk; ...]
+(an FP8Group).
+
+`torch._scaled_mm` is CUDA-only. Off CUDA (and in tests) the same code runs an emulated scaled matmul
+(dequantise both fp8 operands, fp32 matmul) that enforces the CUDA kernel's operand rules (row-major
+mat1, column-major mat2, dims divisible by 16, fp32 scales shaped (M, 1) and (1, N)), so a layout or
+scale mistake fails on the CPU as it would on the GPU. The quantisation kernels are torch.compiled on
+CUDA (eager they cost ~10x: notes/fp8.md §5) and run eagerly if compiling fails (counted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+log = structlog.get_logger("nightshift.train")
+
+E4M3 = torch.float8_e4m3fn
+FMAX = 448.0  # largest finite e4m3fn
+# An all-zero row (padding) gets this instead of a zero scale. Far below any real row, so that tiny
+# rows (dy * s_w in the backward: gradients times weight scales of ~1e-4) keep their own scale.
+MIN_AMAX = 1e-30
+ALIGN = 16  # the FP8 GEMM needs K and N divisible by 16 (M is free)
+
+
+@dataclass
+class Fp8Stats:
+    """This process's counters: reported in the load info and the benchmark's rows."""
+
+    fp8_calls: dict[str, int] = field(default_factory=dict)  # kind -> forward calls on FP8
+    native_calls: dict[str, int] = field(default_factory=dict)  # "kind: reason" -> calls handed back to Unsloth
+    compile_fallbacks: dict[str, str] = field(default_factory=dict)  # kernel -> error (ran eagerly instead)
+
+    @staticmethod
+    def bump(counter: dict[str, int], key: str) -> None:
+        counter[key] = counter.get(key, 0) + 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"fp8_calls": dict(self.fp8_calls), "native_calls": dict(self.native_calls),
+                "compile_fallbacks": dict(self.compile_fallbacks)}
+
+
+STATS = Fp8Stats()
+_EMULATE = threading.local()
+
+
+@contextlib.contextmanager
+def emulated() -> Iterator[None]:
+    """Run the emulated scaled matmul and eager quantisation even on CUDA (the self-check compares)."""
+    prev = getattr(_EMULATE, "on", False)
+    _EMULATE.on = True
+    try:
+        yield
+    finally:
+        _EMULATE.on = prev
+
+
+def _emulating(t: torch.Tensor) -> bool:
+    return not t.is_cuda or getattr(_EMULATE, "on", False)
+
+
+# ---- quantisation ---------------------------------------------------------------------------------
+
+
+def quant_rows_ref(t: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [R, C] -> (e4m3 [R, C], fp32 dequant scale [R, 1]); `col_scale` [1, C] multiplies t first."""
+    x = t.float() if col_scale is None else t.float() * col_scale
+    s = x.abs().amax(dim=1, keepdim=True).clamp(min=MIN_AMAX) / FMAX
+    return (x / s).clamp(-FMAX, FMAX).to(E4M3), s
+
+
+def _q1(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quant_rows_ref(t)
+
+
+def _q1s(t: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quant_rows_ref(t, s)
+
+
+def _q2s(t1: torch.Tensor, s1: torch.Tensor, t2: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quant_rows_ref(torch.cat([t1.float() * s1, t2.float() * s2], dim=1))
+
+
+def _q3s(t1: torch.Tensor, s1: torch.Tensor, t2: torch.Tensor, s2: torch.Tensor, t3: torch.Tensor,
+         s3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quant_rows_ref(torch.cat([t1.float() * s1, t2.float() * s2, t3.float() * s3], dim=1))
+
+
+def _transpose_cat(*ws: torch.Tensor) -> torch.Tensor:
+    """[N_i, K] e4m3 weights -> [K, sum N_i] row-major (bytes moved as uint8: no fp8 arithmetic)."""
+    u = [w.view(torch.uint8) for w in ws]
+    cat = u[0] if len(u) == 1 else torch.cat(u, dim=0)
+    return cat.t().contiguous().view(E4M3)
+
+
+class _Kernel:
+    """A function torch.compiled on CUDA on first use (dynamic shapes: the tokens per step vary),
+    eager off CUDA, under emulation, or when compiling fails (then counted in STATS)."""
+
+    def __init__(self, name: str, fn: Callable[..., Any]) -> None:
+        self.name, self.fn = name, fn
+        self.compiled: Callable[..., Any] | None = None
+        self.failed: str | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: torch.Tensor) -> Any:
+        if _emulating(args[0]) or self.failed is not None or os.environ.get("NIGHTSHIFT_FP8_EAGER") == "1":
+            return self.fn(*args)
+        if self.compiled is None:
+            with self._lock:
+                if self.compiled is None:
+                    self.compiled = torch.compile(self.fn, dynamic=True)
+        try:
+            return self.compiled(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # compile or codegen failure: the eager function computes the same thing
+            self.failed = f"{type(e).__name__}: {e}"[:400]
+            STATS.compile_fallbacks[self.name] = self.failed
+            log.warning("fp8_kernel_not_compiled", kernel=self.name, error=self.failed)
+            return self.fn(*args)
+
+
+_QUANT = {1: _Kernel("quant_rows", _q1)}
+_QUANT_SCALED = {1: _Kernel("quant_rows_scaled", _q1s), 2: _Kernel("quant_rows_scaled_2", _q2s),
+                 3: _Kernel("quant_rows_scaled_3", _q3s)}
+_TRANSPOSE = _Kernel("transpose_cat", _transpose_cat)
+
+
+def quant_x(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token quantisation of an activation [M, K]: (e4m3 [M, K], fp32 [M, 1])."""
+    return _QUANT[1](x2d.contiguous())  # contiguous in, row-major out (Inductor mirrors input strides)
+
+
+def quant_scaled(ts: Sequence[torch.Tensor], scales: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """cat(t_i * s_i, dim=1) quantised per row: the dgrad operand with the weight scales folded in."""
+    args: list[torch.Tensor] = []
+    for t, s in zip(ts, scales, strict=True):
+        args += [t.contiguous(), s]
+    if len(ts) in _QUANT_SCALED:
+        return _QUANT_SCALED[len(ts)](*args)
+    return quant_rows_ref(torch.cat([t.float() * s for t, s in zip(ts, scales, strict=True)], dim=1))
+
+
+def transpose_cat(ws: Sequence[torch.Tensor]) -> torch.Tensor:
+    return _TRANSPOSE(*ws)
+
+
+# ---- the scaled matmul ----------------------------------------------------------------------------
+
+
+def check_operands(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> None:
+    """The row-wise `_scaled_mm` rules on sm90 (torch 2.11, notes/fp8.md §1), checked on every backend."""
+    m, k = a.shape
+    k2, n = b.shape
+    bad = []
+    if a.dtype != E4M3 or b.dtype != E4M3:
+        bad.append(f"operands must be float8_e4m3fn (got {a.dtype}, {b.dtype})")
+    if k != k2:
+        bad.append(f"inner dims differ ({k} vs {k2})")
+    if k % ALIGN or n % ALIGN:
+        bad.append(f"K={k} and N={n} must be divisible by {ALIGN}")
+    if not a.is_contiguous():
+        bad.append("mat1 must be row-major")
+    if not b.t().is_contiguous():
+        bad.append("mat2 must be column-major (K-major)")
+    if sa.dtype != torch.float32 or tuple(sa.shape) != (m, 1) or not sa.is_contiguous():
+        bad.append(f"scale_a must be contiguous fp32 ({m}, 1), got {sa.dtype} {tuple(sa.shape)}")
+    if sb.dtype != torch.float32 or tuple(sb.shape) != (1, n) or not sb.is_contiguous():
+        bad.append(f"scale_b must be contiguous fp32 (1, {n}), got {sb.dtype} {tuple(sb.shape)}")
+    if bad:
+        raise ValueError("scaled_mm: " + "; ".join(bad))
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, *, out_dtype: torch.dtype,
+              fast_accum: bool) -> torch.Tensor:
+    """(a * sa) @ (b * sb) in out_dtype: torch._scaled_mm on CUDA, emulated elsewhere."""
+    check_operands(a, b, sa, sb)
+    if _emulating(a):
+        return ((a.float() * sa) @ (b.float() * sb)).to(out_dtype)
+    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+_ONES: dict[tuple[int, str], torch.Tensor] = {}
+_FAST_ACCUM = os.environ.get("NIGHTSHIFT_FP8_FAST_ACCUM", "1") != "0"
+
+
+def ones_row(k: int, device: torch.device) -> torch.Tensor:
+    key = (k, str(device))
+    if key not in _ONES:
+        _ONES[key] = torch.ones(1, k, dtype=torch.float32, device=device)
+    return _ONES[key]
+
+
+# ---- the frozen weight ----------------------------------------------------------------------------
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A frozen weight [N, K] -> (e4m3 [N, K], fp32 [N, 1]): one scale per output channel."""
+    return quant_rows_ref(w)
+
+
+def shape_supported(out_features: int, in_features: int) -> bool:
+    return out_features % ALIGN == 0 and in_features % ALIGN == 0
+
+
+class FP8Base(torch.nn.Module):
+    """A frozen Linear with an e4m3 weight [N, K] and fp32 per-output-channel scales [N, 1]
+    (transformers' FbgemmFp8Linear layout). Its forward is FP8Linear: FP8 forward and input gradient."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(scale.reshape(-1, 1).float().contiguous(), requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self._single: FP8Group | None = None  # this projection alone (its own forward's backward)
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> FP8Base:
+        q, s = quantize_weight(w)
+        return cls(q, s, bias)
+
+    def scale_row(self) -> torch.Tensor:
+        return self.weight_scale.view(1, -1)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.weight.float() * self.weight_scale).to(dtype)
+
+    def own_group(self, keep_transposed: bool = False) -> FP8Group:
+        if self._single is None or (keep_transposed and self._single.weight_t is None):
+            self._single = FP8Group((self,), keep_transposed=keep_transposed)
+        return self._single
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = FP8Linear.apply(x, self)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8=e4m3 row-wise"
+
+
+class FP8Group:
+    """Frozen projections sharing an input: their input gradients are one GEMM over the concatenated
+    contraction, against [W_1; W_2; ...]^T [K, sum N] (kept, or built per backward)."""
+
+    def __init__(self, bases: Sequence[FP8Base], *, keep_transposed: bool) -> None:
+        ks = {b.in_features for b in bases}
+        if len(ks) != 1:
+            raise ValueError(f"a group's projections must share in_features, got {sorted(ks)}")
+        self.bases = tuple(bases)
+        self.in_features = ks.pop()
+        self.weight_t = transpose_cat([b.weight for b in bases]) if keep_transposed else None
+
+    def transposed(self) -> torch.Tensor:
+        return self.weight_t if self.weight_t is not None else transpose_cat([b.weight for b in self.bases])
+
+    @property
+    def kept_bytes(self) -> int:
+        return 0 if self.weight_t is None else self.weight_t.numel()
+
+
+def fast_accum_forward() -> bool:
+    """Forward GEMMs with Hopper's fast accumulation: 1375 vs 1200 TFLOP/s, same 3.75 % error at K=4096
+    (notes/fp8.md §4-5); NIGHTSHIFT_FP8_FAST_ACCUM=0 turns it off (the input gradient never uses it)."""
+    return _FAST_ACCUM
+
+
+def fp8_forward(xq: torch.Tensor, sx: torch.Tensor, base: FP8Base, out_dtype: torch.dtype) -> torch.Tensor:
+    """x W^T from the quantised activation: [M, N] in out_dtype."""
+    return scaled_mm(xq, base.weight.t(), sx, base.scale_row(), out_dtype=out_dtype, fast_accum=_FAST_ACCUM)
+
+
+def fp8_dgrad(dys: Sequence[torch.Tensor], group: FP8Group, out_dtype: torch.dtype) -> torch.Tensor:
+    """sum_i dy_i W_i as one FP8 GEMM: dy_i [M, N_i] in the group's order -> dx [M, K]."""
+    dys = [d.contiguous() for d in dys]
+    dq, sd = quant_scaled(dys, [b.scale_row() for b in group.bases])
+    wt = group.transposed()
+    return scaled_mm(dq, wt.t(), sd, ones_row(group.in_features, dq.device), out_dtype=out_dtype, fast_accum=False)
+
+
+class FP8Linear(torch.autograd.Function):
+    """y = x W^T for one frozen FP8Base: forward and input gradient in FP8, nothing saved."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, base: FP8Base) -> torch.Tensor:
+        shape = x.shape
+        xq, sx = quant_x(x.reshape(-1, shape[-1]))
+        y = fp8_forward(xq, sx, base, x.dtype)
+        ctx.base, ctx.in_shape, ctx.dtype = base, shape, x.dtype
+        STATS.bump(STATS.fp8_calls, "linear")
+        return y.view(*shape[:-1], base.out_features)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        dx = fp8_dgrad((dy.reshape(-1, dy.shape[-1]),), ctx.base.own_group(), ctx.dtype)
+        return dx.view(ctx.in_shape), None
+
+
+def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """||y - ref|| / ||ref|| in fp32 (Frobenius)."""
+    ref = ref.detach().float()
+    return float((y.detach().float() - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+def probe_scaled_mm(device: str = "cuda") -> str | None:
+    """A small FP8 forward and input gradient on this card against fp32: None, or what went wrong."""
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(48, 64, device=device, generator=g, dtype=torch.bfloat16)
+        w = torch.randn(32, 64, device=device, generator=g, dtype=torch.bfloat16)
+        dy = torch.randn(48, 32, device=device, generator=g, dtype=torch.bfloat16)
+        base = FP8Base.from_weight(w)
+        xq, sx = quant_rows_ref(x)
+        y = fp8_forward(xq, sx, base, torch.bfloat16)
+        dx = fp8_dgrad((dy,), base.own_group(), torch.bfloat16)
+        torch.cuda.synchronize()
+        errs = rel_error(y, x.float() @ w.float().t()), rel_error(dx, dy.float() @ w.float())
+        if not all(e < 0.1 for e in errs):
+            return f"wrong results: relative errors {errs[0]:.3f} (forward), {errs[1]:.3f} (input gradient)"
+        return None
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"[:300]

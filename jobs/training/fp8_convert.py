@@ -1,0 +1,264 @@
+"""Convert a LoRA model's frozen bases to FP8 (issue 16): which projections, in which groups, and back.
+
+Any frozen base under a PEFT LoRA layer qualifies: a bitsandbytes Linear4bit (NF4, dequantised once
+here, then quantised to e4m3 per output channel) or a plain nn.Linear (bf16 straight to e4m3). The
+projections are found by structure (attention: q/k/v and o; MLP: gate/up/down; anything else alone)
+and each unit is computed either by our patched Unsloth function ("fused": q/k/v, gate/up as groups
+whose input gradient is one GEMM) or by PEFT calling the base as a module ("modules": each FP8Base
+alone). A unit behind a function we could not patch ("blocked"), a base we cannot read, a shape the
+FP8 GEMM refuses (in/out features not divisible by 16), or a projection whose measured error is over
+the limit stays as it is: a fused unit converts all of its projections or none. Every projection kept
+is counted with its reason.
+
+Memory: e4m3 holds 1 byte per parameter (+4 bytes per output channel) against NF4's ~0.56; the
+transposed copy for the backward (`keep_transposed`) adds 1 byte more. The originals are kept until
+`commit()` only when asked (`keep_originals`, so that calibrate can revert everything when the check
+fails); otherwise each one is freed as soon as its projection is converted.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from jobs.contract import LayerNumerics
+from jobs.training.compute import MAX_LAYER_ERROR
+from jobs.training.fp8 import FP8Base, FP8Group, shape_supported
+from jobs.training.fp8_unsloth import route
+
+log = structlog.get_logger("nightshift.train")
+
+ROLES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "mlp": ("gate_proj", "up_proj", "down_proj")}
+# (layer name, dense weight as the bf16 path computes with, its FP8 replacement) -> per-layer numerics
+Check = Callable[[str, torch.Tensor, FP8Base, bool], LayerNumerics | None]
+
+
+def is_lora_layer(m: Any) -> bool:
+    return hasattr(m, "base_layer") and isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict)
+
+
+@dataclass
+class Unit:
+    kind: str  # "qkv" | "o" | "mlp" | "linear"
+    parent: Any  # the module owning the projections
+    projs: dict[str, tuple[str, Any]]  # role -> (full name, LoRA layer)
+    route: str  # "fused" | "modules" | "blocked"
+    why: str = ""
+
+
+def find_units(model: Any) -> list[Unit]:
+    """Every LoRA layer of the model, in units (see the module doc)."""
+    units: list[Unit] = []
+    claimed: set[int] = set()
+    for name, m in model.named_modules():
+        for kind, roles in ROLES.items():
+            projs = {r: getattr(m, r, None) for r in roles}
+            if not all(is_lora_layer(p) for p in projs.values()):
+                continue
+            how, why = route(m, kind)
+            units.append(Unit(kind, m, {r: (f"{name}.{r}", p) for r, p in projs.items()}, how, why))
+            claimed |= {id(p) for p in projs.values()}
+    for name, m in model.named_modules():
+        if is_lora_layer(m) and id(m) not in claimed:
+            units.append(Unit("linear", None, {"linear": (name, m)}, "modules"))
+    return units
+
+
+def dense_weight(base: Any) -> tuple[torch.Tensor | None, bool, str]:
+    """(the weight the bf16 path multiplies with [N, K], whether it came from NF4, or why it cannot)."""
+    w = getattr(base, "weight", None)
+    if isinstance(base, FP8Base):
+        return None, False, "already FP8"
+    if not isinstance(w, torch.Tensor):
+        return None, False, f"{type(base).__name__} has no dense weight"
+    if w.requires_grad:
+        return None, False, "base weight is trainable"
+    qs = getattr(w, "quant_state", None)
+    if qs is not None:
+        if getattr(qs, "quant_type", "nf4") not in ("nf4", "fp4"):
+            return None, False, f"4-bit type {qs.quant_type}"
+        import bitsandbytes.functional as bnbf  # only a bitsandbytes base has a quant_state
+
+        return bnbf.dequantize_4bit(w.data, qs), True, ""
+    if type(base) is torch.nn.Linear or (isinstance(base, torch.nn.Linear) and w.dtype.is_floating_point
+                                         and w.element_size() >= 2):
+        return w.detach(), False, ""
+    return None, False, f"unsupported base {type(base).__name__} ({w.dtype})"
+
+
+def not_plain(proj: Any) -> str | None:
+    """Why a LoRA layer is not plain LoRA (one adapter, no dropout, no lora bias, no DoRA), else None."""
+    if len(proj.lora_A) != 1:
+        return "several adapters"
+    if any(not isinstance(d, torch.nn.Identity) for d in proj.lora_dropout.values()):
+        return "LoRA dropout (the FP8 layers run plain LoRA)"
+    if any(getattr(b, "bias", None) is not None for b in proj.lora_B.values()):
+        return "LoRA bias (the FP8 layers run plain LoRA)"
+    if len(getattr(proj, "lora_magnitude_vector", None) or {}):
+        return "DoRA"
+    return None
+
+
+@dataclass
+class Conversion:
+    """Swaps bases for FP8Base, unit by unit; `revert()` puts the originals back (if kept), `commit()`
+    forgets them."""
+
+    keep_transposed: bool = False
+    keep_originals: bool = False
+    check: Check | None = None
+    converted: int = 0
+    layers: list[LayerNumerics] = field(default_factory=list)
+    fallbacks: Counter[str] = field(default_factory=Counter)
+    _swapped: list[tuple[Any, Any]] = field(default_factory=list)  # (LoRA layer, original base or None)
+    _attached: list[tuple[Any, str]] = field(default_factory=list)  # (parent, attribute)
+
+    def _keep(self, names: list[str], reason: str, done: dict[str, LayerNumerics]) -> None:
+        for n in names:
+            self.fallbacks[reason] += 1
+            prev = done.get(n)
+            self.layers.append(prev.model_copy(update={"converted": False, "fallback": reason}) if prev else
+                               LayerNumerics(name=n, shape=(0, 0), fp8=None, converted=False, fallback=reason))
+
+    def run(self, units: list[Unit]) -> Conversion:
+        for u in units:
+            try:
+                self._unit(u)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # never fail the load for FP8: the unit stays as it was
+                reason = f"conversion error: {type(e).__name__}: {e}"[:200]
+                log.warning("fp8_unit_kept", unit=u.kind, layers=[n for n, _ in u.projs.values()], reason=reason)
+                self._keep([n for n, _ in u.projs.values()], reason, {})
+        return self
+
+    def _unit(self, u: Unit) -> None:
+        names = [n for n, _ in u.projs.values()]
+        if u.route == "fused":  # the FP8 Functions run plain LoRA only: anything else would run Unsloth's own
+            why = next((w for _, p in u.projs.values() if (w := not_plain(p))), None)
+            if why:
+                u.route, u.why = "blocked", why
+        if u.route == "blocked":
+            self._keep(names, u.why, {})
+            return
+        new: dict[str, FP8Base] = {}
+        done: dict[str, LayerNumerics] = {}
+        failed: list[tuple[str, str]] = []
+        for role, (name, proj) in u.projs.items():
+            base = proj.base_layer
+            bias = getattr(base, "bias", None)
+            w, from_nf4, why = dense_weight(base)
+            if w is None:
+                failed.append((name, why))
+                continue
+            if not shape_supported(*w.shape):
+                failed.append((name, f"shape {tuple(w.shape)} not divisible by 16"))
+                continue
+            if u.route == "fused" and bias is not None:
+                failed.append((name, "base bias in a fused layer"))
+                continue
+            fp8 = FP8Base.from_weight(w, bias).to(w.device)
+            num = self.check(name, w, fp8, from_nf4) if self.check else None
+            del w
+            if num is not None:
+                done[name] = num
+                if num.fp8 is None or not num.fp8 <= MAX_LAYER_ERROR:
+                    failed.append((name, f"FP8 error {num.fp8} over {MAX_LAYER_ERROR}"))
+                    continue
+            new[role] = fp8
+        if failed and (u.route == "fused" or len(u.projs) == 1):
+            for name, why in failed:
+                self._keep([name], why, done)
+            self._keep([n for n in names if n not in {f for f, _ in failed}], "its fused layer stays bf16", done)
+            return
+        for name, why in failed:
+            self._keep([name], why, done)
+        for role, fp8 in new.items():
+            name, proj = u.projs[role]
+            old = proj.base_layer
+            proj.base_layer = fp8
+            self._swapped.append((proj, old if self.keep_originals else None))
+            self.converted += 1
+            self.layers.append(done.get(name) or LayerNumerics(name=name, shape=(fp8.out_features, fp8.in_features),
+                                                               fp8=None))
+            if u.route == "modules":
+                fp8.own_group(keep_transposed=self.keep_transposed)
+            del old
+        if u.route == "fused":
+            self._attach(u, new)
+
+    def _attach(self, u: Unit, new: dict[str, FP8Base]) -> None:
+        kt = self.keep_transposed
+        if u.kind == "qkv":
+            value: Any = FP8Group([new["q_proj"], new["k_proj"], new["v_proj"]], keep_transposed=kt)
+            attr = "_ns_fp8_qkv"
+        elif u.kind == "o":
+            value, attr = FP8Group([new["o_proj"]], keep_transposed=kt), "_ns_fp8_o"
+        else:
+            value = (FP8Group([new["up_proj"], new["gate_proj"]], keep_transposed=kt),
+                     FP8Group([new["down_proj"]], keep_transposed=kt))
+            attr = "_ns_fp8_mlp"
+        setattr(u.parent, attr, value)
+        self._attached.append((u.parent, attr))
+
+    def revert(self) -> int:
+        """Every converted projection back to its original base (only with keep_originals)."""
+        if any(old is None for _, old in self._swapped):
+            raise RuntimeError("the originals were not kept: this conversion cannot be reverted")
+        for proj, old in self._swapped:
+            proj.base_layer = old
+        for parent, attr in self._attached:
+            parent.__dict__.pop(attr, None)
+        n = len(self._swapped)
+        self._swapped.clear()
+        self._attached.clear()
+        self.converted = 0
+        _free()
+        return n
+
+    def commit(self) -> None:
+        self._swapped = [(p, None) for p, _ in self._swapped]
+        _free()
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def base_bytes(model: Any) -> dict[str, float]:
+    """GB held by the frozen bases under LoRA layers: e4m3 weights and scales, kept transposed copies,
+    and whatever the others hold (NF4 packed bytes and their absmax, or bf16)."""
+    fp8 = other = kept = 0
+    groups: set[int] = set()
+    for m in model.modules():
+        if not is_lora_layer(m):
+            continue
+        b = m.base_layer
+        n = sum(t.numel() * t.element_size() for t in [*b.parameters(), *b.buffers()])
+        if isinstance(b, FP8Base):
+            fp8 += n
+            for g in (b._single,):
+                if g is not None and id(g) not in groups:
+                    groups.add(id(g))
+                    kept += g.kept_bytes
+        else:
+            qs = getattr(getattr(b, "weight", None), "quant_state", None)
+            absmax = getattr(qs, "absmax", None)
+            other += n + (absmax.numel() * absmax.element_size() if isinstance(absmax, torch.Tensor) else 0)
+    for m in model.modules():
+        for attr in ("_ns_fp8_qkv", "_ns_fp8_o", "_ns_fp8_mlp"):
+            v = m.__dict__.get(attr)
+            for g in (v if isinstance(v, tuple) else (v,)):
+                if isinstance(g, FP8Group) and id(g) not in groups:
+                    groups.add(id(g))
+                    kept += g.kept_bytes
+    return {"fp8_gb": round(fp8 / 1e9, 3), "fp8_transposed_gb": round(kept / 1e9, 3),
+            "other_gb": round(other / 1e9, 3)}

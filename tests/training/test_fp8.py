@@ -1,0 +1,181 @@
+"""FP8 frozen base (issue 16), CPU side: the quantisation, the emulated scaled matmul and its operand
+rules, the autograd Functions against a dense reference, the config switch and the decisions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jobs.contract import CalibrationRecord, MemoryModel, StepShape
+from jobs.training.compute import (
+    CardInfo,
+    assess_card,
+    decide_calibration,
+    resolve_compute,
+    with_compute,
+)
+from jobs.training.config import TrainConfig
+from jobs.training.fp8 import (
+    E4M3,
+    FP8Base,
+    FP8Group,
+    fp8_dgrad,
+    quant_rows_ref,
+    rel_error,
+    scaled_mm,
+)
+from jobs.training.fp8_selftest import check_kind, verdict
+
+H100 = CardInfo("NVIDIA H100 80GB HBM3", (9, 0), True, None)
+
+
+def test_rows_quantise_to_e4m3_with_one_dequant_scale_per_row():
+    t = torch.randn(8, 64) * torch.logspace(-3, 3, 8)[:, None]  # rows six decades apart
+    t[3] = 0.0  # a padding row
+    q, s = quant_rows_ref(t)
+    assert q.dtype == E4M3 and s.shape == (8, 1) and s.dtype == torch.float32
+    back = q.float() * s
+    assert torch.isfinite(back).all() and back[3].abs().max() == 0
+    assert back.abs().amax(1)[[0, 7]].tolist() == pytest.approx(t.abs().amax(1)[[0, 7]].tolist(), rel=1e-6)
+    assert rel_error(back, t) < 0.04  # 3 mantissa bits: ~2.6 % per row, whatever its magnitude
+
+
+def test_emulated_scaled_mm_refuses_what_the_cuda_kernel_refuses():
+    a, sa = quant_rows_ref(torch.randn(5, 32))  # M is free (5)
+    w, sw = quant_rows_ref(torch.randn(48, 32))
+    ok = scaled_mm(a, w.t(), sa, sw.view(1, -1), out_dtype=torch.float32, fast_accum=True)
+    assert ok.shape == (5, 48)
+    with pytest.raises(ValueError, match="column-major"):
+        scaled_mm(a, w.t().contiguous(), sa, sw.view(1, -1), out_dtype=torch.float32, fast_accum=True)
+    with pytest.raises(ValueError, match="row-major"):
+        scaled_mm(a.t().contiguous().t(), w.t(), sa, sw.view(1, -1), out_dtype=torch.float32, fast_accum=True)
+    with pytest.raises(ValueError, match=r"scale_b must be contiguous fp32 \(1, 48\)"):
+        scaled_mm(a, w.t(), sa, sw, out_dtype=torch.float32, fast_accum=True)  # (N, 1) instead of (1, N)
+    b, sb = quant_rows_ref(torch.randn(40, 24))
+    c, sc = quant_rows_ref(torch.randn(5, 24))
+    with pytest.raises(ValueError, match="divisible by 16"):
+        scaled_mm(c, b.t(), sc, sb.view(1, -1), out_dtype=torch.float32, fast_accum=True)
+
+
+def test_dgrad_folds_the_weight_scales_into_dy_and_sums_a_group_in_one_gemm():
+    torch.manual_seed(0)
+    b1, b2 = FP8Base.from_weight(torch.randn(32, 64) * 0.02), FP8Base.from_weight(torch.randn(48, 64) * 0.5)
+    d1, d2 = torch.randn(10, 32), torch.randn(10, 48)
+    dx = fp8_dgrad((d1, d2), FP8Group([b1, b2], keep_transposed=False), torch.float32)
+    # exactly the quantised computation: cat(dy_i * s_i) quantised per row, times the stored e4m3 weights
+    q, s = quant_rows_ref(torch.cat([d1 * b1.scale_row(), d2 * b2.scale_row()], 1))
+    assert torch.allclose(dx, (q.float() * s) @ torch.cat([b1.weight.float(), b2.weight.float()]), rtol=1e-5,
+                          atol=1e-6)
+    # and the input gradient of y = x W^T within FP8's error, whatever the scales of the two weights
+    exact = d1 @ b1.dequantized() + d2 @ b2.dequantized()
+    assert 0.005 < rel_error(dx, exact) < 0.05
+    kept = fp8_dgrad((d1, d2), FP8Group([b1, b2], keep_transposed=True), torch.float32)
+    assert torch.equal(kept, dx)  # the kept transposed copy and the per-backward transpose agree
+
+
+def test_tiny_gradients_are_not_flushed_to_zero():
+    """dy times the weight scales (~1e-4) is quantised per row: a row's scale follows it down (only an
+    all-zero row gets the floor), so even 1e-16 gradients keep FP8's relative precision."""
+    base = FP8Base.from_weight(torch.randn(64, 32) * 0.02)
+    dy = torch.randn(8, 64) * 1e-16
+    dx = fp8_dgrad((dy,), base.own_group(), torch.float32)
+    assert rel_error(dx, dy @ base.dequantized()) < 0.05
+
+
+@pytest.mark.parametrize(("kind", "shapes"), [
+    ("qkv", [(64, 64), (32, 64), (32, 64)]),
+    ("o", [(64, 128)]),
+    ("mlp", [(128, 64), (128, 64), (64, 128)]),
+    ("linear", [(48, 64)]),
+])
+def test_functions_match_the_dense_reference_within_fp8_error(kind, shapes):
+    err = check_kind(kind, shapes, device="cpu", dtype=torch.bfloat16, tokens=48)
+    assert verdict(kind, err) is None, err
+    assert err["out0"] > 0.005 and err["dx"] > 0.005  # FP8 really ran (bf16 alone is ~0.3 %)
+    assert max(err.values()) < 0.06
+
+
+def test_a_wrong_group_order_is_caught_by_the_reference_check(monkeypatch):
+    import jobs.training.fp8_lora as fl
+
+    real = fl.fp8_dgrad
+    monkeypatch.setattr(fl, "fp8_dgrad", lambda dys, group, dt: real(list(dys)[::-1], group, dt)
+                        if len(dys) == 2 else real(dys, group, dt))
+    err = check_kind("mlp", [(128, 64), (128, 64), (64, 128)], device="cpu", tokens=16)
+    assert verdict("mlp", err) is not None and err["dx"] > 0.3  # [df | de] against [Wgate; Wup]: caught
+
+
+def test_compute_is_a_config_key_checked_by_name():
+    assert TrainConfig().compute == "auto" and not TrainConfig().fp8_keep_transposed
+    assert TrainConfig(compute="fp8", fp8_keep_transposed=True).compute == "fp8"
+    with pytest.raises(Exception, match="compute"):
+        TrainConfig.model_validate({"compute": "fp16"})
+
+
+def test_auto_on_this_cpu_resolves_to_bf16_and_says_why():
+    shape = StepShape(tokens_per_step=512, gradient_checkpointing=False, basis="config")
+    out = with_compute(shape, TrainConfig(compute="auto"), None, card=CardInfo("cpu", None))
+    assert out.compute == "bf16" and "no CUDA device" in out.basis and out.basis.startswith("config; ")
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in with_compute(shape, TrainConfig(), None).basis  # the real card query
+    with pytest.raises(ValueError, match=r'\[train\] compute = "fp8": no CUDA device'):
+        with_compute(shape, TrainConfig(compute="fp8"), None, card=CardInfo("cpu", None))
+    assert with_compute(shape, TrainConfig(compute="bf16"), None).compute == "bf16"
+
+
+def _record(**kw) -> CalibrationRecord:
+    return CalibrationRecord(tokens_per_step=8192, gradient_checkpointing=False, memory=MemoryModel(
+        static_gb=7, mb_per_token=3.5), tokens_per_second={"alpaca": 1.0}, max_vram_gb=40, device="H100", **kw)
+
+
+def test_auto_takes_fp8_only_from_a_calibration_whose_check_passed():
+    assert resolve_compute("auto", _record(compute="fp8"), H100).compute == "fp8"
+    no = resolve_compute("auto", None, H100)
+    assert no.compute == "bf16" and "not calibrated" in no.reason
+    refused = resolve_compute("auto", _record(compute="bf16", fp8_refused="FP8 numerics check failed: x"), H100)
+    assert refused.compute == "bf16" and "numerics check failed: x" in refused.reason
+    assert resolve_compute("fp8", None, H100).compute == "fp8"  # asked for: the per-layer check runs at load
+    assert _record(compute="fp8").shape().compute == "fp8"
+
+
+@pytest.mark.parametrize(("card", "words"), [
+    (CardInfo("cpu", None), "no CUDA device"),
+    (CardInfo("NVIDIA A100-SXM4-80GB", (8, 0), True), "compute capability 8.0) has no FP8 tensor cores"),
+    (CardInfo("NVIDIA GeForce RTX 3090", (8, 6), True), "8.6"),
+    (CardInfo("NVIDIA H200", (9, 0), False), "no torch._scaled_mm"),
+    (CardInfo("NVIDIA L40S", (8, 9), True, "RuntimeError: not supported"), "row-wise FP8 matmul failed"),
+])
+def test_cards_without_fp8_are_refused_with_the_reason(card, words):
+    ok, why = assess_card(card)
+    assert not ok and words in why
+    assert assess_card(H100)[0] and assess_card(CardInfo("NVIDIA RTX PRO 6000", (12, 0), True))[0]
+
+
+def test_calibrate_refuses_fp8_and_says_why():
+    d = decide_calibration("auto", True, "", False, "loss differs from bf16 by 7.0 % (> 3 %)")
+    assert (d.compute, d.error) == ("bf16", None) and "loss differs from bf16 by 7.0 %" in d.refused
+    d = decide_calibration("fp8", True, "", False, "2 projection(s) over 0.08")
+    assert d.compute == "bf16" and d.error and "refusing FP8" in d.error and "over 0.08" in d.error
+    d = decide_calibration("auto", False, "NVIDIA A100 (compute capability 8.0) has no FP8 tensor cores", None, None)
+    assert d.compute == "bf16" and "A100" in d.refused
+    assert decide_calibration("auto", True, "", True, None).compute == "fp8"
+    assert decide_calibration("bf16", True, "", None, None) == decide_calibration("bf16", False, "", None, None)
+
+
+def test_the_default_config_keeps_the_throughput_keys_measured_before_fp8(tmp_path):
+    from jobs.night.config import NightConfig
+    from jobs.night.model import throughput_key
+    from jobs.plan import throughput_key as raw_key
+
+    cfg = NightConfig.model_validate({"state_dir": tmp_path, "model": {"path": tmp_path}})
+    t = cfg.train
+    before = raw_key({
+        "model": "f", "backend": "unsloth", "device": "H200", "rank": t.lora_rank,
+        "targets": t.target_modules, "batch_size": t.batch_size, "max_tokens": t.max_tokens_per_batch,
+        "max_seq": t.max_seq_length, "grad_ckpt": t.gradient_checkpointing, "4bit": t.load_in_4bit,
+        "batching": t.batching, "tokens_per_step": t.tokens_per_step, "max_vram_gb": cfg.gpu.max_vram_gb})
+    assert throughput_key(cfg, "f", "unsloth", "H200") == before
+    fp8 = cfg.model_copy(update={"train": t.model_copy(update={"compute": "fp8"})})
+    bf16 = cfg.model_copy(update={"train": t.model_copy(update={"compute": "bf16"})})
+    keys = {throughput_key(c, "f", "unsloth", "H200") for c in (cfg, fp8, bf16)}
+    assert len(keys) == 3

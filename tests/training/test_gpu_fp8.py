@@ -1,0 +1,82 @@
+"""GPU checks of the FP8 frozen base (issue 16): skipped without CUDA, unsloth or FP8 tensor cores.
+
+python -m pytest tests/training/test_gpu_fp8.py -q -m gpu
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def _fp8_card() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from jobs.training.compute import assess_card, card_info
+
+    return assess_card(card_info())[0]
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("unsloth") is None
+                       or not _fp8_card(), reason="needs CUDA with FP8 tensor cores and unsloth"),
+]
+
+
+@pytest.mark.parametrize(("kind", "shapes"), [
+    ("qkv", [(4096, 4096), (1024, 4096), (1024, 4096)]),
+    ("o", [(4096, 4096)]),
+    ("mlp", [(14336, 4096), (14336, 4096), (4096, 14336)]),
+    ("linear", [(1024, 4096)]),
+])
+def test_functions_on_the_card_match_fp32_and_the_emulation(kind, shapes):
+    from unsloth.kernels.swiglu import swiglu_DWf_DW_dfg_kernel, swiglu_fg_kernel
+
+    from jobs.training.fp8 import emulated
+    from jobs.training.fp8_selftest import check_kind, verdict
+
+    sw = (swiglu_fg_kernel, swiglu_DWf_DW_dfg_kernel) if kind == "mlp" else None
+    err = check_kind(kind, shapes, tokens=1000, swiglu=sw)
+    assert verdict(kind, err) is None, err
+    assert 0.005 < err["out0"] < 0.06 and 0.005 < err["dx"] < 0.06
+    with emulated():
+        emu = check_kind(kind, shapes, tokens=1000, swiglu=sw)
+    assert abs(emu["dx"] - err["dx"]) < 0.01 and abs(emu["out0"] - err["out0"]) < 0.01
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    from jobs.training.architectures import build_random_model
+
+    return build_random_model("small-llama", tmp_path_factory.mktemp("models") / "small-llama")
+
+
+def test_an_unsloth_model_runs_fp8_patched_checked_and_trains(small_model, tmp_path):
+    from jobs.training.fp8 import STATS, FP8Base
+    from jobs.training.fp8_setup import Learnable, data_files, enable_fp8, sample_tokens
+    from jobs.training.numerics import bigram_samples
+    from jobs.training.packing import packed_batches
+    from jobs.training.step import make_optimizer, train_step
+    from jobs.training.unsloth_backend import LoraSpec, load_unsloth
+
+    model, tok, _info = load_unsloth(small_model, lora=LoraSpec(r=16, alpha=16), max_seq_length=4096,
+                                     gradient_checkpointing=False, cache_dir=tmp_path)
+    ids, source = sample_tokens(tok, data_files(None, []), cache_dir=tmp_path / "c")
+    out = enable_fp8(model, device="cuda", tokens=ids, activations=source, unsloth=True, source_dir=small_model,
+                     learnable=Learnable(steps=10, tokens_per_step=1024), vocab=len(tok))
+    assert out.error is None, out.error
+    assert out.patch["status"] == "patched" and (out.patch["qkv"], out.patch["o"], out.patch["mlp"]) == (2, 2, 2)
+    n = out.numerics
+    assert n.passed, n.reasons
+    assert n.converted == 14 and sum(isinstance(m, FP8Base) for m in model.modules()) == 14
+    assert n.nf4_error["median"] > n.fp8_error["median"]  # real bitsandbytes NF4 against the bf16 source
+    calls = dict(STATS.fp8_calls)
+    opt = make_optimizer(model)
+    for b in list(packed_batches(bigram_samples(len(tok), 5000), tokens_per_step=2048))[:2]:
+        st = train_step(model, b, opt)
+        assert st.loss == st.loss
+    assert STATS.fp8_calls["mlp"] >= calls.get("mlp", 0) + 4 and not STATS.native_calls
