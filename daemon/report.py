@@ -62,4 +62,14 @@ def summary_table(s: RunSummary) -> str:
         ("loss: regression", f"{_loss(losses.regression_before)} -> {_loss(losses.regression_after)}"),
         ("version", version),
         ("phases", ", ".join(f"{k} {v:.1f}s" for k, v in s.phase_seconds.items())),
+        *([("expert LoRA", expert_lora_line(s))] if s.expert_lora else []),
     ])
+
+
+def expert_lora_line(s: RunSummary) -> str:
+    """MoE bases: how many expert LoRA tensors got a gradient and moved (issue 15)."""
+    e = s.expert_lora
+    assert e is not None
+    moved = "—" if e.moved is None else str(e.moved)
+    text = f"{e.tensors} tensors, {e.with_grad} with gradient, {moved} moved"
+    return text + (f" ({e.not_judged} lora_A not judged)" if e.not_judged else "")

@@ -23,6 +23,7 @@ from jobs.night.intake import PlannedRun
 from jobs.training.checkpoints import latest_checkpoint
 from jobs.training.load import Loaded, load_for_training
 from jobs.training.loop import TrainResult, train
+from jobs.training.moe import ExpertLoraError, watch_experts
 from jobs.training.shape import resolve_step
 
 log = structlog.get_logger("nightshift.night")
@@ -98,10 +99,20 @@ def train_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun) -> Tra
     def relay(ev: ChildEvent) -> None:  # progress belongs to this version
         ctx.emit(ev.model_copy(update={"version": planned.version}) if isinstance(ev, ProgressEvent) else ev)
 
-    with ctx.phase(Phase.train):
-        result = train(prep.loaded, prep.train_set, ctx.cfg.train, ckpt_root=ctx.checkpoints, deadline=ctx.deadline,
-                       stop=ctx.stop, shape=prep.shape, clock=ctx.clock, emit=relay, resume=prep.resume)
     s = ctx.summary
+    try:  # issue 15: every expert LoRA tensor of a MoE base must get a gradient and move, or the night fails
+        watch = watch_experts(prep.loaded.model, ctx.cfg.train.target_modules)
+        with ctx.phase(Phase.train):
+            result = train(prep.loaded, prep.train_set, ctx.cfg.train, ckpt_root=ctx.checkpoints,
+                           deadline=ctx.deadline, stop=ctx.stop, shape=prep.shape, clock=ctx.clock, emit=relay,
+                           resume=prep.resume)
+        if watch is not None:
+            s.expert_lora = watch.finish(check_moved=result.stopped != "signal" and result.steps > 0)
+            result.detail["expert_lora"] = s.expert_lora.model_dump()
+    except ExpertLoraError as e:
+        s.expert_lora = e.report
+        fail_expert_check(ctx, e)
+        raise
     s.trained_samples = sum(1 for i in result.trained_ids if i not in prep.replay_ids)
     s.replay_samples = len(result.trained_ids) - s.trained_samples
     s.trained_tokens, s.steps, s.actual_train_seconds, s.stopped = (result.tokens, result.steps, result.seconds,
@@ -111,3 +122,13 @@ def train_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun) -> Tra
         s.tokens_per_second = result.tokens / result.seconds
         s.samples_per_hour = len(result.trained_ids) * 3600 / result.seconds
     return result
+
+
+def fail_expert_check(ctx: RunContext, e: ExpertLoraError) -> None:
+    """Close the run as failed at once: a retry would train the same broken expert path again. Nothing is
+    published; the samples stay pending for a night whose stack trains the experts."""
+    import shutil
+
+    log.error("expert_lora_check_failed", error=str(e), report=e.report.model_dump() if e.report else None)
+    ctx.finish("failed", str(e))
+    shutil.rmtree(ctx.checkpoints, ignore_errors=True)

@@ -9,6 +9,7 @@ from typing import Any
 import structlog
 
 from jobs.contract import StepShape
+from jobs.training import moe
 from jobs.training.config import TrainConfig
 
 log = structlog.get_logger("nightshift.train")
@@ -83,6 +84,7 @@ def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | Non
         )
         kwargs["device_map"] = {"": 0}
     model = AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)
+    moe.adapt_base(model)  # issue 15: GPT-OSS-like bases keep packed samples apart (sinks, windows)
     if quantized:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=shape.gradient_checkpointing)
     elif shape.gradient_checkpointing:
@@ -94,12 +96,13 @@ def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | Non
         model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
     else:
         model = get_peft_model(model, LoraConfig(
-            r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-            target_modules=cfg.target_modules, task_type="CAUSAL_LM",
+            r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, task_type="CAUSAL_LM",
+            **moe.lora_targets(model, cfg.target_modules),  # issue 15: MoE experts via target_parameters
         ))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     info = {"trainable_parameters": trainable, "total_parameters": total, "quantized_4bit": quantized,
+            "trainable_in_experts": moe.trainable_in_experts(model),
             "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False))}
     log.info("model_loaded", backend="hf", device=device_name(), **info)
     return Loaded(model, load_tokenizer(model_path), "hf", "cuda" if cuda else "cpu", info)
