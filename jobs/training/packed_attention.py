@@ -222,11 +222,17 @@ def flash_usable(query: Any) -> bool:
             and query.shape[-1] <= 256):
         return False
     if _STATE["flash"] is None:
-        _STATE["flash_check"] = self_check(query.device, query.dtype)
-        _STATE["flash"] = bool(_STATE["flash_check"]["ok"])
-        if not _STATE["flash"]:
-            log.warning("packed_attention_flash_unusable", **_STATE["flash_check"])
+        check_flash(query.device, query.dtype)
     return bool(_STATE["flash"])
+
+
+def check_flash(device: Any, dtype: Any) -> dict[str, Any]:
+    """Run the self-check once and decide the path of this process: flash if it passed."""
+    _STATE["flash_check"] = self_check(device, dtype)
+    _STATE["flash"] = bool(_STATE["flash_check"]["ok"])
+    if not _STATE["flash"]:
+        log.warning("packed_attention_flash_unusable", **_STATE["flash_check"])
+    return _STATE["flash_check"]
 
 
 def self_check(device: Any, dtype: Any, *, tol: float = 0.05) -> dict[str, Any]:
