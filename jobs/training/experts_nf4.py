@@ -327,7 +327,7 @@ def self_check(device: Any, *, quantize: bool = True) -> dict[str, Any]:
                                                                            strict=True))])
         ref.float().square().sum().backward()
         errs = [float((a.float() - b.float()).abs().max() / (b.float().abs().max() + 1e-6))
-                for a, b in ((out, ref), (x.grad, x2.grad))]
+                for a, b in ((out.detach(), ref.detach()), (x.grad, x2.grad))]
         quant_err = float((ref_w.float() - w.float()).abs().max())
         return {"ok": max(errs) < 0.03, "max_rel_err": {"out": round(errs[0], 5), "dx": round(errs[1], 5)},
                 "nf4_max_abs_err": round(quant_err, 5)}

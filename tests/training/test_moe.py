@@ -268,6 +268,15 @@ def test_flash_sink_renormalisation_and_its_backward_equal_softmax_with_sinks(ls
         torch.testing.assert_close(b, c, rtol=1e-9, atol=1e-9, msg=f"sdpa {name}")
 
 
+def test_the_flash_self_check_passes_with_right_kernels_and_reports_missing_ones():
+    from jobs.training.packed_attention import self_check
+
+    RefFlash.lse_3d = False
+    assert self_check("cpu", torch.float32, kernels=RefFlash)["ok"]
+    failed = self_check("cpu", torch.float32)  # no flash kernels on the CPU: the per-sample path will run
+    assert not failed["ok"] and "_flash_attention_forward" in failed["error"]
+
+
 # ---- grouped expert GEMMs ----------------------------------------------------------------------------
 
 
