@@ -4,7 +4,7 @@ nothing under daemon/ or jobs/{night,training,data,store} imports this package.
     python -m jobs.bench bench --arch llama3.1-8b --out results/      (all stacks, both profiles)
     python -m jobs.bench faststart --arch llama3.1-8b --state-dir S    (time to first step, night 1 / night 2)
     python -m jobs.bench budget --arch llama3.1-8b                     (plan from calibration, then train)
-    python -m jobs.bench moe --arch gpt-oss-small                      (LoRA reaches the experts?)
+    python -m jobs.bench moe --arch gpt-oss-120b --vram-from-free      (MoE built in GPU memory, expert check)
 
 (`nightshift calibrate` measures and records our path for the planner: jobs/night/calibrate.py.)
 
@@ -15,6 +15,8 @@ and a fresh process frees every byte of VRAM between stacks):
   trl        Unsloth + TRL SFTTrainer: padding_free with a large batch, and packing=True
   ours       nightshift: packed rows to a token budget chosen from measured memory under
              max_vram_gb, varlen attention (no cross-sample attention), checkpointing off when it fits
+  moe        (--in-memory) a MoE (GPT-OSS-120B) built random-initialised in GPU memory, NF4, through
+             nightshift's MoE path: LoRA on attention + every expert, packed, expert LoRA check, profile
 
 The parent (cli.py) holds no GPU memory while workers run: it never imports torch; the model is
 built random-initialised (or read) in a child of its own (model.py). Workers get the settings
