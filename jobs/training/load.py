@@ -56,6 +56,11 @@ def ensure_pad_token(tok: Any) -> Any:
 def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | None, shape: StepShape,
                       cache_dir: Path | None = None) -> Loaded:
     """Base model + LoRA: from `adapter` (the one in service, or a checkpoint) or a fresh one."""
+    from jobs.training import moe_path
+
+    if moe_path.in_memory_arch(model_path):  # issue 15: weights built in GPU memory each night (120B > disk)
+        return moe_path.load_in_memory(model_path, cfg, adapter=adapter,
+                                       gradient_checkpointing=shape.gradient_checkpointing)
     backend = resolve_backend(cfg)
     if backend == "unsloth":
         from jobs.training.unsloth_backend import LoraSpec, load_unsloth  # GPU-only stack, imported only here

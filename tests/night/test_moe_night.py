@@ -135,3 +135,26 @@ def test_a_night_whose_experts_get_no_gradient_fails_loudly_and_publishes_nothin
     assert led.run(s["run_id"])["status"] == "failed" and led.night_done("2026-11-21")
     assert led.sample_counts() == {"pending": 120}
     assert [v["status"] for v in led.versions()] == ["failed"]  # the reserved number is never reused
+
+
+def test_nights_from_a_model_built_in_memory_continue_their_adapter(night_env, tmp_path):
+    """`[model] build = "in-memory:<arch>"`: config and tokenizer on disk, the weights drawn in (GPU) memory
+    each night (GPT-OSS-120B's outgrow the disk); the second night continues the first one's adapter."""
+    from jobs.night.config import ModelConfig
+
+    inbox, make = night_env
+    write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(40)])
+    cfg = make(model={"path": tmp_path / "models" / "tiny-gpt-oss", "name": "mem", "build": "in-memory:tiny-gpt-oss"},
+               plan={"heldout_share": 0}, train={"batching": "packed", "tokens_per_step": 512, "lora_alpha": 8})
+    s1 = run(cfg)
+    assert s1["outcome"] == "succeeded", s1["error"]
+    assert not list(Path(cfg.model.path).glob("*.safetensors"))  # nothing of the weights on disk
+    t = json.loads((Path(cfg.state_dir) / "current" / "manifest.json").read_text())["training"]
+    assert t["backend"] == "nightshift-moe" and t["built_in_memory"] and t["trainable_matches_expected"]
+    assert t["expert_lora"]["tensors"] == 8 and t["expert_lora"]["moved"] == 8
+    write_jsonl(inbox / "b.jsonl", [alpaca(i, " again") for i in range(30)])
+    s2 = run(cfg, night="2026-11-22")
+    assert s2["outcome"] in ("succeeded", "rejected") and s2["parent_version"] == 1, s2["error"]
+    assert s2["load_info"]["parent_adapter"].endswith("mem-v0001") and s2["expert_lora"]["with_grad"] == 8
+    with pytest.raises(ValueError, match="known arch"):
+        ModelConfig(path=tmp_path, build="in-memory:gpt-5")
