@@ -176,6 +176,9 @@ def _ours(s: BenchSettings, job: Job, model: Any, prof: str, vocab: int, matmul:
 
     row = run_ours(model, s, prof, vocab, label=LABEL)
     row.pop("first_step_end", None)
+    print(f"moe: {prof}: {row.get('real_tok_s') or 0:,.0f} tok/s, {row.get('samples_per_hour') or 0:,.0f} samples/h "
+          f"at {row.get('token_budget')} tokens/step, peak reserved {row.get('peak_reserved_gb')} GB"
+          f"{', error: ' + row['error'] if row.get('error') else ''}", flush=True)
     row.update(stack="moe", arch=s.arch, matmul_params=matmul, trainable_parameters=info.get("trainable_parameters"),
                trainable_in_experts=info.get("trainable_in_experts"), **_rates(row, prof, matmul))
     if row.get("token_budget") and s.torch_profile:
@@ -184,6 +187,10 @@ def _ours(s: BenchSettings, job: Job, model: Any, prof: str, vocab: int, matmul:
             batches = list(packed_batches(samples, tokens_per_step=row["token_budget"]))[: s.profile_steps + 1]
             row["torch_profile"] = profile_steps(model, batches, make_optimizer(model), title=f"{s.arch} {prof}",
                                                  path=Path(f"{s.torch_profile}.{prof}.txt"))
+            tp = row["torch_profile"]
+            top = ", ".join(f"{k['name'][:40]} {100 * k['share']:.0f}%" for k in tp["top_kernels"][:6])
+            print(f"moe: profile {prof}: GPU idle share {tp['gpu_idle_share']}, {tp['kernels_per_step']} kernels "
+                  f"per step; top: {top}", flush=True)
         except Exception as e:  # the measurement stands without its profile
             row["torch_profile"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         torch.cuda.empty_cache()
