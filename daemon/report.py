@@ -86,6 +86,7 @@ def summary_table(s: RunSummary) -> str:
           if s.returned_samples else []),
         ("version", version),
         ("phases", ", ".join(f"{k} {v:.1f}s" for k, v in s.phase_seconds.items())),
+        *([("expert LoRA", expert_lora_line(s))] if s.expert_lora else []),
     ])
 
 
@@ -105,3 +106,12 @@ def inbox_table(inbox: dict[str, Any]) -> str:
         ("would be quarantined", _num(sum(bad.values())) + (f" ({reasons}: see `nightshift validate FILE`)"
                                                              if reasons else "")),
     ])
+
+
+def expert_lora_line(s: RunSummary) -> str:
+    """MoE bases: how many expert LoRA tensors got a gradient and moved (issue 15)."""
+    e = s.expert_lora
+    assert e is not None
+    moved = "—" if e.moved is None else str(e.moved)
+    text = f"{e.tensors} tensors, {e.with_grad} with gradient, {moved} moved"
+    return text + (f" ({e.not_judged} lora_A not judged)" if e.not_judged else "")

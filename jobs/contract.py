@@ -290,6 +290,28 @@ class HotswapOutcome(BaseModel):
 EvalMetrics = dict[str, float]
 
 
+class ExpertLoraReport(BaseModel):
+    """Did the adapter train a mixture-of-experts base's experts? Counted every night (jobs/training/moe.py).
+
+    A tensor is one LoRA factor (lora_A or lora_B) of an expert weight; a fused expert weight (PEFT
+    `target_parameters`) holds every expert's factors in one tensor, so its experts are also counted
+    one by one as slices. lora_A's gradient is zero by construction while its lora_B is still zero (a
+    new adapter's first step): such a lora_A is judged on later passes, or counted as not judged."""
+
+    model_config = ConfigDict(extra="forbid")
+    tensors: int = Field(ge=0, description="expert LoRA tensors in the adapter")
+    parameters: int = Field(0, ge=0, description="their parameters")
+    with_grad: int = Field(0, ge=0, description="received a non-zero, finite gradient on the first passes")
+    moved: int | None = Field(None, ge=0, description="differ from their value at load at the end (None: not checked)")
+    not_judged: int = Field(0, ge=0, description="lora_A whose lora_B stayed zero on every watched pass")
+    nonfinite: int = Field(0, ge=0, description="got a NaN or infinite gradient")
+    grad_passes: int = Field(0, ge=0, description="forward/backward passes watched for gradients")
+    expert_slices: int = Field(0, ge=0, description="(tensor, expert) slices of fused expert LoRA tensors")
+    slices_with_grad: int = Field(0, ge=0)
+    slices_moved: int | None = Field(None, ge=0)
+    problems: list[str] = Field(default_factory=list, description="what failed, tensor names included")
+
+
 class RunSummary(BaseModel):
     """Everything a night's run reports: the child's last event, the ledger's `runs.summary`, the
     source of the CLI's table and of the last-run metrics."""
@@ -334,6 +356,7 @@ class RunSummary(BaseModel):
     first_step_seconds: float | None = None  # from the child's start to the end of its first training step
     step_shape: StepShape | None = None
     load_info: dict[str, Any] = Field(default_factory=dict)  # backend's own figures (parameter counts, cache)
+    expert_lora: ExpertLoraReport | None = None  # MoE bases: did every expert LoRA tensor train
     # evaluation and publication
     losses: Losses = Field(default_factory=Losses)
     # "<data>_<stage>": stage before (adapter in service), after (candidate), reference, base

@@ -20,7 +20,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from jobs.bench.measure import smi_log
-from jobs.bench.model import resolve_model
+from jobs.bench.model import in_memory_model, resolve_model
 from jobs.bench.report import gpu_info, numerics_table, read_rows, summarise, table, write_result
 from jobs.bench.settings import PEAK_BF16, STACKS, BenchSettings
 from jobs.training.synthetic import CAP, PROFILES
@@ -81,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-profile", help="ours: profile 3 steps per profile into <this>.<profile>.txt")
     p.add_argument("--budget-seconds", type=lambda s: [float(x) for x in _csv(s)], default=[60.0, 180.0],
                    help="budget: seconds of alpaca, then of wiki data (default: 60,180)")
+    p.add_argument("--in-memory", action="store_true",
+                   help="moe: build --arch random-initialised in GPU memory, NF4, no directory (GPT-OSS-120B)")
+    p.add_argument("--vram-from-free", action="store_true",
+                   help="moe: cap the step's memory at what the GPU has free at start (else --max-vram-gb)")
+    p.add_argument("--profile-steps", type=int, default=3, help="moe: steps profiled per profile (--torch-profile)")
+    p.add_argument("--trl-recipe", action="store_true",
+                   help="moe: also the published recipe: TRL SFTTrainer, padded batch 32 / 16, grad. ckpt")
     # the worker's own (the parent passes them; settings come as JSON on stdin)
     p.add_argument("--stack", help=hidden)
     p.add_argument("--rows", help=hidden)
@@ -102,7 +109,7 @@ def spawn(stack: str, s: BenchSettings, model: Path, rows: Path, timeout: float 
 
 def bench(s: BenchSettings) -> int:
     """Every stack in turn, each in its own process; then ratios, the table and the JSON."""
-    model = resolve_model(s)
+    model = in_memory_model(s) if s.in_memory else resolve_model(s)
     s.out.mkdir(parents=True, exist_ok=True)
     name = s.arch or model.path.name
     rows_path = s.out / f"bench-{name}.rows.jsonl"
@@ -164,9 +171,8 @@ def faststart(s: BenchSettings) -> int:
 
 
 def moe(s: BenchSettings) -> int:
-    model = resolve_model(s)
-    s.out.mkdir(parents=True, exist_ok=True)
-    return spawn("moe", s, model.path, s.out / f"moe-{s.arch or model.path.name}.rows.jsonl", 900)
+    """The moe stack alone, on --arch built in GPU memory (what `bench --stacks moe --in-memory` runs)."""
+    return bench(s.model_copy(update={"stacks": ("moe",), "in_memory": True}))
 
 
 def budget(s: BenchSettings) -> int:
@@ -188,7 +194,7 @@ def worker(a: argparse.Namespace) -> int:
     text = "" if sys.stdin.isatty() else sys.stdin.read()  # by hand, from a terminal: the flags instead
     s = BenchSettings.model_validate_json(text) if text.strip() else BenchSettings.from_args(a)
     setup_caches(s.state_dir)  # before anything imports torch's compile machinery
-    if a.stack != "baseline":
+    if a.stack not in ("baseline", "moe"):  # moe: our own MoE path, transformers as shipped
         import unsloth  # noqa: F401  (patches transformers at import: before the stack imports it)
     stack_worker(a.stack)(s, Job(a.stack, Path(a.model), Path(a.rows), a.t_launch))
     return 0

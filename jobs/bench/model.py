@@ -47,6 +47,19 @@ def resolve_model(s: BenchSettings) -> ModelInfo:
     return info
 
 
+def in_memory_model(s: BenchSettings) -> ModelInfo:
+    """The moe stack builds --arch in GPU memory itself: nothing to build or find here, and its matmul
+    parameters come from the architecture's table (no transformers in the parent)."""
+    from types import SimpleNamespace
+
+    from jobs.training.architectures import ARCHITECTURES, matmul_params
+
+    assert s.arch  # BenchSettings requires it with --in-memory
+    if s.arch not in ARCHITECTURES:
+        raise SystemExit(f"bench: unknown architecture {s.arch!r}; known: {', '.join(ARCHITECTURES)}")
+    return ModelInfo(Path(f"in-memory:{s.arch}"), matmul_params(SimpleNamespace(**ARCHITECTURES[s.arch])))
+
+
 def from_marker(path: Path, arch: str | None, build_4bit: bool) -> ModelInfo | None:
     """A random-initialised model built before (with this arch and quantisation when `arch` is given)."""
     try:

@@ -64,6 +64,11 @@ class BenchSettings(BaseModel):
     drop_caches: bool = False
     torch_profile: str | None = None
     budget_seconds: tuple[float, float] = (60.0, 180.0)  # budget mode: alpaca, wiki
+    # the moe stack (issue 15): a model built random-initialised in GPU memory, nightshift's MoE path
+    in_memory: bool = Field(False, description="build --arch in GPU memory (NF4), no directory (moe stack)")
+    vram_from_free: bool = Field(False, description="moe: the step budget's cap is the GPU memory free at start")
+    profile_steps: int = Field(3, ge=1, description="moe: steps under torch.profiler per profile (--torch-profile)")
+    trl_recipe: bool = Field(False, description="moe: also the published recipe (TRL SFTTrainer, padded 32/16)")
 
     @field_validator("stacks")
     @classmethod
@@ -101,6 +106,18 @@ class BenchSettings(BaseModel):
     def _a_model(self) -> BenchSettings:
         if self.model is None and not self.arch:
             raise ValueError("give --model DIR or --arch NAME")
+        return self
+
+    @model_validator(mode="after")
+    def _in_memory_is_the_moe_stacks(self) -> BenchSettings:
+        if "moe" in self.stacks and not self.in_memory:
+            raise ValueError("the moe stack builds its model in GPU memory: add --in-memory")
+        others = [x for x in self.stacks if x != "moe"]
+        if self.in_memory and others:
+            raise ValueError(f"--in-memory: only the moe stack starts from a model built in memory, not "
+                             f"{', '.join(others)}")
+        if self.in_memory and not self.arch:
+            raise ValueError("--in-memory needs --arch NAME (the architecture to build)")
         return self
 
     @classmethod

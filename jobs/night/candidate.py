@@ -23,6 +23,7 @@ from jobs.store.integrity import verified
 from jobs.training.checkpoints import latest_checkpoint
 from jobs.training.load import Loaded, load_for_training
 from jobs.training.loop import TrainResult, train
+from jobs.training.moe import ExpertLoraError, watch_experts
 
 log = structlog.get_logger("nightshift.night")
 Measured = dict[str, EvalMetrics | None]  # "<heldout|regression>_<before|after>" -> metrics
@@ -89,11 +90,20 @@ def train_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun) -> Tra
     def relay(ev: ChildEvent) -> None:  # progress belongs to this version
         ctx.emit(ev.model_copy(update={"version": planned.version}) if isinstance(ev, ProgressEvent) else ev)
 
-    with ctx.phase(Phase.train):
-        result = train(prep.loaded, prep.train_set, ctx.cfg.train, ckpt_root=ctx.checkpoints, deadline=ctx.deadline,
-                       stop=ctx.stop, shape=prep.shape, clock=ctx.clock, emit=relay, resume=prep.resume,
-                       probe_first=not planned.plan.measured)
     s = ctx.summary
+    try:  # issue 15: every expert LoRA tensor of a MoE base must get a gradient and move, or the night fails
+        watch = watch_experts(prep.loaded.model, ctx.cfg.train.target_modules)
+        with ctx.phase(Phase.train):
+            result = train(prep.loaded, prep.train_set, ctx.cfg.train, ckpt_root=ctx.checkpoints,
+                           deadline=ctx.deadline, stop=ctx.stop, shape=prep.shape, clock=ctx.clock, emit=relay,
+                           resume=prep.resume, probe_first=not planned.plan.measured)
+        if watch is not None:
+            s.expert_lora = watch.finish(check_moved=result.stopped != "signal" and result.steps > 0)
+            result.detail["expert_lora"] = s.expert_lora.model_dump()
+    except ExpertLoraError as e:
+        s.expert_lora = e.report
+        fail_expert_check(ctx, e)
+        raise
     s.step_shape = StepShape.model_validate(result.detail["step_shape"])  # as trained (a probe may resize it)
     if result.first_step_at is not None and ctx.process_started is not None:
         s.first_step_seconds = result.first_step_at - ctx.process_started
@@ -108,3 +118,13 @@ def train_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun) -> Tra
         s.tokens_per_second = result.tokens / result.seconds
         s.samples_per_hour = len(result.trained_ids) * 3600 / result.seconds
     return result
+
+
+def fail_expert_check(ctx: RunContext, e: ExpertLoraError) -> None:
+    """Close the run as failed at once: a retry would train the same broken expert path again. Nothing is
+    published; the samples stay pending for a night whose stack trains the experts."""
+    import shutil
+
+    log.error("expert_lora_check_failed", error=str(e), report=e.report.model_dump() if e.report else None)
+    ctx.finish("failed", str(e))
+    shutil.rmtree(ctx.checkpoints, ignore_errors=True)

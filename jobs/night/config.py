@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jobs.data.quarantine import QuarantineConfig
 from jobs.data.sources import SourceConfig
@@ -22,8 +21,23 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: Path = Field(description="local Hugging Face model directory (nothing is downloaded)")
     name: str = Field("adapter", pattern=r"^[A-Za-z0-9_.-]+$", description="adapter name: <name>-v0001")
-    build: Literal["tiny-llama"] | None = Field(
-        None, description="build this random-initialised model at `path` when it is missing (the demo)")
+    build: str | None = Field(
+        None, description="build this random-initialised model at `path` when it is missing: \"tiny-llama\" "
+        "(the demo), or \"in-memory:<arch>\" (config and tokenizer at `path`, weights drawn in GPU memory "
+        "each night: models whose weights outgrow the disk, e.g. in-memory:gpt-oss-120b)")
+
+    @field_validator("build")
+    @classmethod
+    def _known_build(cls, v: str | None) -> str | None:
+        from jobs.training.architectures import ARCHITECTURES  # no torch: a table
+
+        if v is None or v == "tiny-llama":
+            return v
+        arch = v.removeprefix("in-memory:")
+        if v.startswith("in-memory:") and arch in ARCHITECTURES:
+            return v
+        raise ValueError(f"{v!r} is not \"tiny-llama\" or \"in-memory:<arch>\" with a known arch "
+                         f"({', '.join(ARCHITECTURES)})")
 
 
 class NightConfig(BaseModel):

@@ -54,6 +54,13 @@ def ensure_model(cfg: NightConfig) -> Path:
             if not (path / "config.json").exists():
                 build_tiny_llama(path, corpus)
         return path
+    if cfg.model.build and cfg.model.build.startswith("in-memory:"):  # issue 15: no weights on disk
+        from jobs.training.moe_path import write_in_memory_stub
+
+        with StateLock(Path(cfg.state_dir) / "lock", what="build model"):
+            if not (path / "config.json").exists():
+                write_in_memory_stub(cfg.model.build.removeprefix("in-memory:"), path)
+        return path
     raise FileNotFoundError(f"[model] path: {path} is not a model directory (no config.json); "
                             "nightshift loads models from local paths only")
 

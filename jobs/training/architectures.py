@@ -186,6 +186,31 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "eos_token_id": 2,
     },
 }
+# GPT-OSS-120B (issue 15): GPT-OSS-20B's widths, 36 layers, 128 experts (top-4): 116.8 B parameters, ~5.1 B
+# active per token. Its NF4 weights (~61 GB) outgrow a 64 GB disk: jobs/training/build_in_memory.py builds it
+# on the GPU. tiny-gpt-oss: the same architecture at test size (CPU tests).
+ARCHITECTURES["gpt-oss-120b"] = {
+    **ARCHITECTURES["gpt-oss-small"],
+    "num_hidden_layers": 36,
+    "num_local_experts": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+}
+ARCHITECTURES["tiny-gpt-oss"] = {
+    **ARCHITECTURES["gpt-oss-small"],
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": 8,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 257,
+    "eos_token_id": 258,
+    "pad_token_id": 256,
+}
 MARKER = "nightshift_random.json"  # written beside config.json: which arch, which dtype, random
 
 
@@ -221,6 +246,11 @@ def matmul_params(config: Any) -> int:
 
 def write_tokenizer(out_dir: Path, config: Any) -> None:
     """A word-level tokenizer over 256 words + specials: enough for loaders; ids < vocab_size."""
+    make_tokenizer(config).save_pretrained(out_dir)
+
+
+def make_tokenizer(config: Any) -> Any:
+    """The tokenizer `write_tokenizer` saves, in memory (models built in GPU memory have no directory)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -241,7 +271,7 @@ def write_tokenizer(out_dir: Path, config: Any) -> None:
         "{% if add_generation_prompt %}assistant: {% endif %}"
     )
     tok.model_max_length = 131072
-    tok.save_pretrained(out_dir)
+    return tok
 
 
 def _atomic_dir(out_dir: Path) -> Path:

@@ -9,6 +9,7 @@ from typing import Any
 import structlog
 
 from jobs.contract import StepShape
+from jobs.training import moe
 from jobs.training.config import TrainConfig
 
 log = structlog.get_logger("nightshift.train")
@@ -55,6 +56,11 @@ def ensure_pad_token(tok: Any) -> Any:
 def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | None, shape: StepShape,
                       cache_dir: Path | None = None) -> Loaded:
     """Base model + LoRA: from `adapter` (the one in service, or a checkpoint) or a fresh one."""
+    from jobs.training import moe_path
+
+    if moe_path.in_memory_arch(model_path):  # issue 15: weights built in GPU memory each night (120B > disk)
+        return moe_path.load_in_memory(model_path, cfg, adapter=adapter,
+                                       gradient_checkpointing=shape.gradient_checkpointing)
     backend = resolve_backend(cfg)
     if backend == "unsloth":
         from jobs.training.unsloth_backend import LoraSpec, load_unsloth  # GPU-only stack, imported only here
@@ -87,6 +93,7 @@ def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | Non
         )
         kwargs["device_map"] = {"": 0}
     model = AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)
+    moe.adapt_base(model)  # issue 15: GPT-OSS-like bases keep packed samples apart (sinks, windows)
     if quantized:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=shape.gradient_checkpointing)
     elif shape.gradient_checkpointing:
@@ -98,12 +105,13 @@ def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | Non
         model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
     else:
         model = get_peft_model(model, LoraConfig(
-            r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-            target_modules=cfg.target_modules, task_type="CAUSAL_LM",
+            r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, task_type="CAUSAL_LM",
+            **moe.lora_targets(model, cfg.target_modules),  # issue 15: MoE experts via target_parameters
         ))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     info = {"trainable_parameters": trainable, "total_parameters": total, "quantized_4bit": quantized,
+            "trainable_in_experts": moe.trainable_in_experts(model),
             "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False))}
     tok = load_tokenizer(model_path)
     if shape.compute == "fp8":  # issue 16: the frozen base on FP8 tensor cores (never fails the load)

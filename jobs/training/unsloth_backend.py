@@ -68,6 +68,8 @@ def setup_caches(cache_dir: Path | str | None) -> dict[str, str]:
         "HF_DATASETS_OFFLINE": "1",
         "UNSLOTH_DISABLE_STATISTICS": "1",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        # MoE bases: the only backend whose expert LoRA tensors all got gradients (unsloth-zoo #606)
+        "UNSLOTH_MOE_BACKEND": "grouped_mm",
     }
     if cache_dir is not None:
         root = Path(cache_dir) / "compile"
@@ -83,7 +85,7 @@ def setup_caches(cache_dir: Path | str | None) -> dict[str, str]:
             env[k] = str(d)
         env["UNSLOTH_MEGA_CACHE"] = "1"
     for k, v in env.items():
-        if k == "PYTORCH_CUDA_ALLOC_CONF":
+        if k in ("PYTORCH_CUDA_ALLOC_CONF", "UNSLOTH_MOE_BACKEND"):
             os.environ.setdefault(k, v)
         else:
             os.environ[k] = v

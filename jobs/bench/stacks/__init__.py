@@ -21,7 +21,7 @@ WORKERS = {  # name -> what it measures
     "unsloth": "Unsloth defaults (its offloaded checkpointing), batch 4 padded",
     "trl": "Unsloth + TRL SFTTrainer: padding_free with a large batch, and packing=True",
     "first_step": "faststart: a night's load and first step, timed from launch",
-    "moe": "MoE: does LoRA reach the experts, and do they train",
+    "moe": "MoE (--in-memory): NF4 model built in GPU memory, LoRA on attention + experts, packed; expert check",
     "budget": "calibrate on one profile, then plan and train other sizes: predicted vs actual time",
 }
 

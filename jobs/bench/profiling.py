@@ -1,0 +1,77 @@
+"""Where a training step's time goes: a few steps under torch.profiler, summarised.
+
+Reports the top kernels by GPU time, how many kernels a step launches, and the GPU's idle share: the
+part of the GPU timeline (first kernel start to last kernel end) in which no kernel ran. A large idle
+share with short kernels means the GPU waits for the CPU to launch them (what the published GPT-OSS
+run showed); a small one means the kernels themselves are the cost. The profiler slows the CPU side
+a little, so the idle share it shows is an upper bound of the unprofiled one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def busy_time(intervals: Sequence[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def profile_steps(model: Any, batches: Sequence[Any], optimizer: Any, *, path: Path | None, title: str,
+                  top: int = 25) -> dict[str, Any]:
+    """One warm-up step, then `batches[1:]` under the profiler. Writes a text report to `path`."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from jobs.training.step import train_step
+
+    train_step(model, batches[0], optimizer)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for b in batches[1:]:
+            train_step(model, b, optimizer)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    steps = max(1, len(batches) - 1)
+    events = p.events()
+    gpu = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
+    launches = sum(1 for e in events if e.name in LAUNCHES)
+    span = (max(e for _, e in gpu) - min(s for s, _ in gpu)) if gpu else 0.0
+    busy = busy_time(gpu)
+    ka = p.key_averages()
+    kernels = sorted((k for k in ka if getattr(k, "self_device_time_total", 0) > 0),
+                     key=lambda k: k.self_device_time_total, reverse=True)
+    total_dev = sum(k.self_device_time_total for k in kernels) or 1.0
+    summary = {
+        "steps": steps, "tokens": sum(b.real_tokens for b in batches[1:]), "wall_s": round(wall, 3),
+        "gpu_span_ms": round(span / 1e3, 1), "gpu_busy_ms": round(busy / 1e3, 1),
+        "gpu_idle_share": round(1 - busy / span, 4) if span else None,
+        "kernels_per_step": round(len(gpu) / steps), "launches_per_step": round(launches / steps),
+        "top_kernels": [{"name": k.key[:120], "calls": k.count, "ms": round(k.self_device_time_total / 1e3, 2),
+                         "share": round(k.self_device_time_total / total_dev, 4)} for k in kernels[:top]],
+    }
+    if path is not None:
+        head = (f"{title}: {steps} profiled steps, {summary['tokens']} tokens, wall {wall:.2f} s; GPU timeline "
+                f"{summary['gpu_span_ms']} ms, busy {summary['gpu_busy_ms']} ms, idle share "
+                f"{summary['gpu_idle_share']}; {summary['kernels_per_step']} kernels and "
+                f"{summary['launches_per_step']} launch calls per step")
+        path.write_text(head + "\n\n" + ka.table(sort_by="self_device_time_total", row_limit=top,
+                                                  max_name_column_width=90))
+    return summary
