@@ -29,6 +29,7 @@ from daemon.supervisor import ChildOutcome, NightChild, wait_interruptibly
 from daemon.window import Window, utcnow
 from jobs.contract import ChildEvent, Outcome, PhaseEvent, ProgressEvent, RunSummary
 from jobs.gpu import free_vram_gb
+from jobs.night.space import night_disk_need_gb
 from jobs.store.ledger import Ledger
 from jobs.store.locking import LockTimeout, StateLock
 from jobs.store.outcomes import NightOutcomes
@@ -212,8 +213,11 @@ class Service:
         """Why the night cannot start now, or None."""
         self.state.mkdir(parents=True, exist_ok=True)
         free_gb = shutil.disk_usage(self.state).free / 1e9
-        if free_gb < self.s.daemon.min_free_disk_gb:
-            return f"only {free_gb:.1f} GB free in {self.state} (need {self.s.daemon.min_free_disk_gb:g} GB)"
+        writes = night_disk_need_gb(self.s.night_config())  # full fine-tuning: checkpoints of whole models
+        if free_gb < self.s.daemon.min_free_disk_gb + writes:
+            extra = f" + {writes:.1f} GB for full fine-tuning's checkpoints" if writes else ""
+            return (f"only {free_gb:.1f} GB free in {self.state} (need {self.s.daemon.min_free_disk_gb:g} GB{extra}; "
+                    "`nightshift adapters prune` frees old versions)")
         return None
 
     def _gpu_wait(self, window: Window) -> str | None:

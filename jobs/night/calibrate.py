@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure(cfg: NightConfig, model_path: Path, *, seconds: float):  # -> (CalibrationRecord, Throughput)
     from jobs.training.load import device_name, load_for_training
+    from jobs.training.optim import build_optimizer
     from jobs.training.probe import ProbeSettings, calibration_record, probe_memory, timed_steps
-    from jobs.training.step import make_optimizer
     from jobs.training.synthetic import PROFILES, make_samples
 
     t = cfg.train
@@ -67,9 +67,10 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float):  # -> (Calib
     gc = t.gradient_checkpointing if isinstance(t.gradient_checkpointing, bool) else False  # auto: off if it fits
     settings = ProbeSettings(max_vram_gb=max_vram, min_tokens=t.max_seq_length)
     shape = StepShape(tokens_per_step=settings.max_tokens, gradient_checkpointing=gc, basis="calibration")
-    loaded = load_for_training(model_path, t, adapter=None, shape=shape, cache_dir=Path(cfg.state_dir) / "models")
+    loaded = load_for_training(model_path, t, adapter=None, shape=shape, cache_dir=Path(cfg.state_dir) / "models",
+                               max_vram_gb=max_vram)
     vocab, cap = len(loaded.tokenizer), min(t.max_seq_length, 2048)
-    optimizer = make_optimizer(loaded.model, lr=t.learning_rate)
+    optimizer = build_optimizer(loaded.model, t, loaded.optim, device=loaded.device)  # the night's, by method
     probe = probe_memory(loaded.model, make_samples("wiki", 8 * settings.probe_tokens, vocab=vocab, cap=cap),
                          settings, optimizer)
     if probe.tokens_per_step is None:

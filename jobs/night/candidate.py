@@ -18,6 +18,7 @@ from jobs import evaluate
 from jobs.contract import ChildEvent, EvalMetrics, Phase, ProgressEvent, StepShape
 from jobs.data.batching import TokenizedSample
 from jobs.data.render import tokenize_record
+from jobs.night import lineage
 from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun
 from jobs.training.checkpoints import latest_checkpoint
@@ -47,12 +48,15 @@ def load_model_and_data(ctx: RunContext, planned: PlannedRun) -> Prepared:
     cfg, ledger = ctx.cfg, ctx.ledger
     parent_path = ctx.registry.path_of(cfg.model.name, planned.parent) if planned.parent else None
     resume = latest_checkpoint(ctx.checkpoints)
+    ctx.summary.method = cfg.train.method
+    lineage.check_parent(ledger, cfg.train, planned.parent)  # refused before anything is loaded
+    lineage.check_checkpoint(ctx.checkpoints, cfg.train.method, resuming=resume is not None)
     with ctx.phase(Phase.load):
         shape = resolve_step(cfg.train, ledger.calibration(planned.key))
         log.info("step_shape", tokens_per_step=shape.tokens_per_step,
                  gradient_checkpointing=shape.gradient_checkpointing, basis=shape.basis)
         loaded = load_for_training(ctx.model_path, cfg.train, adapter=resume or parent_path, shape=shape,
-                                   cache_dir=ctx.state / "models")
+                                   cache_dir=ctx.state / "models", max_vram_gb=cfg.gpu.max_vram_gb)
         tok, tk = loaded.tokenizer, {"max_seq_length": cfg.train.max_seq_length, "overlong": cfg.train.overlong}
         train_ids = [sid for sid, role in planned.roles if role in ("train", "replay")]
         heldout_ids = [sid for sid, role in planned.roles if role == "heldout"]
