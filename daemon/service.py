@@ -240,7 +240,8 @@ class Service:
         if row is not None:
             manifest = json.loads(row["manifest"] or "{}")
             self.metrics.set_adapter_in_service(version, row["name"],
-                                                manifest.get("base_model", {}).get("path", ""))
+                                                manifest.get("base_model", {}).get("path", ""),
+                                                manifest.get("method") or "qlora")
 
     def _restore_metrics(self) -> None:
         runs = self.ledger.last_runs(50)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from jobs.contract import Outcome, Phase, QuarantineReason
+from jobs.contract import Method, Outcome, Phase, QuarantineReason
 
 Kind = Literal["gauge", "counter", "histogram"]
 GAUGE: Kind = "gauge"
@@ -40,6 +40,7 @@ LAST_RUN_STEPS = "nightshift_last_run_steps"
 LAST_RUN_TOKENS_PER_SECOND = "nightshift_last_run_tokens_per_second"
 LAST_RUN_SAMPLES_PER_HOUR = "nightshift_last_run_samples_per_hour"
 LAST_RUN_LOSS = "nightshift_last_run_loss"
+LAST_RUN_INFO = "nightshift_last_run_info"
 # ---- budget ----------------------------------------------------------------------------------------
 LAST_RUN_PREDICTED_TRAIN_SECONDS = "nightshift_last_run_predicted_train_seconds"
 LAST_RUN_ACTUAL_TRAIN_SECONDS = "nightshift_last_run_actual_train_seconds"
@@ -77,6 +78,7 @@ BUILD_INFO = "nightshift_build_info"
 OUTCOMES = tuple(o.value for o in Outcome)
 PHASES = tuple(p.value for p in Phase)
 QUARANTINE_REASONS = tuple(r.value for r in QuarantineReason)  # jobs/data: RecordError reasons
+METHODS = tuple(x.value for x in Method)  # [train] method
 HOTSWAP_OUTCOMES = ("success", "failure")
 # RunSummary.losses field -> (kind, stage) labels of LAST_RUN_LOSS
 LOSS_LABELS = {
@@ -134,6 +136,8 @@ SPECS: tuple[Spec, ...] = (
         "(the candidate; for train, the run's mean training loss).",
         ("kind", "stage"),
     ),
+    Spec(LAST_RUN_INFO, G, "How the last run trained: method=qlora|lora|full, backend=unsloth|hf.",
+         ("method", "backend")),
     # budget
     Spec(LAST_RUN_PREDICTED_TRAIN_SECONDS, G, "Train seconds the plan predicted for the last run."),
     Spec(LAST_RUN_ACTUAL_TRAIN_SECONDS, G, "Train seconds the last run actually took."),
@@ -160,7 +164,8 @@ SPECS: tuple[Spec, ...] = (
     Spec(LAST_RUN_GPU_PEAK_ALLOCATED_BYTES, G, "torch max memory allocated in the last run."),
     Spec(LAST_RUN_GPU_PEAK_RESERVED_BYTES, G, "torch max memory reserved in the last run."),
     # adapters and the daemon
-    Spec(ADAPTER_INFO, G, "The adapter version in service.", ("version", "name", "base_model")),
+    Spec(ADAPTER_INFO, G, "The version in service; method=full: a whole model, else a LoRA adapter.",
+         ("version", "name", "base_model", "method")),
     Spec(ADAPTER_VERSION, G, "Version number of the adapter in service."),
     Spec(ADAPTER_VERSIONS_PUBLISHED_TOTAL, C, "Adapter versions published (promoted or not)."),
     Spec(

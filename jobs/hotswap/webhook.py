@@ -1,6 +1,7 @@
 """Generic webhook: POST the new version as JSON, authenticated and signed.
 
-Body (UTF-8 JSON, keys sorted, no spaces): {"base_model", "manifest", "name", "path", "version"}.
+Body (UTF-8 JSON, keys sorted, no spaces): {"base_model", "manifest", "method", "name", "path", "version"};
+`method` "full": `path` is a whole model directory (safetensors shards, tokenizer), else a LoRA adapter.
 Headers:
 - Authorization: Bearer <token>            when token_file / token_env is set
 - X-Nightshift-Timestamp: <unix seconds>   when the request was signed (fresh per attempt)
@@ -40,6 +41,7 @@ def payload_bytes(adapter: AdapterRef) -> bytes:
         "path": str(adapter.path),
         "base_model": adapter.base_model,
         "manifest": adapter.manifest,
+        "method": adapter.method.value,  # full: `path` is a whole model directory
     }
     return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str).encode("utf-8")
 

@@ -26,6 +26,7 @@ from typing import Any
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
+from jobs.contract import Method
 from jobs.hotswap import AdapterRef, HotswapConfig, HotswapOutcome, notify_all
 from jobs.store.ledger import Ledger
 from jobs.store.locking import StateLock
@@ -344,6 +345,7 @@ def announce(
             path=Path(path).resolve(),
             base_model=str((manifest.get("base_model") or {}).get("path", "")),
             manifest=manifest,
+            method=Method(manifest.get("method") or Method.qlora),
         )
         outcomes = notify(cfg, ref)
         for o in outcomes:
