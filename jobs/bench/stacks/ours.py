@@ -21,17 +21,22 @@ from jobs.contract import GpuEvent
 from jobs.training.synthetic import CAP, make_samples
 
 LABEL = "nightshift (packed, varlen, budgeted)"
+LORA_LABEL = "nightshift, method lora: bf16 base (packed, varlen, budgeted)"
 
 
 def run(s: BenchSettings, job: Job) -> None:
+    """`ours` trains qlora (the default method); the `ours_lora` stack the same path on a bf16 base."""
     import torch
 
     gc = "unsloth" if s.ours_ckpt else False
-    model, _tok, info = load_ours(s, job.model, gc=gc, cache=s.state_dir is not None, max_seq=s.max_budget)
+    lora = job.stack == "ours_lora"
+    model, _tok, info = load_ours(s, job.model, gc=gc, cache=s.state_dir is not None, max_seq=s.max_budget,
+                                  method="lora" if lora else "qlora")
     events: list[GpuEvent] = []
     for prof in s.profiles:
-        row = run_ours(model, s, prof, vocab_size(job.model), label=LABEL,
+        row = run_ours(model, s, prof, vocab_size(job.model), label=LORA_LABEL if lora else LABEL,
                        on_gpu_event=events.append if s.gpu_events else None)
+        row["stack"] = job.stack
         first = row.pop("first_step_end", None)
         row.update(
             load_seconds=info["load_seconds"],
