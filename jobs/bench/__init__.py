@@ -5,6 +5,8 @@ nothing under daemon/ or jobs/{night,training,data,store} imports this package.
     python -m jobs.bench faststart --arch llama3.1-8b --state-dir S    (time to first step, night 1 / night 2)
     python -m jobs.bench budget --arch llama3.1-8b                     (plan from calibration, then train)
     python -m jobs.bench moe --arch gpt-oss-small                      (LoRA reaches the experts?)
+    python -m jobs.bench workloads --quick --out DIR                   (the published runs, each beside ours:
+                                                                        workloads.py, stacks/w_*.py)
 
 (`nightshift calibrate` measures and records our path for the planner: jobs/night/calibrate.py.)
 
@@ -15,6 +17,7 @@ and a fresh process frees every byte of VRAM between stacks):
   trl        Unsloth + TRL SFTTrainer: padding_free with a large batch, and packing=True
   ours       nightshift: packed rows to a token budget chosen from measured memory under
              max_vram_gb, varlen attention (no cross-sample attention), checkpointing off when it fits
+  ours_lora  the same with `[train] method = "lora"` (the base in bf16)
 
 The parent (cli.py) holds no GPU memory while workers run: it never imports torch; the model is
 built random-initialised (or read) in a child of its own (model.py). Workers get the settings

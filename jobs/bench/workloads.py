@@ -88,17 +88,20 @@ class Spawn:
 
 
 def plan(s: BenchSettings) -> list[Spawn]:
-    """The worker processes, most telling first (a --deadline skips the last ones)."""
+    """The worker processes (a --deadline skips the last ones): the 8B's LoRA workloads, the first
+    Fixstars model, full fine-tuning (the longest loads), then any further Fixstars model (the 32B)."""
     out: list[Spawn] = []
     if {"exxact", "alpaca"} & set(s.workloads):
         out += [Spawn("w_hf", s.llama_arch, False), Spawn("w_ours_lora", s.llama_arch, False)]
-    if "full" in s.workloads:
-        out += [Spawn("w_ours_full", s.llama_arch, False), Spawn("w_full", s.llama_arch, False)]
+    fixstars = []
     if "fixstars" in s.workloads:
         for arch in s.fixstars_archs:
             cap = 72.0 if "32b" in arch and s.max_vram_gb == 40.0 else s.max_vram_gb
-            out += [Spawn("w_fixstars", arch, True), Spawn("w_ours_qlora", arch, True, {"max_vram_gb": cap})]
-    return out
+            fixstars.append([Spawn("w_fixstars", arch, True), Spawn("w_ours_qlora", arch, True, {"max_vram_gb": cap})])
+    out += fixstars[0] if fixstars else []
+    if "full" in s.workloads:
+        out += [Spawn("w_ours_full", s.llama_arch, False), Spawn("w_full", s.llama_arch, False)]
+    return out + [sp for pair in fixstars[1:] for sp in pair]
 
 
 def run_workloads(s: BenchSettings) -> int:
