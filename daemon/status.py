@@ -46,6 +46,7 @@ def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:
                 "promoted": datetime.fromtimestamp(row["promoted_at"], zone).isoformat(timespec="seconds")
                 if row["promoted_at"] else None,
                 "base_model": manifest.get("base_model", {}).get("path"),
+                "method": manifest.get("method") or "qlora",
             },
         }
     finally:
@@ -57,7 +58,7 @@ def render(info: dict[str, Any]) -> str:
     head = key_values([
         ("window", info["window"] + (" (open now)" if info["window_open"] else "")),
         ("next window", info["next_window_start"]),
-        ("adapter in service", f"{svc['name']} (promoted {svc['promoted']})" if svc else "none yet"),
+        ("adapter in service", f"{svc['name']} ({svc['method']}, promoted {svc['promoted']})" if svc else "none yet"),
         ("backlog", f"{info['backlog']['samples']:,} samples, {info['backlog']['tokens']:,} tokens"),
         ("samples", ", ".join(f"{k} {v:,}" for k, v in sorted(info["samples"].items())) or "none"),
     ])
