@@ -111,6 +111,10 @@ def _when(ts: float | None) -> str:
     return "—" if ts is None else dt.datetime.fromtimestamp(ts).astimezone().strftime("%Y-%m-%d %H:%M")
 
 
+def _size(n: int | None) -> str:
+    return "—" if n is None else f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
 def _fig(x: Any) -> str:
     return "—" if x is None else f"{x:.4f}" if isinstance(x, float) else str(x)
 
@@ -128,6 +132,8 @@ def _row(i: VersionInfo) -> dict[str, Any]:
         "version": i.version,
         "name": i.name,
         "status": i.status,
+        "method": i.method,
+        "size_bytes": i.size_bytes,
         "in_service": i.in_service,
         "pinned": i.pinned,
         "gate": None if not gate else ("passed" if gate.get("passed") else "failed"),
@@ -151,10 +157,11 @@ def cmd_list(args: argparse.Namespace, ad: Adapters) -> int:
     if not rows:
         print("no versions yet")
         return 0
-    head = ("", "VERSION", "STATUS", "GATE", "HELDOUT", "REGRESSION", "HELD-ACC", "SAMPLES", "CREATED",
-            "LAST PROMOTED", "PIN")
+    head = ("", "VERSION", "STATUS", "METHOD", "SIZE", "GATE", "HELDOUT", "REGRESSION", "HELD-ACC", "SAMPLES",
+            "CREATED", "LAST PROMOTED", "PIN")
     print(grid(head, [
-        ("*" if r["in_service"] else "", r["name"], r["status"], r["gate"] or "—", _fig(r["heldout_loss"]),
+        ("*" if r["in_service"] else "", r["name"], r["status"], r["method"], _size(r["size_bytes"]),
+         r["gate"] or "—", _fig(r["heldout_loss"]),
          _fig(r["regression_loss"]), _fig(r["heldout_accuracy"]), _fig(r["samples"]), _when(r["created_at"]),
          _when(r["promoted_at"]), "pinned" if r["pinned"] else "")
         for r in rows]))
@@ -167,7 +174,9 @@ def cmd_show(args: argparse.Namespace, ad: Adapters) -> int:
     i = ad.get(args.version)
     if not args.json:
         state = [i.status] + (["IN SERVICE"] if i.in_service else []) + (["pinned"] if i.pinned else [])
-        print(f"# {i.name}: {', '.join(state)}; {i.path if i.on_disk else 'files deleted (pruned)'}")
+        kind = "a LoRA adapter" if i.method != "full" else "a whole model"
+        print(f"# {i.name}: {', '.join(state)}; {i.method} ({kind}, {_size(i.size_bytes)}); "
+              f"{i.path if i.on_disk else 'files deleted (pruned)'}")
     print(json.dumps(i.manifest, indent=2, sort_keys=True, default=str))
     return 0
 
@@ -253,7 +262,7 @@ def cmd_unpin(args: argparse.Namespace, ad: Adapters) -> int:
 def cmd_prune(args: argparse.Namespace, ad: Adapters) -> int:
     res = ad.prune(dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
-    print(f"{verb}: {', '.join(res.deleted) or 'nothing'}")
+    print(f"{verb}: {', '.join(res.deleted) or 'nothing'}" + (f" ({_size(res.freed_bytes)})" if res.deleted else ""))
     for name, why in sorted(res.kept.items()):
         print(f"  kept {name}: {why}")
     for name in res.left_alone:

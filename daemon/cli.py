@@ -192,8 +192,12 @@ def cmd_calibrate(args: argparse.Namespace, s: Settings) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, s: Settings) -> int:
-    """The side-by-side benchmark (jobs/bench/) in a child process; arguments pass through."""
-    cmd = [sys.executable, "-m", "jobs.bench", "bench", *args.bench_args]
+    """The side-by-side benchmark (jobs/bench/) in a child process; arguments pass through
+    (`nightshift bench workloads ...`: another of its modes; else its `bench` mode)."""
+    from jobs.bench.cli import MODES
+
+    mode = [] if args.bench_args[:1] and args.bench_args[0] in MODES else ["bench"]
+    cmd = [sys.executable, "-m", "jobs.bench", *mode, *args.bench_args]
     return subprocess.run(cmd, env=child_env()).returncode
 
 

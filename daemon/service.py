@@ -33,6 +33,7 @@ from daemon.supervisor import ChildOutcome, NightChild, run_id_for, wait_interru
 from daemon.window import Window, utcnow
 from jobs.contract import ChildEvent, ExitCode, Outcome, PhaseEvent, ProgressEvent, RunSummary
 from jobs.gpu import free_vram_gb
+from jobs.night.space import night_disk_need_gb
 from jobs.store.ledger import Ledger
 from jobs.store.locking import LockTimeout, StateLock, night_lock
 from jobs.store.outcomes import NightOutcomes
@@ -291,7 +292,8 @@ class Service:
     def _preflight(self) -> str | None:
         """Why the night cannot start now, or None."""
         self.state.mkdir(parents=True, exist_ok=True)
-        return disk_problem(self.state, self.s.daemon.min_free_disk_gb)
+        writes = night_disk_need_gb(self.s.night_config())  # full fine-tuning: checkpoints of whole models
+        return disk_problem(self.state, self.s.daemon.min_free_disk_gb + writes)
 
     def _gpu_wait(self, window: Window) -> str | None:
         """Not enough free VRAM yet (an inference server may hold some at night): retry later."""
@@ -313,7 +315,8 @@ class Service:
         if row is not None:
             manifest = json.loads(row["manifest"] or "{}")
             self.metrics.set_adapter_in_service(version, row["name"],
-                                                manifest.get("base_model", {}).get("path", ""))
+                                                manifest.get("base_model", {}).get("path", ""),
+                                                manifest.get("method") or "qlora")
 
     def _restore_metrics(self) -> None:
         """The last run's series from the ledger (its typed summary), so a restart blanks no dashboard."""

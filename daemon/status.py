@@ -53,6 +53,7 @@ def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:
                 "promoted": datetime.fromtimestamp(row["promoted_at"], zone).isoformat(timespec="seconds")
                 if row["promoted_at"] else None,
                 "base_model": manifest.get("base_model", {}).get("path"),
+                "method": manifest.get("method") or "qlora",
             },
         }
     finally:
@@ -78,7 +79,7 @@ def render(info: dict[str, Any]) -> str:
         *([("config", info["config"])] if info.get("config") else []),
         ("window", info["window"] + (" (open now)" if info["window_open"] else "")),
         ("next window", info["next_window_start"]),
-        ("adapter in service", f"{svc['name']} (promoted {svc['promoted']})" if svc else "none yet"),
+        ("adapter in service", f"{svc['name']} ({svc['method']}, promoted {svc['promoted']})" if svc else "none yet"),
         ("backlog", f"{info['backlog']['samples']:,} samples, {info['backlog']['tokens']:,} tokens"),
         ("samples", ", ".join(f"{k} {v:,}" for k, v in sorted(info["samples"].items())) or "none"),
         *_learning(info.get("learning") or {}),

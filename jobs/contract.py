@@ -47,6 +47,18 @@ class QuarantineReason(StrEnum):
     internal_error = "internal_error"  # an unexpected error on this record or file: kept, the night goes on
 
 
+class Method(StrEnum):
+    """How a night trains (`[train] method`; a metric label and part of every manifest)."""
+
+    qlora = "qlora"  # 4-bit base, LoRA on top: a version is a LoRA adapter
+    lora = "lora"  # 16-bit base, LoRA on top: a version is a LoRA adapter
+    full = "full"  # every weight trained: a version is a whole model directory
+
+    @property
+    def is_adapter(self) -> bool:
+        return self is not Method.full
+
+
 class Phase(StrEnum):
     pull = "pull"
     plan = "plan"
@@ -327,6 +339,7 @@ class RunSummary(BaseModel):
     parent_version: int | None = None
     adapter_path: str | None = None
     base_model: str = ""
+    method: Method | None = None  # how the version was (or is being) trained
     # data
     files_ingested: int = 0
     ingested: dict[str, int] = Field(default_factory=dict)  # source -> new samples

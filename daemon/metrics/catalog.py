@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from jobs.contract import Outcome, Phase, QuarantineReason
+from jobs.contract import Method, Outcome, Phase, QuarantineReason
 
 Kind = Literal["gauge", "counter", "histogram"]
 GAUGE: Kind = "gauge"
@@ -46,6 +46,7 @@ LAST_RUN_TOKEN_ACCURACY_RATIO = "nightshift_last_run_token_accuracy_ratio"
 REGRESSION_SET_SAMPLES = "nightshift_regression_set_samples"
 SAMPLES_RETURNED_TOTAL = "nightshift_samples_returned_total"
 SAMPLES_SET_ASIDE_TOTAL = "nightshift_samples_set_aside_total"
+LAST_RUN_INFO = "nightshift_last_run_info"
 # ---- budget ----------------------------------------------------------------------------------------
 LAST_RUN_PREDICTED_TRAIN_SECONDS = "nightshift_last_run_predicted_train_seconds"
 LAST_RUN_ACTUAL_TRAIN_SECONDS = "nightshift_last_run_actual_train_seconds"
@@ -87,6 +88,7 @@ BUILD_INFO = "nightshift_build_info"
 OUTCOMES = tuple(o.value for o in Outcome)
 PHASES = tuple(p.value for p in Phase)
 QUARANTINE_REASONS = tuple(r.value for r in QuarantineReason)  # jobs/data: RecordError reasons
+METHODS = tuple(x.value for x in Method)  # [train] method
 HOTSWAP_OUTCOMES = ("success", "failure")
 # RunSummary.losses field -> (kind, stage) labels of LAST_RUN_LOSS
 LOSS_LABELS = {
@@ -155,6 +157,8 @@ SPECS: tuple[Spec, ...] = (
     Spec(REGRESSION_SET_SAMPLES, G, "Samples in the regression set (earlier promoted nights' held-out samples)."),
     Spec(SAMPLES_RETURNED_TOTAL, C, "Samples of rejected nights put back (to pending, or kept out as rejected)."),
     Spec(SAMPLES_SET_ASIDE_TOTAL, C, "Samples set aside after too many rejected nights."),
+    Spec(LAST_RUN_INFO, G, "How the last run trained: method=qlora|lora|full, backend=unsloth|hf.",
+         ("method", "backend")),
     # budget
     Spec(LAST_RUN_PREDICTED_TRAIN_SECONDS, G, "Train seconds the plan predicted for the last run."),
     Spec(LAST_RUN_ACTUAL_TRAIN_SECONDS, G, "Train seconds the last run actually took."),
@@ -189,7 +193,8 @@ SPECS: tuple[Spec, ...] = (
     Spec(LAST_RUN_GPU_PEAK_ALLOCATED_BYTES, G, "torch max memory allocated in the last run."),
     Spec(LAST_RUN_GPU_PEAK_RESERVED_BYTES, G, "torch max memory reserved in the last run."),
     # adapters and the daemon
-    Spec(ADAPTER_INFO, G, "The adapter version in service.", ("version", "name", "base_model")),
+    Spec(ADAPTER_INFO, G, "The version in service; method=full: a whole model, else a LoRA adapter.",
+         ("version", "name", "base_model", "method")),
     Spec(ADAPTER_VERSION, G, "Version number of the adapter in service."),
     Spec(ADAPTER_VERSIONS_PUBLISHED_TOTAL, C, "Adapter versions published (promoted or not)."),
     Spec(

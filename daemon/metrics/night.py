@@ -28,6 +28,7 @@ from jobs.contract import (
     GpuEvent,
     GpuSummary,
     HotswapEvent,
+    Method,
     Outcome,
     PhaseEvent,
     ProgressEvent,
@@ -235,7 +236,8 @@ class NightshiftMetrics:
             self._published.add(version)
             v.inc(m.ADAPTER_VERSIONS_PUBLISHED_TOTAL)
         if s.promoted and version is not None:
-            self.set_adapter_in_service(version, s.version_name or str(version), s.base_model)
+            self.set_adapter_in_service(version, s.version_name or str(version), s.base_model,
+                                        (s.method or Method.qlora).value)
 
     def _answers(self, s: RunSummary) -> None:
         """Exact match and reply token accuracy of every model the gate compared; the regression set's size."""
@@ -269,6 +271,9 @@ class NightshiftMetrics:
         v.clear(m.LAST_RUN_LOSS)
         for field, (kind, stage) in m.LOSS_LABELS.items():
             v.set(m.LAST_RUN_LOSS, getattr(s.losses, field), kind=kind, stage=stage)
+        if s.method is not None:  # a run that trained (or published): how
+            v.clear(m.LAST_RUN_INFO)
+            v.set(m.LAST_RUN_INFO, 1, method=s.method.value, backend=(s.plan.backend if s.plan else None) or "")
         self._answers(s)
         # the budget: seconds and tokens; a night cut short by its deadline shows in the tokens
         predicted, actual, planned = s.predicted_train_seconds, s.actual_train_seconds, s.planned_tokens
@@ -312,10 +317,10 @@ class NightshiftMetrics:
             if open and end is not None:
                 self._window_end = float(end)
 
-    def set_adapter_in_service(self, version: int, name: str, base_model: str) -> None:
+    def set_adapter_in_service(self, version: int, name: str, base_model: str, method: str = "qlora") -> None:
         with self._lock:
             self.values.clear(m.ADAPTER_INFO)
-            self.values.set(m.ADAPTER_INFO, 1, version=version, name=name, base_model=base_model)
+            self.values.set(m.ADAPTER_INFO, 1, version=version, name=name, base_model=base_model, method=method)
             self.values.set(m.ADAPTER_VERSION, version)
 
     def _init_hotswap(self, kind: str) -> None:

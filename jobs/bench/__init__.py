@@ -8,6 +8,8 @@ nothing under daemon/ or jobs/{night,training,data,store} imports this package.
     python -m jobs.bench bench --arch llama3.1-8b --stacks ours --compute fp8,bf16
                                        (our path with the frozen base on FP8 beside bf16: issue 16)
     python -m jobs.bench moe --arch gpt-oss-120b --vram-from-free      (MoE built in GPU memory, expert check)
+    python -m jobs.bench workloads --quick --out DIR                   (the published runs, each beside ours:
+                                                                        workloads.py, stacks/w_*.py)
 
 (`nightshift calibrate` measures and records our path for the planner: jobs/night/calibrate.py.)
 
@@ -22,6 +24,7 @@ and a fresh process frees every byte of VRAM between stacks):
              row "numerics" and fp8-layers-<compute>.json it writes; fp8t: FP8 + kept transposed copy)
   moe        (--in-memory) a MoE (GPT-OSS-120B) built random-initialised in GPU memory, NF4, through
              nightshift's MoE path: LoRA on attention + every expert, packed, expert LoRA check, profile
+  ours_lora  the same with `[train] method = "lora"` (the base in bf16)
 
 The parent (cli.py) holds no GPU memory while workers run: it never imports torch; the model is
 built random-initialised (or read) in a child of its own (model.py). Workers get the settings

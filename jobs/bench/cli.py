@@ -25,7 +25,7 @@ from jobs.bench.report import gpu_info, numerics_table, read_rows, summarise, ta
 from jobs.bench.settings import PEAK_BF16, STACKS, BenchSettings
 from jobs.training.synthetic import CAP, PROFILES
 
-MODES = ("bench", "faststart", "budget", "moe")
+MODES = ("bench", "faststart", "budget", "moe", "workloads")
 
 
 def _csv(s: str) -> list[str]:
@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="QLoRA throughput measured side by side on this GPU: HF transformers + PEFT, Unsloth, "
         "Unsloth + TRL and nightshift, each stack in its own process (see jobs/bench/__init__.py).",
         epilog="modes: bench (stacks side by side), faststart (time to first step, night 1 / night 2), "
-        "budget (plan from a calibration, then train: predicted vs actual), moe (LoRA reaches the experts?); "
+        "budget (plan from a calibration, then train: predicted vs actual), moe (LoRA reaches the experts?), "
+        "workloads (the published runs, each recipe beside ours: jobs/bench/workloads.py); "
         "and `python -m jobs.bench acceptance --help`: the whole product on one card (daemon, server, nights)",
     )
     hidden = argparse.SUPPRESS
@@ -88,6 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-steps", type=int, default=3, help="moe: steps profiled per profile (--torch-profile)")
     p.add_argument("--trl-recipe", action="store_true",
                    help="moe: also the published recipe: TRL SFTTrainer, padded batch 32 / 16, grad. ckpt")
+    w = p.add_argument_group("workloads")
+    w.add_argument("--workloads", type=_csv, help="comma-separated (default: exxact,alpaca,fixstars,full)")
+    w.add_argument("--quick", action="store_true",
+                   help="short timed windows (2 warm-up + 8 steps or 8 s, 200k tokens per profile): every "
+                   "workload's key rows in about 8 minutes on an H200")
+    w.add_argument("--llama-arch", help="the 8B of exxact, alpaca and full (default llama3.1-8b, built in bf16)")
+    w.add_argument("--fixstars-archs", type=_csv, help="default qwen3-8b; add qwen3-32b for the 32B rows")
+    w.add_argument("--exxact-steps", type=int)
+    w.add_argument("--alpaca-samples", type=int)
+    w.add_argument("--alpaca-eval", type=int)
+    w.add_argument("--alpaca-epochs", type=int)
+    w.add_argument("--alpaca-whole", action="store_true", default=None,
+                   help="run the whole Alpaca job on both sides (else a timed window, extrapolated)")
+    w.add_argument("--full-cap-gb", type=float, help="full fine-tuning: the hard memory cap (default 48)")
+    w.add_argument("--full-ckpt", choices=["auto", "on", "off"], help="ours, full: checkpointing (default auto)")
     # the worker's own (the parent passes them; settings come as JSON on stdin)
     p.add_argument("--stack", help=hidden)
     p.add_argument("--rows", help=hidden)
@@ -182,7 +198,15 @@ def budget(s: BenchSettings) -> int:
     return spawn("budget", s, model.path, rows, s.deadline or None)
 
 
-RUN: dict[str, Callable[[BenchSettings], int]] = {"bench": bench, "faststart": faststart, "budget": budget, "moe": moe}
+def workloads(s: BenchSettings) -> int:
+    from jobs.bench.workloads import run_workloads
+
+    return run_workloads(s)
+
+
+RUN: dict[str, Callable[[BenchSettings], int]] = {"bench": bench, "faststart": faststart, "budget": budget, "moe": moe,
+                                                  "workloads": workloads}
+QUICK = {"warmup": 2, "max_steps": 8, "seconds": 8.0, "data_tokens": 200_000}
 
 
 def worker(a: argparse.Namespace) -> int:
@@ -194,7 +218,7 @@ def worker(a: argparse.Namespace) -> int:
     text = "" if sys.stdin.isatty() else sys.stdin.read()  # by hand, from a terminal: the flags instead
     s = BenchSettings.model_validate_json(text) if text.strip() else BenchSettings.from_args(a)
     setup_caches(s.state_dir)  # before anything imports torch's compile machinery
-    if a.stack not in ("baseline", "moe"):  # moe: our own MoE path, transformers as shipped
+    if a.stack not in ("baseline", "moe", "w_hf"):  # moe: our own MoE path; the plain HF stacks as shipped
         import unsloth  # noqa: F401  (patches transformers at import: before the stack imports it)
     stack_worker(a.stack)(s, Job(a.stack, Path(a.model), Path(a.rows), a.t_launch))
     return 0
@@ -212,6 +236,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not (a.stack and a.model and a.rows):
             parser.error("worker needs --stack, --model and --rows")
         return worker(a)
+    if a.mode == "workloads":
+        a.arch = a.arch or a.llama_arch or "llama3.1-8b"  # each workload names its models; this one is the 8B
+        if a.quick:
+            for k, v in QUICK.items():
+                if getattr(a, k) == parser.get_default(k):
+                    setattr(a, k, v)
     try:
         s = BenchSettings.from_args(a)
     except ValidationError as e:

@@ -69,6 +69,17 @@ class BenchSettings(BaseModel):
     vram_from_free: bool = Field(False, description="moe: the step budget's cap is the GPU memory free at start")
     profile_steps: int = Field(3, ge=1, description="moe: steps under torch.profiler per profile (--torch-profile)")
     trl_recipe: bool = Field(False, description="moe: also the published recipe (TRL SFTTrainer, padded 32/16)")
+    # workloads mode: the published runs, each beside ours (jobs/bench/workloads.py)
+    workloads: tuple[str, ...] = ("exxact", "alpaca", "fixstars", "full")
+    llama_arch: str = "llama3.1-8b"  # Exxact, Llama-3-8B Alpaca and full fine-tuning (built once, bf16)
+    fixstars_archs: tuple[str, ...] = ("qwen3-8b",)  # built directly as NF4; add qwen3-32b for the 32B row
+    exxact_steps: int = Field(60, ge=2, description="the recipe's 60 steps")
+    alpaca_samples: int = Field(2000, ge=16)
+    alpaca_eval: int = Field(200, ge=0)
+    alpaca_epochs: int = Field(10, ge=1)
+    alpaca_whole: bool = Field(False, description="run the whole Alpaca job (else a timed window, extrapolated)")
+    full_cap_gb: float = Field(48.0, gt=0, description="full fine-tuning: the hard memory cap of both stacks")
+    full_ckpt: str = Field("auto", pattern="^(auto|on|off)$", description="ours, full: checkpointing")
 
     @field_validator("stacks")
     @classmethod
@@ -92,6 +103,16 @@ class BenchSettings(BaseModel):
         unknown = [x for x in v if x not in COMPUTES]
         if unknown or not v:
             raise ValueError(f"unknown compute(s) {', '.join(unknown)}; known: {', '.join(COMPUTES)}")
+        return v
+
+    @field_validator("workloads")
+    @classmethod
+    def _known_workloads(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        from jobs.bench.workloads import WORKLOADS
+
+        unknown = [x for x in v if x not in WORKLOADS]
+        if unknown:
+            raise ValueError(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
         return v
 
     @field_validator("trl_configs")

@@ -21,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from jobs.hotswap import command, lora_server, webhook
+from jobs.hotswap import command, full_model, lora_server, webhook
 from jobs.hotswap.config import (
     CommandTarget,
     HotswapConfig,
@@ -62,6 +62,8 @@ _log = structlog.get_logger("nightshift.hotswap")
 def notify_one(
     t: Target, adapter: AdapterRef, *, sleep: Sleep = time.sleep, clock: Clock = time.monotonic, log: Any = _log
 ) -> HotswapOutcome:
+    if isinstance(t, LoraServerTarget) and not adapter.method.is_adapter:  # a whole model: not a LoRA load
+        return full_model.swap(t, adapter, sleep=sleep, clock=clock, log=log)
     if isinstance(t, LoraServerTarget):
         return lora_server.swap(t, adapter, sleep=sleep, clock=clock, log=log)
     if isinstance(t, WebhookTarget):

@@ -1,6 +1,7 @@
 """Command target: run `argv + [adapter path]` (no shell), exit 0 = success.
 
-The command also finds NIGHTSHIFT_ADAPTER_NAME / _VERSION / _PATH / NIGHTSHIFT_BASE_MODEL in
+The command also finds NIGHTSHIFT_ADAPTER_NAME / _VERSION / _PATH / NIGHTSHIFT_BASE_MODEL and
+NIGHTSHIFT_METHOD (qlora | lora: the path is a LoRA adapter; full: a whole model directory) in
 its environment. It runs in its own process group: on timeout the whole group gets SIGTERM,
 then SIGKILL after a short grace, so a script's children do not outlive it. The tail of its
 merged stdout/stderr goes into the outcome (and so the log and the ledger).
@@ -53,6 +54,7 @@ def run(
         "NIGHTSHIFT_ADAPTER_VERSION": str(adapter.version),
         "NIGHTSHIFT_ADAPTER_PATH": str(adapter.path),
         "NIGHTSHIFT_BASE_MODEL": adapter.base_model,
+        "NIGHTSHIFT_METHOD": adapter.method.value,  # full: the path is a whole model directory
     }
 
     def attempt(_: int) -> dict[str, Any]:

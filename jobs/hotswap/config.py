@@ -102,6 +102,11 @@ class LoraServerTarget(_HttpTarget):
     # The adapters directory as the server sees it (server in a container): the path sent
     # becomes <remote_adapters_dir>/<version directory name>. Unset: the local absolute path.
     remote_adapters_dir: str | None = None
+    # A full fine-tuned version (a whole model, not a LoRA adapter): "reload" replaces the served
+    # model's weights from its directory (SGLang's /update_weights_from_disk); "refuse" reports it
+    # as not sent. Unset: sglang reloads, vllm refuses (it has no production full-weight reload).
+    full_versions: Literal["reload", "refuse"] | None = None
+    reload_timeout_s: float = Field(600.0, gt=0)  # reading a whole model from disk takes minutes
 
     @field_validator("base_url")
     @classmethod
@@ -111,7 +116,14 @@ class LoraServerTarget(_HttpTarget):
     @model_validator(mode="after")
     def _secrets(self) -> LoraServerTarget:
         self._one_of(self.api_key_file, self.api_key_env, "api_key")
+        if self.kind == "vllm" and self.full_versions == "reload":
+            raise ValueError('full_versions = "reload": vLLM has no production API to reload a whole model '
+                             "(its reload_weights needs VLLM_SERVER_DEV_MODE); use a command or webhook target")
         return self
+
+    @property
+    def reloads_full_versions(self) -> bool:
+        return self.kind == "sglang" and self.full_versions != "refuse"
 
     def api_key(self) -> str | None:
         return read_secret(self.api_key_file, self.api_key_env, f"{self.name}: api_key")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jobs.contract import HotswapOutcome, parse_version_name
+from jobs.contract import HotswapOutcome, Method, parse_version_name
 
 MAX_BACKOFF_S = 60.0  # one wait never exceeds a minute, whatever backoff_s and retries are
 
@@ -25,7 +25,8 @@ Clock = Callable[[], float]
 
 @dataclass(frozen=True)
 class AdapterRef:
-    """The published version to announce. Never read or written here: only its path is sent.
+    """The published version to announce (a LoRA adapter, or with method "full" a whole model
+    directory). Never read or written here: only its path is sent.
 
     `name` is the versioned name (`tiny-v0007`): inference servers cache adapters by name,
     so a name is never reused for other weights.
@@ -36,6 +37,7 @@ class AdapterRef:
     path: Path
     base_model: str
     manifest: dict[str, Any] = field(default_factory=dict)
+    method: Method = Method.qlora  # full: `path` is a whole model directory, not a LoRA adapter
 
     def __post_init__(self) -> None:
         parsed = parse_version_name(self.name)

@@ -1,8 +1,9 @@
 """Generic webhook: POST the new version as JSON, authenticated and signed.
 
-Body (UTF-8 JSON, keys sorted, no spaces): {"base_model", "event", "manifest", "name", "path", "text",
-"version"} for a promotion, the manifest without its "config", so no receiver learns the other targets'
-URLs or where secrets live; other events (jobs.hotswap.events) send {"event", "text", "night", ...};
+Body (UTF-8 JSON, keys sorted, no spaces): {"base_model", "event", "manifest", "method", "name", "path",
+"text", "version"} for a promotion (`method` "full": `path` is a whole model directory, safetensors
+shards and tokenizer, else a LoRA adapter), the manifest without its "config", so no receiver learns
+the other targets' URLs or where secrets live; other events (jobs.hotswap.events) send {"event", "text", "night", ...};
 `payload = "slack"` sends {"text"} only, which Slack-compatible incoming webhooks accept.
 Headers:
 - Authorization: Bearer <token>            when token_file / token_env is set
@@ -53,6 +54,7 @@ def payload_bytes(adapter: AdapterRef, style: str = "nightshift") -> bytes:
         "path": str(adapter.path),
         "base_model": adapter.base_model,
         "manifest": {k: v for k, v in adapter.manifest.items() if k != "config"},
+        "method": adapter.method.value,  # full: `path` is a whole model directory
     })
 
 

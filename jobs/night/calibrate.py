@@ -91,8 +91,8 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     from jobs.gpu import free_vram_gb, torch_device_uuid
     from jobs.night.overheads import measure_overheads
     from jobs.training.load import device_name, load_for_training
+    from jobs.training.optim import build_optimizer
     from jobs.training.probe import ProbeSettings, calibration_record, probe_memory, timed_steps
-    from jobs.training.step import make_optimizer
     from jobs.training.synthetic import PROFILES, make_samples
 
     t = cfg.train
@@ -106,7 +106,8 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     shape = StepShape(tokens_per_step=settings.max_tokens, gradient_checkpointing=gc, basis="calibration")
     t0 = time.perf_counter()
     emit(PhaseEvent(phase=Phase.load, state="start"))
-    loaded = load_for_training(model_path, t, adapter=None, shape=shape, cache_dir=Path(cfg.state_dir) / "models")
+    loaded = load_for_training(model_path, t, adapter=None, shape=shape, cache_dir=Path(cfg.state_dir) / "models",
+                               max_vram_gb=max_vram)
     load_seconds = time.perf_counter() - t0
     fp8 = decision = None
     if t.compute != "bf16":  # issue 16: the FP8 check decides what is measured (refused: says why)
@@ -119,7 +120,7 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     t0 = time.perf_counter()
     emit(PhaseEvent(phase=Phase.train, state="start"))
     vocab, cap_len = len(loaded.tokenizer), min(t.max_seq_length, 2048)
-    optimizer = make_optimizer(loaded.model, lr=t.learning_rate)
+    optimizer = build_optimizer(loaded.model, t, loaded.optim, device=loaded.device)  # the night's, by method
     probe = probe_memory(loaded.model, make_samples("wiki", 8 * settings.probe_tokens, vocab=vocab, cap=cap_len),
                          settings, optimizer)
     if probe.tokens_per_step is None:
@@ -172,16 +173,17 @@ def _checkpointing_line(cfg: NightConfig, model_path: Path, settings, profile: s
     import torch
 
     from jobs.training.load import load_for_training
+    from jobs.training.optim import build_optimizer
     from jobs.training.probe import probe_memory, timed_steps
-    from jobs.training.step import make_optimizer
     from jobs.training.synthetic import make_samples
 
     t = cfg.train
     shape = StepShape(tokens_per_step=settings.max_tokens, gradient_checkpointing=True, basis="calibration")
-    loaded = load_for_training(model_path, t, adapter=None, shape=shape, cache_dir=Path(cfg.state_dir) / "models")
+    loaded = load_for_training(model_path, t, adapter=None, shape=shape, cache_dir=Path(cfg.state_dir) / "models",
+                               max_vram_gb=settings.max_vram_gb)
     try:
         vocab, cap_len = len(loaded.tokenizer), min(t.max_seq_length, 2048)
-        optimizer = make_optimizer(loaded.model, lr=t.learning_rate)
+        optimizer = build_optimizer(loaded.model, t, loaded.optim, device=loaded.device)
         probe = probe_memory(loaded.model, make_samples("wiki", 8 * settings.probe_tokens, vocab=vocab, cap=cap_len),
                              settings, optimizer)
         tokens = probe.tokens_per_step or t.max_seq_length

@@ -16,6 +16,7 @@ import structlog
 
 from jobs.contract import ChildEvent, EvalMetrics, Phase, ProgressEvent, StepShape
 from jobs.data.batching import TokenizedSample
+from jobs.night import lineage
 from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun, token_cache
 from jobs.night.measure import EvalSets, build_sets, kept_before, measure_all
@@ -50,9 +51,12 @@ def load_model_and_data(ctx: RunContext, planned: PlannedRun) -> Prepared:
     # a checkpoint continues the adapter the "before" figures were measured on: without them, start over
     resume = latest_checkpoint(ctx.checkpoints) if kept_before(ctx) is not None else None
     shape = planned.shape  # chosen at plan time from the memory free then (jobs/night/intake.py)
+    ctx.summary.method = cfg.train.method
+    lineage.check_parent(ledger, cfg.train, planned.parent)  # refused before anything is loaded
+    lineage.check_checkpoint(ctx.checkpoints, cfg.train.method, resuming=resume is not None)
     with ctx.phase(Phase.load):
         loaded = load_for_training(ctx.model_path, cfg.train, adapter=resume or parent_path, shape=shape,
-                                   cache_dir=ctx.state / "models")
+                                   cache_dir=ctx.state / "models", max_vram_gb=cfg.gpu.max_vram_gb)
         tok = loaded.tokenizer
         train_ids = [sid for sid, role in planned.roles if role in ("train", "replay")]
         heldout_ids = [sid for sid, role in planned.roles if role == "heldout"]

@@ -15,6 +15,7 @@ from pathlib import Path
 import structlog
 
 from jobs import plan as budget
+from jobs.contract import Method
 from jobs.night.config import NightConfig
 from jobs.store.locking import StateLock
 
@@ -87,8 +88,10 @@ def throughput_key(cfg: NightConfig, fingerprint: str, backend: str, device: str
     parts = {
         "model": fingerprint, "backend": backend, "device": device, "rank": t.lora_rank,
         "targets": t.target_modules, "batch_size": t.batch_size, "max_tokens": t.max_tokens_per_batch,
-        "max_seq": t.max_seq_length, "grad_ckpt": t.gradient_checkpointing, "4bit": t.load_in_4bit,
+        "max_seq": t.max_seq_length, "grad_ckpt": t.gradient_checkpointing, "4bit": t.quantized_base,
         "batching": t.batching, "tokens_per_step": t.tokens_per_step, "max_vram_gb": cfg.gpu.max_vram_gb}
     if t.compute != "auto" or t.fp8_keep_transposed:  # issue 16; the default keeps the keys measured before it
         parts.update(compute=t.compute, fp8_keep_transposed=t.fp8_keep_transposed)
+    if t.method is not Method.qlora:  # qlora's keys stay what they were: its measured history still counts
+        parts.update(method=t.method.value, optimizer=t.optimizer, in_backward=t.optimizer_in_backward)
     return budget.throughput_key(parts)

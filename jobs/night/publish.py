@@ -40,11 +40,13 @@ from jobs.gpu import energy_fields
 from jobs.night.candidate import Prepared
 from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun
+from jobs.night.lineage import method_of
 from jobs.store import learning
 from jobs.store.adapters import announce
 from jobs.store.files import DamagedState
 from jobs.store.locking import StateLock
 from jobs.training.loop import TrainResult
+from jobs.training.save import save_version
 
 log = structlog.get_logger("nightshift.night")
 
@@ -87,10 +89,11 @@ def publish_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun, resu
         if final.exists() or final.is_symlink():
             _discard_own_unrecorded(ctx, final, planned.version)
         tmp = registry.new_tmp_dir(version_name(cfg.model.name, planned.version))
-        prep.loaded.model.save_pretrained(str(tmp))
+        save_version(prep.loaded, tmp)  # an adapter, or a whole model (method = "full")
         verdict.new_reference = passed and evaluate.at_least_as_good(s.metrics.get("regression_after"),
                                                                      s.metrics.get("regression_reference"))
         manifest = _manifest(ctx, prep, planned, result, new_ids, replayed, passed)
+        manifest["size_bytes"] = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file())  # retention, disk
         path = registry.publish(tmp, cfg.model.name, planned.version, manifest)
         with ledger.tx() as c:
             ledger.set_version(c, planned.version, status="promoted" if passed else "rejected", path=str(path),
@@ -141,6 +144,7 @@ def _manifest(ctx: RunContext, prep: Prepared, planned: PlannedRun, result: Trai
     p = planned.plan
     return {
         "version": planned.version, "name": version_name(cfg.model.name, planned.version),
+        "method": cfg.train.method.value, "kind": "adapter" if cfg.train.method.is_adapter else "model",
         "parent_version": planned.parent, "run_id": ctx.run_id, "night": ctx.night, "created_at": time.time(),
         "code_version": nightshift_version(),
         "base_model": {"path": str(ctx.model_path), "fingerprint": ctx.fingerprint},
@@ -219,6 +223,7 @@ def finish_published(ctx: RunContext, row: Any) -> None:
         announce_version(ctx, version, path)
     manifest = json.loads(row["manifest"] or "{}")
     s.promoted, s.adapter_path, s.steps = promoted, str(path), 0  # nothing trained by this attempt
+    s.method = method_of(manifest)
     s.losses = Losses.model_validate(manifest.get("losses") or {})
     s.trained_samples = int(manifest.get("data", {}).get("samples", 0))
     s.replay_samples = int(manifest.get("data", {}).get("replay_samples", 0))

@@ -26,6 +26,7 @@ from typing import Any
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
+from jobs.contract import Method
 from jobs.hotswap import AdapterRef, HotswapConfig, HotswapOutcome, notify_all
 from jobs.store.ledger import Ledger
 from jobs.store.locking import StateLock
@@ -45,6 +46,8 @@ class RegistryConfig(BaseModel):
         ge=1,
         description="prune keeps this many most recently promoted versions (plus pinned ones and the one in service)",
     )
+    keep_promoted_full: int = Field(
+        2, ge=1, description="of those, at most this many full fine-tuned versions (each is a whole model)")
     lock_timeout_seconds: float = Field(
         120.0, gt=0, description="how long a command waits for a running night's publish or another command"
     )
@@ -71,12 +74,24 @@ class VersionInfo:
     def on_disk(self) -> bool:
         return self.path.is_dir()
 
+    @property
+    def method(self) -> str:
+        """qlora | lora (a LoRA adapter) | full (a whole model directory)."""
+        return str(self.manifest.get("method") or "qlora")
+
+    @property
+    def size_bytes(self) -> int | None:
+        if self.on_disk:
+            return sum(f.stat().st_size for f in self.path.iterdir() if f.is_file())
+        return self.manifest.get("size_bytes")
+
 
 @dataclass
 class PruneResult:
     deleted: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)  # name -> why
     left_alone: list[str] = field(default_factory=list)  # not ours to judge: .tmp-*, unknown dirs
+    freed_bytes: int = 0  # on disk, of the deleted versions
 
 
 class Adapters:
@@ -245,8 +260,10 @@ class Adapters:
                 key=lambda i: i.promoted_at or 0,
                 reverse=True,
             )[: self.cfg.keep_promoted]
-            for i in recent:
-                keep.setdefault(i.version, f"among the last {self.cfg.keep_promoted} promoted")
+            full = [i.version for i in recent if i.method == "full"][self.cfg.keep_promoted_full :]
+            for i in recent:  # whole models are big: fewer of them are kept
+                if i.version not in full:
+                    keep.setdefault(i.version, f"among the last {self.cfg.keep_promoted} promoted")
             known = {i.name for i in infos}
             res.left_alone = sorted(
                 p.name for p in self.registry.adapters.iterdir() if p.name.startswith(TMP_PREFIX) or p.name not in known
@@ -256,6 +273,7 @@ class Adapters:
                     res.kept[i.name] = keep[i.version]
                 elif i.status in KEPT_STATUSES or (i.status == "failed" and i.on_disk):
                     res.deleted.append(i.name)
+                    res.freed_bytes += (i.size_bytes or 0) if i.on_disk else 0
                     if not dry_run:
                         self._delete(i)
         if res.deleted and not dry_run:
@@ -327,6 +345,7 @@ def announce(
             path=Path(path).resolve(),
             base_model=str((manifest.get("base_model") or {}).get("path", "")),
             manifest=manifest,
+            method=Method(manifest.get("method") or Method.qlora),
         )
         outcomes = notify(cfg, ref)
         for o in outcomes:

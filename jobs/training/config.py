@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from jobs.contract import Method
 from jobs.data.render import OverlongPolicy, SpecialTokens
+
+FULL_LEARNING_RATE = 2e-5  # full fine-tuning's default: every weight moves, so ten times smaller than LoRA's
 
 
 class TrainConfig(BaseModel):
@@ -14,12 +17,17 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     backend: Literal["auto", "hf", "unsloth"] = "auto"  # auto: unsloth where CUDA and unsloth exist
-    load_in_4bit: bool = True  # QLoRA base where CUDA exists; the CPU path trains plain LoRA
+    method: Method = Field(
+        Method.qlora, description="qlora: 4-bit base + LoRA; lora: 16-bit base + LoRA; full: every weight "
+        "(a version is then a whole model directory)")
+    allow_method_change: bool = Field(
+        False, description="continue a LoRA adapter trained as qlora with lora (or back): refused unless true")
+    load_in_4bit: bool | None = None  # before `method`: true is qlora (4-bit base where CUDA exists); unset: method's
     lora_rank: int = Field(16, ge=1)
     lora_alpha: int = Field(16, ge=1)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
-    learning_rate: float = Field(2e-4, gt=0)
+    learning_rate: float = Field(2e-4, gt=0, description="default 2e-4, 2e-5 with method = \"full\"")
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(5, ge=0)
     epochs: int = Field(1, ge=1)
@@ -45,3 +53,25 @@ class TrainConfig(BaseModel):
     fp8_keep_transposed: bool = Field(
         False, description="fp8: keep a transposed FP8 copy of every frozen weight for the backward "
         "(+1 byte per parameter) instead of transposing it in each backward")
+    optimizer: Literal["auto", "adamw", "adamw_8bit"] = Field(
+        "auto", description="adamw: torch AdamW (fused kernel on CUDA); adamw_8bit: bitsandbytes' 8-bit AdamW; "
+        "auto: adamw unless full fine-tuning's weights, gradients and states would not fit (jobs/training/optim.py)")
+    optimizer_in_backward: bool | Literal["auto"] = Field(
+        "auto", description="step each weight as soon as its gradient is ready, so the whole model's gradients "
+        "never exist at once (full fine-tuning; no gradient clipping then); auto: only where memory asks for it")
+
+    @model_validator(mode="after")
+    def _method(self) -> TrainConfig:
+        if self.method is not Method.qlora and self.load_in_4bit:
+            raise ValueError(f'[train] load_in_4bit = true contradicts method = "{self.method.value}" (a 16-bit '
+                             'base): leave load_in_4bit out, or use method = "qlora"')
+        if self.method is Method.qlora and self.load_in_4bit is False:
+            raise ValueError('[train] load_in_4bit = false: say method = "lora" (LoRA on a 16-bit base) instead')
+        if self.method is Method.full and "learning_rate" not in self.model_fields_set:
+            self.learning_rate = FULL_LEARNING_RATE
+        return self
+
+    @property
+    def quantized_base(self) -> bool:
+        """The base is loaded in 4-bit (where CUDA exists): qlora only."""
+        return self.method is Method.qlora

@@ -1,4 +1,8 @@
-"""Load the base model and its LoRA for training: Unsloth on CUDA, transformers + PEFT elsewhere."""
+"""Load the model to train, by `[train] method`: Unsloth on CUDA, transformers (+ PEFT) elsewhere.
+
+qlora: a 4-bit base (CUDA) and a LoRA on it; lora: the base in 16-bit (bf16 on CUDA, fp32 on the
+CPU) and a LoRA; full: every weight of the model in service (or the base, the first night) trained.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,10 @@ from typing import Any
 
 import structlog
 
-from jobs.contract import StepShape
+from jobs.contract import Method, StepShape
 from jobs.training import moe
 from jobs.training.config import TrainConfig
+from jobs.training.optim import OptimizerChoice
 
 log = structlog.get_logger("nightshift.train")
 
@@ -22,6 +27,8 @@ class Loaded:
     backend: str
     device: str
     info: dict[str, Any]
+    method: Method = Method.qlora
+    optim: OptimizerChoice | None = None  # None: torch AdamW (fused on CUDA)
 
 
 def resolve_backend(cfg: TrainConfig) -> str:
@@ -53,37 +60,67 @@ def ensure_pad_token(tok: Any) -> Any:
     return tok
 
 
+def check_start(path: Path, method: Method) -> None:
+    """What a night continues from must be what its method trains: a LoRA adapter, or a whole model."""
+    is_adapter = (path / "adapter_config.json").is_file()
+    if method.is_adapter and not is_adapter:
+        raise ValueError(f'[train] method = "{method.value}" continues a LoRA adapter, but {path} is not one '
+                         "(no adapter_config.json): it was trained with another method")
+    if not method.is_adapter and (is_adapter or not (path / "config.json").is_file()):
+        raise ValueError(f'[train] method = "full" continues a whole model, but {path} is '
+                         + ("a LoRA adapter" if is_adapter else "not a model directory (no config.json)"))
+
+
 def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | None, shape: StepShape,
-                      cache_dir: Path | None = None) -> Loaded:
-    """Base model + LoRA: from `adapter` (the one in service, or a checkpoint) or a fresh one."""
+                      cache_dir: Path | None = None, max_vram_gb: float | None = None) -> Loaded:
+    """The model to train and its optimizer's choice. `adapter`: what the night continues from (the
+    version in service, or a checkpoint): a LoRA adapter for qlora/lora, a whole model for full;
+    None: a fresh LoRA on the base, or the base itself."""
     from jobs.training import moe_path
+    from jobs.training.optim import choose_for_model
 
+    if adapter is not None:
+        check_start(Path(adapter), cfg.method)
     if moe_path.in_memory_arch(model_path):  # issue 15: weights built in GPU memory each night (120B > disk)
-        return moe_path.load_in_memory(model_path, cfg, adapter=adapter,
-                                       gradient_checkpointing=shape.gradient_checkpointing)
-    backend = resolve_backend(cfg)
-    if backend == "unsloth":
-        from jobs.training.unsloth_backend import LoraSpec, load_unsloth  # GPU-only stack, imported only here
+        loaded = moe_path.load_in_memory(model_path, cfg, adapter=adapter,
+                                         gradient_checkpointing=shape.gradient_checkpointing)
+    elif resolve_backend(cfg) == "unsloth":
+        loaded = _load_unsloth(model_path, cfg, adapter, shape, cache_dir)
+    else:
+        loaded = _load_hf(model_path, cfg, adapter, shape)
+    if shape.compute == "fp8":  # issue 16: the frozen base on FP8 tensor cores (never fails the load)
+        from jobs.training.fp8_setup import enable_for_run
 
-        model, tok, info = load_unsloth(
-            model_path, lora=LoraSpec.from_train_config(cfg), gradient_checkpointing=shape.gradient_checkpointing,
-            max_seq_length=max(cfg.max_seq_length, shape.tokens_per_step if cfg.batching == "packed" else 0),
-            parent_adapter=adapter, cache_dir=cache_dir)
-        ensure_pad_token(tok)
-        if shape.compute == "fp8":  # issue 16: the frozen base on FP8 tensor cores (never fails the load)
-            from jobs.training.fp8_setup import enable_for_run
+        loaded.info["fp8"] = enable_for_run(loaded.model, loaded.tokenizer, cfg, unsloth=loaded.backend == "unsloth",
+                                            device=loaded.device)
+    loaded.optim = choose_for_model(loaded.model, cfg, device=loaded.device, max_vram_gb=max_vram_gb)
+    loaded.info.update(method=cfg.method.value, **loaded.optim.as_info())
+    log.info("model_loaded", backend=loaded.backend, device=device_name(), **loaded.info)
+    return loaded
 
-            info["fp8"] = enable_for_run(model, tok, cfg, unsloth=True, device="cuda")
-        log.info("model_loaded", device=device_name(), **info)
-        return Loaded(model, tok, "unsloth", "cuda", info)
+
+def _load_unsloth(model_path: Path, cfg: TrainConfig, adapter: Path | None, shape: StepShape,
+                  cache_dir: Path | None) -> Loaded:
+    from jobs.training.unsloth_backend import LoraSpec, load_unsloth  # GPU-only stack, imported only here
+
+    model, tok, info = load_unsloth(
+        model_path, lora=LoraSpec.from_train_config(cfg), gradient_checkpointing=shape.gradient_checkpointing,
+        max_seq_length=max(cfg.max_seq_length, shape.tokens_per_step if cfg.batching == "packed" else 0),
+        parent_adapter=adapter, cache_dir=cache_dir, method=cfg.method.value)
+    ensure_pad_token(tok)
+    return Loaded(model, tok, "unsloth", "cuda", info, cfg.method)
+
+
+def _load_hf(model_path: Path, cfg: TrainConfig, adapter: Path | None, shape: StepShape) -> Loaded:
     import torch
     from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(cfg.seed)
     cuda = torch.cuda.is_available()
+    full = cfg.method is Method.full
     kwargs: dict[str, Any] = {"local_files_only": True, "dtype": torch.bfloat16 if cuda else torch.float32}
-    quantized = cuda and cfg.load_in_4bit
+    quantized = cuda and cfg.quantized_base
     if quantized:
         from transformers import BitsAndBytesConfig
 
@@ -92,16 +129,20 @@ def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | Non
             bnb_4bit_use_double_quant=True,
         )
         kwargs["device_map"] = {"": 0}
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)
+    # full fine-tuning continues the model in service (or a checkpoint): it is the whole model
+    model = AutoModelForCausalLM.from_pretrained(str(adapter if full and adapter else model_path), **kwargs)
     moe.adapt_base(model)  # issue 15: GPT-OSS-like bases keep packed samples apart (sinks, windows)
     if quantized:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=shape.gradient_checkpointing)
     elif shape.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
+        if not full:
+            model.enable_input_require_grads()
     if cuda and not quantized:
         model.to("cuda")
-    if adapter is not None:
+    if full:
+        model.requires_grad_(True)
+    elif adapter is not None:
         model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
     else:
         model = get_peft_model(model, LoraConfig(
@@ -113,10 +154,6 @@ def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | Non
     info = {"trainable_parameters": trainable, "total_parameters": total, "quantized_4bit": quantized,
             "trainable_in_experts": moe.trainable_in_experts(model),
             "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False))}
-    tok = load_tokenizer(model_path)
-    if shape.compute == "fp8":  # issue 16: the frozen base on FP8 tensor cores (never fails the load)
-        from jobs.training.fp8_setup import enable_for_run
-
-        info["fp8"] = enable_for_run(model, tok, cfg, unsloth=False, device="cuda" if cuda else "cpu")
-    log.info("model_loaded", backend="hf", device=device_name(), **info)
-    return Loaded(model, tok, "hf", "cuda" if cuda else "cpu", info)
+    if full and adapter is not None:
+        info["continued_from"] = str(adapter)
+    return Loaded(model, load_tokenizer(model_path), "hf", "cuda" if cuda else "cpu", info, cfg.method)

@@ -158,12 +158,12 @@ def train(
     measurement of this key yet: size the steps from two short probe steps first."""
     import torch
 
+    from jobs.training.optim import build_optimizer
     from jobs.training.step import train_step
 
     model, device = loaded.model, loaded.device
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                  fused=device == "cuda")
+    optimizer = build_optimizer(model, cfg, loaded.optim, device=device)  # by method and memory: optim.py
     warm = max(1, cfg.warmup_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
     state: dict[str, Any] = {"next_batch": 0, "steps": 0, "tokens": 0, "seconds": 0.0, "loss_sum": 0.0,

@@ -56,6 +56,10 @@ def probe_memory(model: Any, samples: Sequence[TokenizedSample], settings: Probe
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     static = float(torch.cuda.memory_reserved())
+    # Gradients exist during every step whatever its size (unless the optimizer steps in backward):
+    # memory a step holds besides its activations, like the optimizer state the warm-up creates.
+    grads = 0 if getattr(optimizer, "in_backward", False) else sum(
+        p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     for k, want in enumerate((settings.probe_tokens // 2, settings.probe_tokens, 2 * settings.probe_tokens)):
         size = want
         if k == 2:
@@ -71,6 +75,10 @@ def probe_memory(model: Any, samples: Sequence[TokenizedSample], settings: Probe
         peak = torch.cuda.max_memory_reserved()
         if k:
             probes.append(MemoryProbe(b.real_tokens, float(peak)))
+        else:  # after the warm-up: weights and optimizer state (full fine-tuning: gigabytes), + gradients
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            static = max(static, float(torch.cuda.memory_reserved())) + grads
         seen.append({"tokens": b.real_tokens, "peak_reserved_gb": round(peak / 1e9, 2),
                      "seconds": round(st.seconds, 3)})
         on_step(st, b)

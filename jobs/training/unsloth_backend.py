@@ -1,4 +1,9 @@
-"""The `unsloth` backend: a 4-bit base through Unsloth's FastLanguageModel, LoRA on top.
+"""The `unsloth` backend: the base through Unsloth, by `[train] method`:
+qlora: 4-bit base through FastLanguageModel, LoRA on top (what follows is about this path);
+lora: the same with the base in bf16 (`load_in_4bit=False, load_in_16bit=True`: no quantisation,
+no NF4 cache); full: FastModel's full fine-tuning (`full_finetuning=True`: every weight trainable,
+bf16 without an fp32 master copy, norms upcast to fp32), packed rows through Unsloth's varlen
+attention for the transformers modeling path (`enable_hf_packed_attention`).
 
 Why these pieces:
 - The quantised base is cached on disk (`<cache_dir>/bases/<key>/`): night one quantises the
@@ -157,8 +162,10 @@ def load_unsloth(
     cache_dir: Path | str | None = None,
     cache_base: bool = True,
     varlen: bool = True,
+    method: str = "qlora",
 ) -> tuple[Any, Any, dict[str, Any]]:
-    """(model, tokenizer, info). The model is a PEFT model in training mode, LoRA trainable.
+    """(model, tokenizer, info). qlora / lora: a PEFT model in training mode, LoRA trainable; full:
+    the whole model trainable, continued from `parent_adapter` (then a model directory) if given.
 
     gradient_checkpointing: False (fastest, most memory), True or "unsloth" (Unsloth's offloaded
     checkpointing). info: load seconds, cache hit, trainable/total parameter counts, LoRA used.
@@ -176,26 +183,34 @@ def load_unsloth(
     info: dict[str, Any] = {"backend": "unsloth", "import_seconds": round(t_import, 2)}
     info["packed_attention"] = enable_varlen_attention() if varlen else "unsloth-as-shipped"
 
-    # 1. the base: the cached NF4 copy if there is one
+    gc_arg: bool | str = "unsloth" if gradient_checkpointing is True else gradient_checkpointing
+    if method == "full":
+        return _load_full(model_path, parent_adapter, max_seq_length, gc_arg, info, t0)
+    quantized = method == "qlora"
+    if not quantized and is_prequantized(model_path):
+        raise ValueError(f'[train] method = "{method}" trains on a 16-bit base, but {model_path} is quantised '
+                         "(quantization_config in config.json): point [model] path at the bf16 checkpoint")
+
+    # 1. the base: the cached NF4 copy if there is one (qlora)
     load_from, cache_hit, cache_path = model_path, False, None
-    if cache_dir is not None and cache_base and not is_prequantized(model_path):
+    if quantized and cache_dir is not None and cache_base and not is_prequantized(model_path):
         cache_path = Path(cache_dir) / "bases" / base_cache_key(model_path)
         if (cache_path / "config.json").exists() and (cache_path / "nightshift_base.json").exists():
             load_from, cache_hit = cache_path, True
-    gc_arg: bool | str = "unsloth" if gradient_checkpointing is True else gradient_checkpointing
     t1 = time.perf_counter()
     model, tokenizer = FastLanguageModel.from_pretrained(
         model_name=str(load_from),
         max_seq_length=max_seq_length,
         dtype=torch.bfloat16,
-        load_in_4bit=True,
+        load_in_4bit=quantized,
+        **({} if quantized else {"load_in_16bit": True}),  # both flags: Unsloth refuses 16-bit with 4-bit on
         local_files_only=True,
         use_gradient_checkpointing=gc_arg,
         fix_tokenizer=False,
         trust_remote_code=False,
     )
     info["base_load_seconds"] = round(time.perf_counter() - t1, 2)
-    info.update(base_loaded_from=str(load_from), base_cache_hit=cache_hit)
+    info.update(base_loaded_from=str(load_from), base_cache_hit=cache_hit, quantized_4bit=quantized)
     if cache_path is not None and not cache_hit:
         t2 = time.perf_counter()
         try:
@@ -242,6 +257,46 @@ def load_unsloth(
     info["gradient_checkpointing"] = gc_arg
     info["max_seq_length"] = max_seq_length
     info["load_seconds"] = round(time.perf_counter() - t0, 2)
+    return model, tokenizer, info
+
+
+def _load_full(model_path: Path, start: Path | str | None, max_seq_length: int, gc_arg: bool | str,
+               info: dict[str, Any], t0: float) -> tuple[Any, Any, dict[str, Any]]:
+    """Unsloth's full fine-tuning: the model in service (or the base) with every weight trainable."""
+    import torch
+    from unsloth import FastModel
+
+    from jobs.training.step import UNSLOTH_FLAG
+
+    source = Path(start) if start is not None else model_path
+    t1 = time.perf_counter()
+    model, tokenizer = FastModel.from_pretrained(
+        model_name=str(source),
+        tokenizer_name=str(model_path),  # a checkpoint holds no tokenizer: the base's is the one
+        max_seq_length=max_seq_length,
+        dtype=torch.bfloat16,
+        load_in_4bit=False,
+        full_finetuning=True,
+        local_files_only=True,
+        use_gradient_checkpointing=gc_arg,
+        fix_tokenizer=False,
+        trust_remote_code=False,
+    )
+    info.update(base_load_seconds=round(time.perf_counter() - t1, 2), base_loaded_from=str(source),
+                base_cache_hit=False, quantized_4bit=False)
+    FastModel.for_training(model, use_gradient_checkpointing=gc_arg)
+    try:  # packed rows on the transformers modeling path: varlen flash instead of SDPA over a T x T mask
+        from unsloth.utils.hf_packed_attention import enable_hf_packed_attention
+
+        info["packed_attention"] = "hf-varlen" if enable_hf_packed_attention() else "sdpa-block-mask"
+    except ImportError:
+        info["packed_attention"] = "sdpa-block-mask"
+    setattr(model, UNSLOTH_FLAG, True)  # packed_seq_lengths reach the attention
+    info.update(parameter_counts(model))
+    info.update(gradient_checkpointing=gc_arg, max_seq_length=max_seq_length,
+                load_seconds=round(time.perf_counter() - t0, 2))
+    if start is not None:
+        info["continued_from"] = str(start)
     return model, tokenizer, info
 
 

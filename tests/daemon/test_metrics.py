@@ -136,7 +136,8 @@ def test_a_night_with_a_gpu(reg: CollectorRegistry) -> None:
         assert live not in names(reg), live
     assert val(reg, "nightshift_run_in_progress") == 0
     # adapters
-    assert val(reg, "nightshift_adapter_info", version="3", name="tiny-v0003", base_model="/models/qwen") == 1
+    assert val(reg, "nightshift_adapter_info", version="3", name="tiny-v0003", base_model="/models/qwen",
+               method="qlora") == 1
     assert val(reg, "nightshift_adapter_version") == 3
     assert val(reg, "nightshift_adapter_versions_published_total") == 1
 
@@ -308,9 +309,9 @@ def test_hotswap_and_adapter_and_backlog(reg: CollectorRegistry) -> None:
     assert val(reg, "nightshift_hotswap_attempts_total", kind="vllm", outcome="success") == 1
     assert val(reg, "nightshift_hotswap_attempts_total", kind="webhook", outcome="success") == 0
     m.set_adapter_in_service(4, "tiny-v0004", "/models/qwen")
-    m.set_adapter_in_service(5, "tiny-v0005", "/models/qwen")  # one info series at a time
+    m.set_adapter_in_service(5, "tiny-v0005", "/models/qwen", "full")  # one info series at a time
     assert [s.labels for f in reg.collect() for s in f.samples if s.name == "nightshift_adapter_info"] == [
-        {"version": "5", "name": "tiny-v0005", "base_model": "/models/qwen"}
+        {"version": "5", "name": "tiny-v0005", "base_model": "/models/qwen", "method": "full"}
     ]
     m.set_backlog(7, 700)
     assert val(reg, "nightshift_backlog_samples") == 7

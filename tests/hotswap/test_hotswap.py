@@ -382,6 +382,7 @@ def test_webhook_is_signed_and_carries_the_bearer_token(
         "path": str(a.path),
         "base_model": BASE,
         "manifest": a.manifest,
+        "method": "qlora",
     }
     headers = req["headers"]
     assert verify_signature("hmac-key", req["raw"], headers, now=time.time())

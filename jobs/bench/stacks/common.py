@@ -22,9 +22,11 @@ class Job:
 
 
 def load_ours(
-    s: BenchSettings, model_path: Path, *, gc: bool | str, cache: bool, max_seq: int, varlen: bool = True
+    s: BenchSettings, model_path: Path, *, gc: bool | str, cache: bool, max_seq: int, varlen: bool = True,
+    method: str = "qlora",
 ) -> tuple[Any, Any, dict[str, Any]]:
-    """(model, tokenizer, info) through our Unsloth loader; varlen=False for the peer stacks (as shipped)."""
+    """(model, tokenizer, info) through our Unsloth loader; varlen=False for the peer stacks (as shipped);
+    method "lora": the base in bf16 (`[train] method = "lora"`)."""
     from jobs.training.unsloth_backend import LoraSpec, load_unsloth
 
     return load_unsloth(
@@ -35,6 +37,7 @@ def load_ours(
         cache_dir=s.state_dir if cache else None,
         cache_base=cache,
         varlen=varlen,
+        method=method,
     )
 
 

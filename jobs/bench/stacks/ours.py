@@ -21,23 +21,29 @@ from jobs.contract import GpuEvent
 from jobs.training.synthetic import CAP, make_samples
 
 LABEL = "nightshift (packed, varlen, budgeted)"
+LORA_LABEL = "nightshift, method lora: bf16 base (packed, varlen, budgeted)"
 
 
 def run(s: BenchSettings, job: Job) -> None:
+    """`ours` trains qlora (the default method); the `ours_lora` stack the same path on a bf16 base."""
     import torch
 
     from jobs.training.fp8 import STATS
 
     gc = "unsloth" if s.ours_ckpt else False
-    model, tok, info = load_ours(s, job.model, gc=gc, cache=s.state_dir is not None, max_seq=s.max_budget)
+    lora = job.stack == "ours_lora"
+    model, tok, info = load_ours(s, job.model, gc=gc, cache=s.state_dir is not None, max_seq=s.max_budget,
+                                 method="lora" if lora else "qlora")
     fp8 = setup_fp8(model, tok, s, job) if s.ours_compute != "bf16" else None
     compute = "bf16" if fp8 is None else fp8["compute"]
-    label = LABEL if fp8 is None else LABEL + (", FP8 base" + (" + transposed copy" if s.ours_compute == "fp8t" else "")
-                                               if compute == "fp8" else ", FP8 refused: bf16")
+    base = LORA_LABEL if lora else LABEL
+    label = base if fp8 is None else base + (", FP8 base" + (" + transposed copy" if s.ours_compute == "fp8t" else "")
+                                             if compute == "fp8" else ", FP8 refused: bf16")
     events: list[GpuEvent] = []
     for prof in s.profiles:
         row = run_ours(model, s, prof, vocab_size(job.model), label=label,
                        on_gpu_event=events.append if s.gpu_events else None)
+        row["stack"] = job.stack
         first = row.pop("first_step_end", None)
         row.update(
             load_seconds=info["load_seconds"],

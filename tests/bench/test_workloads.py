@@ -1,0 +1,104 @@
+"""CPU checks of `nightshift bench workloads`: the command line, the plan of worker processes, the ratios
+and MFU of the report (the GPU runs themselves: results/)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs.bench.cli import build_parser, main
+from jobs.bench.settings import BenchSettings
+from jobs.bench.stacks import WORKERS
+from jobs.bench.workload_report import document, summarise
+from jobs.bench.workloads import WORKLOADS, _needs_ckpt, plan
+
+B8 = 7_505_000_000
+
+
+def settings(*argv: str) -> BenchSettings:
+    import jobs.bench.cli as cli
+
+    captured: dict[str, BenchSettings] = {}
+    real = cli.RUN["workloads"]
+    cli.RUN["workloads"] = lambda s: captured.setdefault("s", s) and 0
+    try:
+        main(["workloads", *argv])
+    finally:
+        cli.RUN["workloads"] = real
+    return captured["s"]
+
+
+def test_quick_shortens_the_windows_and_explicit_flags_win():
+    s = settings("--quick")
+    assert (s.warmup, s.max_steps, s.seconds, s.data_tokens) == (2, 8, 8.0, 200_000)
+    assert s.arch == "llama3.1-8b" and s.workloads == ("exxact", "alpaca", "fixstars", "full")
+    assert (s.exxact_steps, s.alpaca_samples, s.alpaca_eval, s.alpaca_epochs, s.full_cap_gb) == (60, 2000, 200, 10, 48)
+    s = settings("--quick", "--max-steps", "20", "--workloads", "full,fixstars", "--fixstars-archs",
+                 "qwen3-8b,qwen3-32b", "--alpaca-whole", "--full-ckpt", "on")
+    assert s.max_steps == 20 and s.warmup == 2 and s.workloads == ("full", "fixstars") and s.alpaca_whole
+    assert s.fixstars_archs == ("qwen3-8b", "qwen3-32b") and s.full_ckpt == "on"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["workloads", "--full-ckpt", "maybe"])
+    with pytest.raises(ValueError, match="unknown workload"):
+        BenchSettings(arch="x", workloads=("exxact", "nope"))
+
+
+def test_the_plan_runs_each_recipe_beside_ours_and_builds_each_model_once():
+    s = BenchSettings(arch="llama3.1-8b", fixstars_archs=("qwen3-8b", "qwen3-32b"))
+    spawns = plan(s)
+    assert [(p.stack, p.arch, p.build_4bit) for p in spawns] == [
+        ("w_hf", "llama3.1-8b", False), ("w_ours_lora", "llama3.1-8b", False),
+        ("w_fixstars", "qwen3-8b", True), ("w_ours_qlora", "qwen3-8b", True),
+        ("w_ours_full", "llama3.1-8b", False), ("w_full", "llama3.1-8b", False),
+        ("w_fixstars", "qwen3-32b", True), ("w_ours_qlora", "qwen3-32b", True)]
+    assert spawns[-1].update == {"max_vram_gb": 72.0} and spawns[3].update == {"max_vram_gb": 40.0}
+    assert all(p.stack in WORKERS for p in spawns)
+    assert [p.stack for p in plan(BenchSettings(arch="a", workloads=("alpaca",)))] == ["w_hf", "w_ours_lora"]
+
+
+def row(workload, side, profile="p", **kw):
+    return {"workload": workload, "side": side, "arch": "llama3.1-8b", "profile": profile, "label": side,
+            "flops_per_token_param": 6 if workload == "full" else 4, **kw}
+
+
+def test_ratios_on_each_workloads_headline_and_mfu_against_both_peaks():
+    rows = summarise([
+        row("exxact", "publication", real_tok_s=5000.0), row("exxact", "ours", real_tok_s=20000.0),
+        row("alpaca", "publication", job_seconds=600.0, real_tok_s=3000.0),
+        row("alpaca", "ours", job_seconds=150.0, real_tok_s=18000.0, job_basis="extrapolated: ..."),
+        row("fixstars", "publication", "alpaca", samples_per_hour=50_000.0, real_tok_s=1.0),
+        row("fixstars", "ours", "alpaca", samples_per_hour=400_000.0, real_tok_s=2.0),
+        row("fixstars", "ours", "wiki", samples_per_hour=60_000.0),  # no recipe row for wiki: no ratio
+        row("full", "publication", error="OutOfMemoryError: CUDA out of memory", fits=False),
+        row("full", "ours", real_tok_s=8000.0, fits=True),
+    ], matmul={"llama3.1-8b": B8})
+    by = {(r["workload"], r["side"], r["profile"]): r for r in rows}
+    assert by[("exxact", "ours", "p")]["x_publication"] == pytest.approx(4.0)
+    assert by[("alpaca", "ours", "p")]["x_publication"] == pytest.approx(4.0)  # seconds: theirs / ours
+    assert by[("fixstars", "ours", "alpaca")]["x_publication"] == pytest.approx(8.0)
+    assert "x_publication" not in by[("fixstars", "ours", "wiki")] and "x_publication" not in by[("full", "ours", "p")]
+    assert by[("exxact", "ours", "p")]["mfu_790"] == pytest.approx(20000 * 4 * B8 / 790e12)
+    assert by[("full", "ours", "p")]["mfu_989"] == pytest.approx(8000 * 6 * B8 / 989e12)  # full: 6 FLOPs
+    text = document(rows, list(WORKLOADS.values()), gpu="H200", when="now")
+    for w in WORKLOADS.values():
+        assert f"## {w.title}" in text and w.published in text
+    assert text.count("where the recipes differ") == 4 and "error: OutOfMemoryError" in text
+    assert "ours job time: extrapolated" in text and "| 4.00 |" in text
+
+
+def test_ours_full_is_rerun_with_checkpointing_only_when_nothing_fits_without():
+    assert _needs_ckpt([row("full", "ours", error="not even 2048 tokens per step fit under 48 GB")])
+    assert not _needs_ckpt([row("full", "ours", real_tok_s=1.0)])
+    assert not _needs_ckpt([row("full", "publication", error="not even")])
+
+
+@pytest.mark.parametrize(("argv", "mode"), [(["workloads", "--quick"], []), (["--arch", "x"], ["bench"])])
+def test_nightshift_bench_passes_a_mode_through(monkeypatch, argv, mode):
+    import subprocess
+
+    import daemon.cli
+    from tests.conftest import REPO
+
+    seen = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: seen.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    assert daemon.cli.main(["--config", str(REPO / "config" / "nightshift.toml"), "bench", *argv]) == 0
+    assert seen[0][1:] == ["-m", "jobs.bench", *mode, *argv]

@@ -1,0 +1,89 @@
+"""What each method asks of Unsloth (a stand-in `unsloth` module records the call, CPU), and what
+a version and its continuation are, by method."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jobs.contract import Method
+from jobs.training.load import check_start
+from jobs.training.unsloth_backend import LoraSpec, load_unsloth
+
+
+class Called(Exception):
+    def __init__(self, who: str, kwargs: dict[str, Any]) -> None:
+        super().__init__(who)
+        self.who, self.kwargs = who, kwargs
+
+
+@pytest.fixture
+def fake_unsloth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`unsloth` whose loaders stop at the call with its arguments (the environment setup_caches sets is restored)."""
+    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "UNSLOTH_DISABLE_STATISTICS",
+              "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.setenv(k, "x")
+
+    def loader(who: str) -> Any:
+        def from_pretrained(**kwargs: Any) -> Any:
+            raise Called(who, kwargs)
+        return type(who, (), {"from_pretrained": staticmethod(from_pretrained)})
+
+    root = types.ModuleType("unsloth")
+    root.FastLanguageModel = loader("FastLanguageModel")  # type: ignore[attr-defined]
+    root.FastModel = loader("FastModel")  # type: ignore[attr-defined]
+    utils = types.ModuleType("unsloth.utils")
+    dispatch = types.ModuleType("unsloth.utils.attention_dispatch")
+    dispatch._TORCH_VARLEN_ATTN = object()  # type: ignore[attr-defined]  # "native": nothing to patch
+    utils.attention_dispatch = dispatch  # type: ignore[attr-defined]
+    for name, mod in (("unsloth", root), ("unsloth.utils", utils), ("unsloth.utils.attention_dispatch", dispatch)):
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+def call(model: Path, method: str, **kw: Any) -> Called:
+    with pytest.raises(Called) as e:
+        load_unsloth(model, lora=LoraSpec(), method=method, max_seq_length=4096, **kw)
+    return e.value
+
+
+def test_qlora_and_lora_differ_only_in_the_base_precision(fake_unsloth, tiny_model):
+    q, lo = call(tiny_model, "qlora"), call(tiny_model, "lora")
+    assert q.who == lo.who == "FastLanguageModel"  # the same fast path: packed varlen, LoRA kernels
+    assert q.kwargs["load_in_4bit"] is True and "load_in_16bit" not in q.kwargs
+    assert lo.kwargs["load_in_4bit"] is False and lo.kwargs["load_in_16bit"] is True
+    same = {k: v for k, v in q.kwargs.items() if k != "load_in_4bit"}
+    assert {k: v for k, v in lo.kwargs.items() if k not in ("load_in_4bit", "load_in_16bit")} == same
+
+
+def test_lora_skips_the_nf4_cache_and_refuses_a_quantised_base(fake_unsloth, tiny_model, tmp_path):
+    assert call(tiny_model, "lora", cache_dir=tmp_path).kwargs["model_name"] == str(tiny_model)  # never a cache
+    quantised = tmp_path / "nf4"
+    quantised.mkdir()
+    (quantised / "config.json").write_text('{"quantization_config": {"load_in_4bit": true}}')
+    with pytest.raises(ValueError, match=r'method = "lora" trains on a 16-bit base, but .* is quantised'):
+        load_unsloth(quantised, lora=LoraSpec(), method="lora")
+
+
+def test_full_is_unsloths_full_fine_tuning_of_the_model_in_service(fake_unsloth, tiny_model, tmp_path):
+    f = call(tiny_model, "full", parent_adapter=tmp_path / "tiny-v0003", gradient_checkpointing=True)
+    assert f.who == "FastModel" and f.kwargs["full_finetuning"] is True and f.kwargs["load_in_4bit"] is False
+    assert f.kwargs["model_name"] == str(tmp_path / "tiny-v0003")  # continues the version, not the base
+    assert f.kwargs["tokenizer_name"] == str(tiny_model) and f.kwargs["use_gradient_checkpointing"] == "unsloth"
+    assert call(tiny_model, "full").kwargs["model_name"] == str(tiny_model)  # first night: the base
+
+
+def test_what_a_night_continues_must_match_its_method(tmp_path):
+    adapter, model = tmp_path / "adapter", tmp_path / "model"
+    for d, f in ((adapter, "adapter_config.json"), (model, "config.json")):
+        d.mkdir()
+        (d / f).write_text("{}")
+    check_start(adapter, Method.qlora)
+    check_start(model, Method.full)
+    with pytest.raises(ValueError, match=r'method = "lora" continues a LoRA adapter, but .*model is not one'):
+        check_start(model, Method.lora)
+    with pytest.raises(ValueError, match=r'method = "full" continues a whole model, but .*adapter is a LoRA adapter'):
+        check_start(adapter, Method.full)
