@@ -15,7 +15,7 @@ from typing import Any
 from daemon import report
 from daemon.adapters_cli import add_commands as add_adapter_commands
 from daemon.settings import DEFAULT_CONFIG, ConfigError, Settings, check_paths, load_settings
-from daemon.supervisor import NightChild, child_env, wait_interruptibly
+from daemon.supervisor import NightChild, child_env, night_world, wait_interruptibly
 from daemon.window import Window
 from jobs import logs
 from jobs.contract import ChildEvent, Outcome, PlanEvent, outcome_exit_code
@@ -47,7 +47,9 @@ def run_child(s: Settings, *, night: str, deadline: float, plan_only: bool,
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         child = NightChild(s.night_config().model_dump_json(), night=night, deadline=deadline,
-                           plan_only=plan_only, on_event=on_event)
+                           plan_only=plan_only, on_event=on_event,
+                           world=None if plan_only else night_world(s.train), train=s.train,
+                           grace=s.daemon.stop_grace_seconds)
         child.start()
         return wait_interruptibly(child, stop, grace=s.daemon.stop_grace_seconds)
     finally:
@@ -63,7 +65,24 @@ def manual_window(args: argparse.Namespace, s: Settings) -> Window:
                   end=dt.datetime.fromtimestamp(end, dt.UTC))
 
 
+def not_node_0(s: Settings, command: str) -> int | None:
+    """[distributed] only node 0 runs nights; on another host, or with more cards asked than there are:
+    the exit status of the refusal."""
+    if not s.train.distributed.owner:
+        print(f"nightshift {command}: this host is node {s.train.distributed.node_rank} of "
+              f"[train.distributed]: it joins node 0's nights with `nightshift join`", file=sys.stderr)
+        return 2
+    try:
+        night_world(s.train)
+    except ValueError as e:
+        print(f"nightshift {command}: {e}", file=sys.stderr)
+        return 2
+    return None
+
+
 def cmd_once(args: argparse.Namespace, s: Settings) -> int:
+    if (refused := not_node_0(s, "once")) is not None:
+        return refused
     window = manual_window(args, s)
     night, deadline = window.night, window.end.timestamp()
 
@@ -114,6 +133,9 @@ def cmd_check_config(args: argparse.Namespace, s: Settings) -> int:
 def cmd_run(args: argparse.Namespace, s: Settings) -> int:
     from daemon.service import Service
 
+    if (refused := not_node_0(s, "run")) is not None:
+        return refused
+
     return Service(s).run()
 
 
@@ -123,6 +145,12 @@ def cmd_status(args: argparse.Namespace, s: Settings) -> int:
     info = collect(s)
     print(json.dumps(info, indent=2, default=str) if args.json else render(info))
     return 0
+
+
+def cmd_join(args: argparse.Namespace, s: Settings) -> int:
+    from daemon.join import join
+
+    return join(s, once=args.once)
 
 
 def cmd_calibrate(args: argparse.Namespace, s: Settings) -> int:
@@ -151,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("run", help="the service: wait for each night's window and run it (systemd)")
     p.set_defaults(func=cmd_run)
+    p = sub.add_parser("join", help="a host other than node 0 of [train.distributed]: train node 0's nights")
+    p.add_argument("--once", action="store_true", help="join one night (or one attempt), then exit")
+    p.set_defaults(func=cmd_join)
     p = sub.add_parser("status", help="next window, last runs, backlog, adapter in service")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)

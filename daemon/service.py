@@ -25,7 +25,7 @@ from daemon import sdnotify
 from daemon.metrics import NightshiftMetrics, serve
 from daemon.scheduler import WakeScheduler
 from daemon.settings import Settings
-from daemon.supervisor import ChildOutcome, NightChild, wait_interruptibly
+from daemon.supervisor import ChildOutcome, NightChild, night_world, wait_interruptibly
 from daemon.window import Window, utcnow
 from jobs.contract import ChildEvent, Outcome, PhaseEvent, ProgressEvent, RunSummary
 from jobs.gpu import free_vram_gb
@@ -174,7 +174,8 @@ class Service:
                 self.status(f"night {window.night}: {ev.phase.value}")
 
         child = NightChild(self.s.night_config().model_dump_json(), night=window.night,
-                           deadline=deadline.timestamp(), on_event=on_event)
+                           deadline=deadline.timestamp(), on_event=on_event, world=night_world(self.s.train),
+                           train=self.s.train, grace=self.s.daemon.stop_grace_seconds)
         child.start()
         self.metrics.on_child_start()
         # a child still busy at the window's end is told to stop and save, and killed after the grace
@@ -214,6 +215,10 @@ class Service:
         free_gb = shutil.disk_usage(self.state).free / 1e9
         if free_gb < self.s.daemon.min_free_disk_gb:
             return f"only {free_gb:.1f} GB free in {self.state} (need {self.s.daemon.min_free_disk_gb:g} GB)"
+        try:
+            night_world(self.s.train)
+        except ValueError as e:  # more cards asked than this host has
+            return str(e)
         return None
 
     def _gpu_wait(self, window: Window) -> str | None:

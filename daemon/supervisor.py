@@ -4,14 +4,22 @@ The child gets the job sections of the settings on stdin and the deadline on its
 command line; its events arrive as JSON lines on its stdout, its log lines on
 stderr (passed through, the last ones kept for a failure report). A stop request
 sends SIGTERM, waits the grace for the checkpoint, then SIGKILLs.
+
+Several processes (`[train] gpus`, jobs/training/topology.py): the child is torchrun, which starts
+the ranks; the config goes in a file (every worker shares torchrun's stdin), torchrun forwards
+SIGTERM to every rank, each rank dies with it if it is SIGKILLed, and the outcome is rank 0's
+result event (torchrun's own exit status is only 0 or 1).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +30,8 @@ import structlog
 
 from daemon import sdnotify
 from jobs.contract import ChildEvent, ExitCode, ResultEvent, RunSummary, parse_event
+from jobs.training.config import TrainConfig
+from jobs.training.topology import World, launch_command, launch_env, resolve_world, visible_gpus
 
 log = structlog.get_logger("nightshift.supervisor")
 
@@ -32,27 +42,43 @@ def child_env() -> dict[str, str]:
             "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
 
+def night_world(train: TrainConfig) -> World:
+    """The processes of tonight's child on this host (ValueError: `[train] gpus` asks for more cards than
+    there are)."""
+    return resolve_world(train.gpus, train.devices, train.distributed, visible_gpus())
+
+
 @dataclass
 class ChildOutcome:
     returncode: int
     summary: RunSummary | None
     tail: list[str] = field(default_factory=list)
+    launcher: bool = False  # torchrun's exit status: 0 or 1 whatever the ranks returned
 
     @property
     def crashed(self) -> bool:
+        if self.launcher:  # rank 0's result event is the outcome
+            return self.summary is None
         return self.summary is None or self.returncode not in (ExitCode.OK, ExitCode.INTERRUPTED)
 
     def describe_exit(self) -> str:
         if self.returncode < 0:
             return f"killed by signal {signal.Signals(-self.returncode).name}"
+        if self.launcher:
+            return f"the torchrun group failed (exit status {self.returncode}: a rank died or failed; see its log)"
         return f"exit status {self.returncode}"
 
 
 class NightChild:
     def __init__(self, night_config_json: str, *, night: str, deadline: float,
                  on_event: Callable[[ChildEvent], None] = lambda _: None, plan_only: bool = False,
-                 log_stream: TextIO | None = None, tail_lines: int = 40) -> None:
+                 log_stream: TextIO | None = None, tail_lines: int = 40, world: World | None = None,
+                 train: TrainConfig | None = None, grace: float | None = None, join: bool = False) -> None:
         self.config_json = night_config_json
+        # [distributed] one process unless `world` says more (a plan is always one process)
+        self.world = world if world is not None and not plan_only else World(nproc=1, cuda_visible=None)
+        self.train, self.grace, self.join = train or TrainConfig(), grace, join
+        self._config_file: str | None = None
         self.night, self.deadline, self.plan_only = night, deadline, plan_only
         self.on_event = on_event
         self.log_stream = log_stream or sys.stderr
@@ -62,21 +88,30 @@ class NightChild:
         self._threads: list[threading.Thread] = []
 
     def start(self) -> int:
-        cmd = [sys.executable, "-m", "jobs.night.child", "--night", self.night, "--deadline", repr(self.deadline)]
+        args = ["--join"] if self.join else ["--night", self.night, "--deadline", repr(self.deadline)]
         if self.plan_only:
-            cmd.append("--plan-only")
-        env = child_env()
+            args.append("--plan-only")
+        if self.world.launcher:  # every torchrun worker shares stdin: the config goes as a file (0600)
+            fd, self._config_file = tempfile.mkstemp(prefix="nightshift-night-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                f.write(self.config_json)
+            args += ["--config", self._config_file]
+        cmd = launch_command(self.world, self.train.distributed, "jobs.night.child", args)
+        env = {**child_env(), **launch_env(self.world, grace_seconds=self.grace)}
         env.setdefault("NIGHTSHIFT_LOG_FORMAT", "console" if self.log_stream.isatty() else "json")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL if self._config_file else subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      env=env, start_new_session=True)  # our SIGINT is not its SIGINT
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(self.config_json.encode())
-        self.proc.stdin.close()
+        if self._config_file is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(self.config_json.encode())
+            self.proc.stdin.close()
         self._threads = [threading.Thread(target=self._read_events, daemon=True),
                          threading.Thread(target=self._read_logs, daemon=True)]
         for t in self._threads:
             t.start()
-        log.info("child_started", pid=self.proc.pid, night=self.night, plan_only=self.plan_only)
+        log.info("child_started", pid=self.proc.pid, night=self.night, plan_only=self.plan_only,
+                 processes=self.world.nproc, nnodes=self.world.nnodes)
         return self.proc.pid
 
     def _read_events(self) -> None:
@@ -131,7 +166,11 @@ class NightChild:
         rc = self.proc.wait(timeout=timeout)
         for t in self._threads:
             t.join(timeout=5)
-        return ChildOutcome(rc, self.summary, list(self.tail))
+        if self._config_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._config_file)
+            self._config_file = None
+        return ChildOutcome(rc, self.summary, list(self.tail), launcher=self.world.launcher)
 
 
 def wait_interruptibly(child: NightChild, stop: threading.Event, grace: float, poll: float = 0.2,

@@ -100,7 +100,8 @@ def train_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun) -> Tra
 
     with ctx.phase(Phase.train):
         result = train(prep.loaded, prep.train_set, ctx.cfg.train, ckpt_root=ctx.checkpoints, deadline=ctx.deadline,
-                       stop=ctx.stop, shape=prep.shape, clock=ctx.clock, emit=relay, resume=prep.resume)
+                       stop=ctx.stop, shape=prep.shape, clock=ctx.clock, emit=relay, resume=prep.resume,
+                       group=ctx.group)
     s = ctx.summary
     s.trained_samples = sum(1 for i in result.trained_ids if i not in prep.replay_ids)
     s.replay_samples = len(result.trained_ids) - s.trained_samples

@@ -20,6 +20,7 @@ from jobs.gpu import GpuSampler, torch_device_uuid, torch_peak_memory
 from jobs.night.config import NightConfig
 from jobs.store.ledger import Ledger
 from jobs.store.registry import Registry
+from jobs.training.distributed import SOLO, Solo
 
 log = structlog.get_logger("nightshift.night")
 
@@ -41,6 +42,7 @@ class RunContext:
     resumed: bool = False  # the run was opened before: its stored plan and checkpoints are used
     plan_only: bool = False  # `nightshift plan`: nothing is recorded
     gpu: GpuSampler | None = None
+    group: Solo = SOLO  # [distributed] the night's ranks: this process is rank 0 (jobs/night/ranks.py)
 
     @property
     def state(self) -> Path:
@@ -85,7 +87,7 @@ class RunContext:
 
 
 def open_context(cfg: NightConfig, *, model_path: Path, fingerprint: str, night: str, deadline: float, emit: Emit,
-                 stop: threading.Event, clock: Callable[[], float], plan_only: bool) -> RunContext:
+                 stop: threading.Event, clock: Callable[[], float], plan_only: bool, group: Solo = SOLO) -> RunContext:
     """Open tonight's run in the ledger (or reopen the one a crash or stop left open)."""
     state = Path(cfg.state_dir)
     ledger = Ledger(state / "ledger.sqlite", clock=clock)
@@ -103,4 +105,4 @@ def open_context(cfg: NightConfig, *, model_path: Path, fingerprint: str, night:
     return RunContext(cfg=cfg, ledger=ledger, registry=Registry(state), emit=emit, clock=clock, stop=stop,
                       night=night, deadline=deadline, run_id=run_id, model_path=model_path,
                       fingerprint=fingerprint, summary=summary,
-                      resumed=open_run is not None, plan_only=plan_only)
+                      resumed=open_run is not None, plan_only=plan_only, group=group)

@@ -51,11 +51,15 @@ def model_fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def throughput_key(cfg: NightConfig, fingerprint: str, backend: str, device: str) -> str:
-    """'The same work on the same machine': calibrate and every night of this config share it."""
+def throughput_key(cfg: NightConfig, fingerprint: str, backend: str, device: str, gpus: int = 1) -> str:
+    """'The same work on the same machine': calibrate and every night of this config share it. `gpus`: the
+    night's processes (one per card): measured per count; one keeps the keys recorded before it existed."""
     t = cfg.train
-    return budget.throughput_key({
+    parts: dict[str, object] = {
         "model": fingerprint, "backend": backend, "device": device, "rank": t.lora_rank,
         "targets": t.target_modules, "batch_size": t.batch_size, "max_tokens": t.max_tokens_per_batch,
         "max_seq": t.max_seq_length, "grad_ckpt": t.gradient_checkpointing, "4bit": t.load_in_4bit,
-        "batching": t.batching, "tokens_per_step": t.tokens_per_step, "max_vram_gb": cfg.gpu.max_vram_gb})
+        "batching": t.batching, "tokens_per_step": t.tokens_per_step, "max_vram_gb": cfg.gpu.max_vram_gb}
+    if gpus > 1:
+        parts["gpus"] = gpus
+    return budget.throughput_key(parts)

@@ -22,15 +22,17 @@ from jobs.night.context import RunContext, open_context
 from jobs.night.intake import plan_night, pull_new_data
 from jobs.night.model import ensure_model, model_fingerprint, throughput_key
 from jobs.night.publish import announce_version, close_run, finish_published, judge, publish_candidate
+from jobs.night.ranks import share_prepared
+from jobs.training.distributed import SOLO, Solo
 
 log = structlog.get_logger("nightshift.night")
 
 
 def run_night(cfg: NightConfig, *, night: str, deadline: float, emit: Emit, stop: threading.Event,
-              clock: Callable[[], float] = time.time, plan_only: bool = False) -> RunSummary:
+              clock: Callable[[], float] = time.time, plan_only: bool = False, group: Solo = SOLO) -> RunSummary:
     model_path = ensure_model(cfg)
     ctx = open_context(cfg, model_path=model_path, fingerprint=model_fingerprint(model_path), night=night,
-                       deadline=deadline, emit=emit, stop=stop, clock=clock, plan_only=plan_only)
+                       deadline=deadline, emit=emit, stop=stop, clock=clock, plan_only=plan_only, group=group)
     if not plan_only:
         ctx.start_gpu()
     try:
@@ -59,8 +61,8 @@ def _steps(ctx: RunContext) -> None:
     s = ctx.summary
     backend, device = resolve_backend(ctx.cfg.train), device_name()
     pull_new_data(ctx, load_tokenizer(ctx.model_path))
-    planned = plan_night(ctx, key=throughput_key(ctx.cfg, ctx.fingerprint, backend, device), backend=backend,
-                         device=device)
+    key = throughput_key(ctx.cfg, ctx.fingerprint, backend, device, gpus=ctx.group.world)  # measured per count
+    planned = plan_night(ctx, key=key, backend=backend, device=device)
     if ctx.plan_only:
         s.outcome = Outcome.skipped
         return
@@ -74,6 +76,7 @@ def _steps(ctx: RunContext) -> None:
         finish_published(ctx, row)
         return
     prep = load_model_and_data(ctx, planned)
+    share_prepared(ctx, prep, planned)  # [distributed] the other ranks get their night (a no-op for one)
     evaluate_candidate(ctx, prep, "before")
     result = train_candidate(ctx, prep, planned)
     if result.stopped == "signal":

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jobs.data.render import OverlongPolicy
+from jobs.training.topology import DistributedConfig
 
 
 class TrainConfig(BaseModel):
@@ -37,3 +38,15 @@ class TrainConfig(BaseModel):
         "auto", description="recompute activations to save memory; auto: calibrate's choice, else on")
     checkpoint_every_seconds: float = Field(600.0, gt=0)
     seed: int = 0
+    # ---- several GPUs / hosts (jobs/training/topology.py, jobs/training/distributed.py) ----
+    gpus: int | Literal["all"] = Field(
+        1, description="processes training the night: one per card; without a GPU, N CPU processes (gloo)")
+    devices: list[int] | None = Field(None, description="CUDA indices to use (default: the first `gpus` visible)")
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+    @field_validator("gpus")
+    @classmethod
+    def _positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be at least 1, or \"all\"")
+        return v

@@ -22,6 +22,7 @@ from jobs.contract import Emit, OomSplitEvent, ProgressEvent, StepShape
 from jobs.data.batching import Batch, TokenizedSample, padded_batches
 from jobs.training.checkpoints import save_checkpoint
 from jobs.training.config import TrainConfig
+from jobs.training.distributed import SOLO, Solo
 from jobs.training.load import Loaded
 
 log = structlog.get_logger("nightshift.train")
@@ -66,16 +67,19 @@ def plan_batches(samples: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: i
 def train(
     loaded: Loaded, samples: Sequence[TokenizedSample], cfg: TrainConfig, *, ckpt_root: Path, deadline: float,
     stop: threading.Event, shape: StepShape, clock: Callable[[], float] = time.time,
-    emit: Emit = lambda _: None, resume: Path | None = None, save_seconds: float = 5.0,
+    emit: Emit = lambda _: None, resume: Path | None = None, save_seconds: float = 5.0, group: Solo = SOLO,
 ) -> TrainResult:
     """Train `samples` (in order, `cfg.epochs` times) until done, the deadline or `stop`; emits
-    ProgressEvent (version unset: the night knows it) and OomSplitEvent."""
-    import torch
+    ProgressEvent (version unset: the night knows it) and OomSplitEvent.
 
-    from jobs.training.step import train_step
+    [distributed] `group`: with several ranks each global step is `group.world` consecutive rows of the
+    batch sequence, one per rank; the position counts rows, so a checkpoint holds the global position
+    (and a resume with another number of ranks continues from it). Rank 0 alone saves checkpoints."""
+    import torch
 
     model, device = loaded.model, loaded.device
     params = [p for p in model.parameters() if p.requires_grad]
+    group.start(params)  # [distributed] wait for every rank, then take rank 0's weights
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                   fused=device == "cuda")
     warm = max(1, cfg.warmup_steps)
@@ -108,37 +112,45 @@ def train(
     stopped: str | None = None
     last_progress = 0.0
     total_tokens = sum(b.real_tokens for b in batches)
-    for i in range(resumed_from, len(batches)):
+    for i in range(resumed_from, len(batches), group.world):
+        rows = batches[i: i + group.world]  # [distributed] one row per rank (one row: one process)
         now = clock()
-        if stop.is_set():
+        # [distributed] decided together: every rank stops at the same step, whatever its own clock says
+        signalled, late = group.agree(stop.is_set(),
+                                      step_ema is not None and now + 1.5 * step_ema + save_seconds > deadline)
+        if signalled:
             stopped = "signal"
             break
-        if step_ema is not None and now + 1.5 * step_ema + save_seconds > deadline:
+        if late:
             stopped = "deadline"
             break
-        st = train_step(model, batches[i], optimizer, device=device, scheduler=scheduler, params=params,
+        st = group.step(model, rows, optimizer, device=device, scheduler=scheduler, params=params,
                         on_event=step_event, halve=bool(state.get("halved")))
+        if st.split:  # [distributed] an out-of-memory on any rank: every rank halves from now on
+            state["halved"] = True
         loss, dt = st.loss, st.seconds
         step_ema = dt if step_ema is None else 0.8 * step_ema + 0.2 * dt
-        state["next_batch"] = i + 1
+        done = i + len(rows)  # rows consumed: the global position
+        state["next_batch"] = done
         state["steps"] += 1
-        state["tokens"] += batches[i].real_tokens
+        state["tokens"] += sum(b.real_tokens for b in rows)
         state["loss_sum"] += loss
         state["loss_n"] += 1
         state["seconds"] = seconds_before + (clock() - started)
-        if clock() - last_ckpt >= cfg.checkpoint_every_seconds and i + 1 < len(batches):
+        if group.is_owner and clock() - last_ckpt >= cfg.checkpoint_every_seconds and done < len(batches):
             save_checkpoint(ckpt_root, model, optimizer, scheduler, state)
             last_ckpt = clock()
-        if clock() - last_progress >= 1.0 or i + 1 == len(batches):
+        if clock() - last_progress >= 1.0 or done == len(batches):
             last_progress = clock()
             tps = state["tokens"] / state["seconds"] if state["seconds"] > 0 else 0.0
-            remaining = total_tokens - sum(b.real_tokens for b in batches[: i + 1])
-            emit(ProgressEvent(fraction=(i + 1) / len(batches), tokens=state["tokens"], planned_tokens=total_tokens,
-                               steps=state["steps"], samples=len(_consumed(batches, i + 1)), tokens_per_second=tps,
+            remaining = total_tokens - sum(b.real_tokens for b in batches[:done])
+            emit(ProgressEvent(fraction=done / len(batches), tokens=state["tokens"], planned_tokens=total_tokens,
+                               steps=state["steps"], samples=len(_consumed(batches, done)), tokens_per_second=tps,
                                eta=clock() + remaining / tps if tps > 0 else None, loss=loss))
-    if stopped == "signal":
+    if stopped == "signal" and group.is_owner:
         save_checkpoint(ckpt_root, model, optimizer, scheduler, state)
         log.info("checkpoint_saved_on_stop", next_batch=state["next_batch"], of=len(batches))
+    group.finish()  # [distributed] the other ranks' peak memory for rank 0's summary
     consumed = _consumed(batches, int(state["next_batch"]))
     return TrainResult(
         trained_ids=consumed, tokens=int(state["tokens"]), seconds=float(state["seconds"]),
@@ -146,7 +158,7 @@ def train(
         stopped=stopped, resumed_from_step=resumed_from,
         detail={"batches": len(batches), "batches_done": int(state["next_batch"]), "halved": state["halved"],
                 "tokens_per_step": shape.tokens_per_step, "gradient_checkpointing": shape.gradient_checkpointing,
-                "step_shape_basis": shape.basis, "batching": cfg.batching},
+                "step_shape_basis": shape.basis, "batching": cfg.batching, "world_size": group.world},
     )
 
 
