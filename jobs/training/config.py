@@ -44,9 +44,15 @@ class TrainConfig(BaseModel):
     devices: list[int] | None = Field(None, description="CUDA indices to use (default: the first `gpus` visible)")
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
-    @field_validator("gpus")
+    @field_validator("gpus", mode="before")
     @classmethod
-    def _positive(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and v < 1:
-            raise ValueError("must be at least 1, or \"all\"")
-        return v
+    def _count_or_all(cls, v: object) -> object:
+        if v == "all":
+            return v
+        try:
+            n = int(str(v))
+        except ValueError:
+            raise ValueError('expected a number of processes (1, 2, ...) or "all"') from None
+        if n < 1:
+            raise ValueError('must be at least 1, or "all"')
+        return n

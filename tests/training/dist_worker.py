@@ -7,7 +7,9 @@ differently, and writes what each rank saw to OUT/<scenario>-rank<r>.json:
 - deadline: rank 1's clock runs an hour ahead (another host's clock): the deadline stop is collective;
 - signal: rank 1 alone is asked to stop (SIGTERM to one worker): both stop at the same step, and rank 0
   alone checkpoints the global position;
-- oom: rank 1 runs out of memory on long rows: every rank halves its later steps, and the weights stay equal.
+- oom: rank 1 runs out of memory on long rows: every rank halves its later steps, and the weights stay equal;
+- same: samples of different lengths (so each rank's row has its own token count): the two ranks' weights
+  equal those of one process that trains each global step's samples as one packed row (rank 0 checks).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import torch
 from jobs.contract import StepShape
 from jobs.data.batching import TokenizedSample
 from jobs.training.config import TrainConfig
-from jobs.training.distributed import init_group
+from jobs.training.distributed import Solo, init_group
 from jobs.training.load import Loaded
 from jobs.training.loop import train
+from jobs.training.packing import pack, unpack
+from jobs.training.step import train_step
 from jobs.training.topology import DistributedConfig
 
 
@@ -56,9 +60,23 @@ def tiny(limit: int) -> OomAbove:
                                                  num_key_value_heads=1)), limit)
 
 
-def samples(n: int, length: int = 10) -> list[TokenizedSample]:
-    return [TokenizedSample(i, [1 + (i + j) % 60 for j in range(length)],
-                            [-100] + [1 + (i + j) % 60 for j in range(1, length)]) for i in range(n)]
+def samples(n: int, length: int = 10, vary: bool = False) -> list[TokenizedSample]:
+    out = []
+    for i in range(n):
+        k = 4 + (i * 5) % 9 if vary else length
+        out.append(TokenizedSample(i, [1 + (i + j) % 60 for j in range(k)], [-100] + [1 + (i + j) % 60
+                                                                                     for j in range(1, k)]))
+    return out
+
+
+class OneProcessOfTwo(Solo):
+    """The reference: one process, each global step's two rows trained as one packed row."""
+
+    world = 2
+
+    def step(self, model, rows, optimizer, **kw):
+        merged = pack([s for r in rows for s in unpack(r)])
+        return train_step(model, merged, optimizer, **kw)
 
 
 def main() -> None:
@@ -66,10 +84,11 @@ def main() -> None:
     group = init_group(DistributedConfig(timeout_seconds=60, setup_timeout_seconds=60))
     rank = group.rank
     cfg = TrainConfig(batching="packed", tokens_per_step=40, max_seq_length=16, epochs=1, warmup_steps=0,
-                      checkpoint_every_seconds=3600)
+                      learning_rate=1e-2, checkpoint_every_seconds=3600)
     shape = StepShape(tokens_per_step=40, gradient_checkpointing=False, basis="test")
-    for scenario in ("deadline", "signal", "oom"):
+    for scenario in ("deadline", "signal", "oom", "same"):
         model = tiny(limit=25 if scenario == "oom" and rank == 1 else 10**6)
+        before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         loaded = Loaded(model, SimpleNamespace(pad_token_id=0), "hf", "cpu", {})
         stop = threading.Event()
         skew = 3600.0 - 3.0 if scenario == "deadline" and rank == 1 else 0.0
@@ -79,14 +98,24 @@ def main() -> None:
             if _scenario == "signal" and rank == 1 and ev.event == "progress":
                 _stop.set()  # as SIGTERM to this worker alone would
 
-        res = train(loaded, samples(24), cfg, ckpt_root=out / f"ckpt-{scenario}-rank{rank}", deadline=deadline,
+        data = samples(30, vary=True) if scenario == "same" else samples(24)
+        res = train(loaded, data, cfg, ckpt_root=out / f"ckpt-{scenario}-rank{rank}", deadline=deadline,
                     stop=stop, shape=shape, clock=lambda _s=skew: time.time() + _s, emit=emit, group=group)
         weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        reference = None
+        if scenario == "same" and rank == 0:
+            ref = tiny(limit=10**6)
+            ref_res = train(Loaded(ref, SimpleNamespace(pad_token_id=0), "hf", "cpu", {}), data, cfg,
+                            ckpt_root=out / "ckpt-ref", deadline=deadline, stop=threading.Event(), shape=shape,
+                            group=OneProcessOfTwo())
+            ref_weights = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+            reference = {"max_abs_diff": float((ref_weights - weights).abs().max()), "steps": ref_res.steps,
+                         "max_abs": float(ref_weights.abs().max()), "moved": float((ref_weights - before).abs().max())}
         (out / f"{scenario}-rank{rank}.json").write_text(json.dumps({
             "stopped": res.stopped, "steps": res.steps, "next_batch": res.detail["batches_done"],
             "batches": res.detail["batches"], "halved": res.detail["halved"], "rows": model.rows,
             "trained_ids": res.trained_ids, "tokens": res.tokens, "checksum": float(weights.double().sum()),
-            "first": weights[:8].tolist()}))
+            "reference": reference}))
     group.close()
 
 
