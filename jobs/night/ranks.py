@@ -104,6 +104,7 @@ def follow_night(cfg: NightConfig, group: Solo, stop: threading.Event) -> None:
     from jobs.training.load import load_for_training
     from jobs.training.loop import train
 
+    _import_training_stack()  # while rank 0 pulls and plans: the job's wait is spent, not added
     job: TrainJob | None = group.broadcast(None)
     if job is None:
         log.info("rank_released", rank=group.rank, reason="rank 0 has nothing to train (or failed first)")
@@ -125,6 +126,11 @@ def follow_night(cfg: NightConfig, group: Solo, stop: threading.Event) -> None:
         log.info("rank_done", steps=result.steps, stopped=result.stopped, next_batch=result.detail["batches_done"])
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _import_training_stack() -> None:
+    import peft  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
 
 
 def _start_here(job: TrainJob, scratch: Path) -> Path | None:
