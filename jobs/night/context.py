@@ -6,6 +6,7 @@ ledger keeps its plan and the checkpoints keep its position, so it resumes where
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 from collections.abc import Callable, Iterator
@@ -16,7 +17,8 @@ from pathlib import Path
 import structlog
 
 from jobs.contract import Emit, Outcome, Phase, PhaseEvent, RunSummary
-from jobs.gpu import GpuSampler, torch_device_uuid, torch_peak_memory
+from jobs.gpu import GpuSampler
+from jobs.gpu_cards import CardsSampler, night_sampler
 from jobs.night.config import NightConfig
 from jobs.store.ledger import Ledger
 from jobs.store.registry import Registry
@@ -41,7 +43,7 @@ class RunContext:
     summary: RunSummary
     resumed: bool = False  # the run was opened before: its stored plan and checkpoints are used
     plan_only: bool = False  # `nightshift plan`: nothing is recorded
-    gpu: GpuSampler | None = None
+    gpu: GpuSampler | CardsSampler | None = None
     group: Solo = SOLO  # [distributed] the night's ranks: this process is rank 0 (jobs/night/ranks.py)
 
     @property
@@ -68,8 +70,10 @@ class RunContext:
     def start_gpu(self) -> None:
         if not self.cfg.gpu.enabled:
             return
-        self.gpu = GpuSampler(self.emit, hz=self.cfg.gpu.sample_hz, device=torch_device_uuid() or self.cfg.gpu.device,
-                              peak_memory=torch_peak_memory)
+        # [distributed] the cards of this host's ranks, summed; the other ranks' peak memory added
+        self.gpu = night_sampler(self.emit, self.cfg.gpu, others_peak=lambda: self.group.others_peak,
+                                 local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.group.world > 1
+                                 else 1)
         if not self.gpu.start():
             self.gpu = None  # no GPU here: the GPU figures stay absent
 

@@ -33,6 +33,7 @@ def run_night(cfg: NightConfig, *, night: str, deadline: float, emit: Emit, stop
     model_path = ensure_model(cfg)
     ctx = open_context(cfg, model_path=model_path, fingerprint=model_fingerprint(model_path), night=night,
                        deadline=deadline, emit=emit, stop=stop, clock=clock, plan_only=plan_only, group=group)
+    ctx.summary.ranks = group.world  # [distributed]
     if not plan_only:
         ctx.start_gpu()
     try:
