@@ -154,10 +154,15 @@ def cmd_join(args: argparse.Namespace, s: Settings) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace, s: Settings) -> int:
-    """Our own GPU path, measured in a child process and recorded for the planner."""
+    """Our own GPU path, measured in a child process and recorded for the planner; with `[train] gpus` > 1
+    through torchrun, measured for that count of cards (this host's: hosts of [train.distributed] aside)."""
+    from daemon.calibrate_launch import calibrate_command
+
+    if (refused := not_node_0(s, "calibrate")) is not None:
+        return refused
     out = args.out or Path(s.state_dir) / "calibrate"
-    cmd = [sys.executable, "-m", "jobs.night.calibrate", "--out", str(out), "--seconds", str(args.seconds)]
-    return subprocess.run(cmd, input=s.night_config().model_dump_json(), text=True, env=child_env()).returncode
+    with calibrate_command(s, out=out, seconds=args.seconds) as (cmd, env, stdin):
+        return subprocess.run(cmd, input=stdin, text=True, env={**child_env(), **env}).returncode
 
 
 def cmd_bench(args: argparse.Namespace, s: Settings) -> int:

@@ -77,6 +77,9 @@ class Solo:
     def agree(self, *flags: bool) -> list[bool]:
         return list(flags)
 
+    def smallest(self, value: int) -> int:
+        return value
+
     def broadcast(self, obj: Any) -> Any:
         return obj
 
@@ -166,6 +169,15 @@ class Group(Solo):
         t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [bool(x) for x in t.tolist()]
+
+    def smallest(self, value: int) -> int:
+        """The smallest of every rank's value (calibration: the step every card can hold)."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self, model: Any, rows: Sequence[Batch], optimizer: Any, *, device: Any = "cuda",

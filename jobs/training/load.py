@@ -81,7 +81,7 @@ def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | Non
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
             bnb_4bit_use_double_quant=True,
         )
-        kwargs["device_map"] = {"": 0}
+        kwargs["device_map"] = {"": torch.cuda.current_device()}  # [distributed] each rank its own card
     model = AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)
     if quantized:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=shape.gradient_checkpointing)

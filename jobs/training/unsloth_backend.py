@@ -191,6 +191,7 @@ def load_unsloth(
         use_gradient_checkpointing=gc_arg,
         fix_tokenizer=False,
         trust_remote_code=False,
+        device_map={"": torch.cuda.current_device()},  # [distributed] this rank's card (set by the group)
     )
     info["base_load_seconds"] = round(time.perf_counter() - t1, 2)
     info.update(base_loaded_from=str(load_from), base_cache_hit=cache_hit)
