@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from jobs.bench.report import gpu_info, read_rows, summarise, table, write_resul
 from jobs.bench.settings import PEAK_BF16, STACKS, BenchSettings
 from jobs.training.synthetic import CAP, PROFILES
 
-MODES = ("bench", "faststart", "budget", "moe")
+MODES = ("bench", "faststart", "budget", "moe", "scaling")
 
 
 def _csv(s: str) -> list[str]:
@@ -38,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="QLoRA throughput measured side by side on this GPU: HF transformers + PEFT, Unsloth, "
         "Unsloth + TRL and nightshift, each stack in its own process (see jobs/bench/__init__.py).",
         epilog="modes: bench (stacks side by side), faststart (time to first step, night 1 / night 2), "
-        "budget (plan from a calibration, then train: predicted vs actual), moe (LoRA reaches the experts?)",
+        "budget (plan from a calibration, then train: predicted vs actual), moe (LoRA reaches the experts?), "
+        "scaling (ours and the Exxact recipe on 1 and --gpus N GPUs: the scaling efficiency)",
     )
     hidden = argparse.SUPPRESS
     p.add_argument("mode", choices=[*MODES, "worker"], metavar="{" + ",".join(MODES) + "}")
@@ -75,10 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-profile", help="ours: profile 3 steps per profile into <this>.<profile>.txt")
     p.add_argument("--budget-seconds", type=lambda s: [float(x) for x in _csv(s)], default=[60.0, 180.0],
                    help="budget: seconds of alpaca, then of wiki data (default: 60,180)")
+    p.add_argument("--gpus", type=int, default=2, help="scaling: N, compared with 1 (default: 2)")
+    p.add_argument("--scaling-workloads", type=_csv, default=["ours", "exxact"],
+                   help="scaling: comma-separated (default: ours,exxact)")
     # the worker's own (the parent passes them; settings come as JSON on stdin)
     p.add_argument("--stack", help=hidden)
     p.add_argument("--rows", help=hidden)
     p.add_argument("--t-launch", type=float, default=0.0, help=hidden)
+    p.add_argument("--settings", help=hidden)  # a file: torchrun's workers share one stdin
     return p
 
 
@@ -165,7 +171,14 @@ def budget(s: BenchSettings) -> int:
     return spawn("budget", s, model.path, rows, s.deadline or None)
 
 
-RUN: dict[str, Callable[[BenchSettings], int]] = {"bench": bench, "faststart": faststart, "budget": budget, "moe": moe}
+def scaling(s: BenchSettings) -> int:
+    from jobs.bench.scaling import scaling as run_scaling
+
+    return run_scaling(s)
+
+
+RUN: dict[str, Callable[[BenchSettings], int]] = {"bench": bench, "faststart": faststart, "budget": budget, "moe": moe,
+                                                   "scaling": scaling}
 
 
 def worker(a: argparse.Namespace) -> int:
@@ -174,10 +187,11 @@ def worker(a: argparse.Namespace) -> int:
     from jobs.bench.stacks.common import Job
     from jobs.training.unsloth_backend import setup_caches
 
-    text = "" if sys.stdin.isatty() else sys.stdin.read()  # by hand, from a terminal: the flags instead
+    # a file under torchrun; stdin from the parent; by hand, from a terminal: the flags instead
+    text = Path(a.settings).read_text() if a.settings else ("" if sys.stdin.isatty() else sys.stdin.read())
     s = BenchSettings.model_validate_json(text) if text.strip() else BenchSettings.from_args(a)
     setup_caches(s.state_dir)  # before anything imports torch's compile machinery
-    if a.stack != "baseline":
+    if a.stack not in ("baseline", "exxact") and (a.stack != "scaling_ours" or importlib.util.find_spec("unsloth")):
         import unsloth  # noqa: F401  (patches transformers at import: before the stack imports it)
     stack_worker(a.stack)(s, Job(a.stack, Path(a.model), Path(a.rows), a.t_launch))
     return 0

@@ -56,6 +56,8 @@ class BenchSettings(BaseModel):
     drop_caches: bool = False
     torch_profile: str | None = None
     budget_seconds: tuple[float, float] = (60.0, 180.0)  # budget mode: alpaca, wiki
+    gpus: int = Field(2, ge=2, description="scaling: N of 1 vs N GPUs (CPU processes without a GPU)")
+    scaling_workloads: tuple[str, ...] = ("ours", "exxact")
 
     @field_validator("stacks")
     @classmethod
@@ -79,6 +81,14 @@ class BenchSettings(BaseModel):
         unknown = [x for x in v if x not in ("padding_free", "packing")]
         if unknown:
             raise ValueError(f"unknown TRL config(s) {', '.join(unknown)}; known: padding_free, packing")
+        return v
+
+    @field_validator("scaling_workloads")
+    @classmethod
+    def _known_workloads(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [x for x in v if x not in ("ours", "exxact")]
+        if unknown or not v:
+            raise ValueError(f"unknown scaling workload(s) {', '.join(unknown)}; known: ours, exxact")
         return v
 
     @model_validator(mode="after")

@@ -23,6 +23,8 @@ WORKERS = {  # name -> what it measures
     "first_step": "faststart: a night's load and first step, timed from launch",
     "moe": "MoE: does LoRA reach the experts, and do they train",
     "budget": "calibrate on one profile, then plan and train other sizes: predicted vs actual time",
+    "scaling_ours": "scaling: our path on the ranks of a torchrun group, gradients reduced once per step",
+    "exxact": "scaling: the Exxact recipe, HF LoRA bf16 r=16 on q,v, seq 512, batch 2 per GPU, DDP",
 }
 
 
