@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -117,3 +118,34 @@ def test_label_tokens_count_what_the_loss_averages_over():
     b = Batch(input_ids=[[1, 2, 3, 4], [5, 6, 0, 0]], labels=[[-100, 2, 3, 4], [5, 6, -100, -100]],
               attention_mask=None, position_ids=None)
     assert label_tokens(b) == 3 + 1  # the first label of a row is never predicted (the loss shifts)
+
+
+def test_a_hung_rank_fails_the_collective_after_the_timeout_instead_of_hanging(tmp_path):
+    """Rank 1 is alive but never joins (a hung card, a stuck host): rank 0's next collective raises after
+    `[train.distributed] timeout_seconds` (a dead rank makes it raise at once: see the night's kill test)."""
+    script = tmp_path / "hang.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        from pathlib import Path
+        from jobs.training.distributed import init_group
+        from jobs.training.topology import DistributedConfig
+
+        out = Path(sys.argv[1])
+        group = init_group(DistributedConfig(timeout_seconds=3))
+        if group.rank == 1:
+            while not (out / "done").exists():  # hung: never calls the collective
+                time.sleep(0.1)
+            sys.exit(0)
+        t0 = time.time()
+        try:
+            group.agree(False)
+            outcome = "returned"
+        except RuntimeError as e:
+            outcome = type(e).__name__
+        (out / "rank0").write_text(f"{outcome} {time.time() - t0:.1f}")
+        (out / "done").write_text("")
+    """))
+    r = subprocess.run(torchrun(str(script), str(tmp_path)), cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    outcome, seconds = (tmp_path / "rank0").read_text().split()
+    assert outcome == "RuntimeError" and 2.5 < float(seconds) < 30, (outcome, seconds, r.stderr[-2000:])
