@@ -24,6 +24,7 @@ from jobs.night.model import ensure_model, model_fingerprint, throughput_key
 from jobs.night.publish import announce_version, close_run, finish_published, judge, publish_candidate
 from jobs.night.ranks import share_prepared
 from jobs.training.distributed import SOLO, Solo
+from jobs.training.topology import night_size
 
 log = structlog.get_logger("nightshift.night")
 
@@ -62,7 +63,8 @@ def _steps(ctx: RunContext) -> None:
     s = ctx.summary
     backend, device = resolve_backend(ctx.cfg.train), device_name()
     pull_new_data(ctx, load_tokenizer(ctx.model_path))
-    key = throughput_key(ctx.cfg, ctx.fingerprint, backend, device, gpus=ctx.group.world)  # measured per count
+    ranks = ctx.group.world if not ctx.plan_only else night_size(ctx.cfg.train)  # a plan runs alone
+    key = throughput_key(ctx.cfg, ctx.fingerprint, backend, device, gpus=ranks)  # measured per count
     planned = plan_night(ctx, key=key, backend=backend, device=device)
     if ctx.plan_only:
         s.outcome = Outcome.skipped

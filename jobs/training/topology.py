@@ -20,11 +20,12 @@ import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-RDZV_ID = "nightshift"  # one night at a time per ledger: a fixed id is enough
+RDZV_ID = "nightshift"
+  # one night at a time per ledger: a fixed id is enough
 
 
 class DistributedConfig(BaseModel):
@@ -61,6 +62,12 @@ class DistributedConfig(BaseModel):
     def owner(self) -> bool:
         """This host owns the ledger: it runs the night (the others join it)."""
         return self.node_rank == 0
+
+
+class TrainConfigLike(Protocol):  # jobs.training.config.TrainConfig (which imports this module)
+    gpus: int | Literal["all"]
+    devices: list[int] | None
+    distributed: DistributedConfig
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,11 @@ def resolve_world(gpus: int | Literal["all"], devices: list[int] | None, dist: D
             raise ValueError(f"[train] gpus: {n} asked, {where}")
     cuda_visible = ",".join(str(d) for d in devices[:n]) if devices else None
     return World(nproc=n, cuda_visible=cuda_visible, nnodes=dist.nnodes)
+
+
+def night_size(train: TrainConfigLike) -> int:
+    """The ranks a night of this config trains on here (the throughput key of `nightshift plan`)."""
+    return resolve_world(train.gpus, train.devices, train.distributed, visible_gpus()).size
 
 
 def launch_command(world: World, dist: DistributedConfig, module: str, args: list[str],
