@@ -191,6 +191,9 @@ def worker(a: argparse.Namespace) -> int:
     text = Path(a.settings).read_text() if a.settings else ("" if sys.stdin.isatty() else sys.stdin.read())
     s = BenchSettings.model_validate_json(text) if text.strip() else BenchSettings.from_args(a)
     setup_caches(s.state_dir)  # before anything imports torch's compile machinery
+    from jobs.training.distributed import bind_device
+
+    bind_device()  # a torchrun worker (scaling): its own card before Unsloth's import looks at CUDA
     if a.stack not in ("baseline", "exxact") and (a.stack != "scaling_ours" or importlib.util.find_spec("unsloth")):
         import unsloth  # noqa: F401  (patches transformers at import: before the stack imports it)
     stack_worker(a.stack)(s, Job(a.stack, Path(a.model), Path(a.rows), a.t_launch))

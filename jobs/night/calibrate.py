@@ -35,11 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="the night's config (JSON); default: stdin")
     args = ap.parse_args(argv)
     cfg = NightConfig.model_validate_json(Path(args.config).read_text() if args.config else sys.stdin.read())
-    from jobs.training.distributed import die_with_parent, init_group, launched
+    from jobs.training.distributed import bind_device, die_with_parent, init_group, launched
     from jobs.training.load import device_name, resolve_backend
 
     if launched():
         die_with_parent()
+        bind_device()
     backend = resolve_backend(cfg.train)
     if backend != "unsloth":
         print("calibrate measures the GPU path: it needs CUDA and the `gpu` extra (unsloth); "

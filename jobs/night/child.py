@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.join and (args.night is None or args.deadline is None):
         ap.error("--night and --deadline are required (unless --join)")
 
-    from jobs.training.distributed import die_with_parent, init_group, launched
+    from jobs.training.distributed import bind_device, die_with_parent, init_group, launched
 
     if launched():
         die_with_parent()  # the launcher SIGKILLed must not leave this worker holding its card
@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
 
     raw = Path(args.config).read_text() if args.config else sys.stdin.read()
+    bind_device()  # [distributed] this rank's card, before Unsloth's import looks at CUDA
     _import_unsloth_first(json.loads(raw))
     from jobs.night.config import NightConfig
 

@@ -62,6 +62,19 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def bind_device(environ: Mapping[str, str] | None = None) -> None:
+    """Put this worker on its own card before anything touches CUDA: Unsloth queries the current device
+    when imported, which would otherwise open a context on card 0 in every rank."""
+    env = os.environ if environ is None else environ
+    if not launched(env):
+        return
+    import torch
+
+    local = int(env["LOCAL_RANK"])
+    if torch.cuda.is_available() and local < torch.cuda.device_count():
+        torch.cuda.set_device(local)
+
+
 def label_tokens(batch: Batch) -> int:
     """Tokens the loss averages over: labels that are not ignored, the first of each row aside (shifted)."""
     return sum(sum(1 for x in row[1:] if x != IGNORE_INDEX) for row in batch.labels)
