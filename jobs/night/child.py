@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     from jobs import logs
 
     logs.configure(os.environ.get("NIGHTSHIFT_LOG_LEVEL", "INFO"))
+    if launched():  # [distributed] every log line says which rank wrote it
+        import structlog
+
+        structlog.contextvars.bind_contextvars(rank=int(os.environ.get("RANK", "0")))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before the process group: an early SIGTERM must not kill
         signal.signal(sig, lambda *_: stop.set())
