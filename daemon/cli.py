@@ -22,7 +22,7 @@ from daemon.notify import Notifier
 from daemon.preflight import before_a_night, one_line
 from daemon.progress import NightProgress, choose_mode, relay
 from daemon.settings import ConfigError, Settings, check_paths, load_settings
-from daemon.supervisor import NightChild, child_env, run_id_for, wait_interruptibly
+from daemon.supervisor import NightChild, child_env, night_world, run_id_for, wait_interruptibly
 from daemon.window import Window
 from jobs import logs
 from jobs.contract import (
@@ -66,7 +66,9 @@ def run_child(s: Settings, *, night: str, deadline: float, plan_only: bool,
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         child = NightChild(s.night_config().model_dump_json(), night=night, deadline=deadline,
-                           plan_only=plan_only, on_event=on_event, lock_fd=lock_fd, run_id=run_id)
+                           plan_only=plan_only, on_event=on_event, lock_fd=lock_fd, run_id=run_id,
+                           world=None if plan_only else night_world(s.train), train=s.train,
+                           grace=s.daemon.stop_grace_seconds)
         child.start()
         return wait_interruptibly(child, stop, grace=s.daemon.stop_grace_seconds, stop_at=stop_at)
     finally:
@@ -82,7 +84,24 @@ def manual_window(args: argparse.Namespace, s: Settings) -> Window:
                   end=dt.datetime.fromtimestamp(end, dt.UTC))
 
 
+def not_node_0(s: Settings, command: str) -> int | None:
+    """[distributed] only node 0 runs nights; on another host, or with more cards asked than there are:
+    the exit status of the refusal."""
+    if not s.train.distributed.owner:
+        print(f"nightshift {command}: this host is node {s.train.distributed.node_rank} of "
+              f"[train.distributed]: it joins node 0's nights with `nightshift join`", file=sys.stderr)
+        return 2
+    try:
+        night_world(s.train)
+    except ValueError as e:
+        print(f"nightshift {command}: {e}", file=sys.stderr)
+        return 2
+    return None
+
+
 def cmd_once(args: argparse.Namespace, s: Settings) -> int:
+    if (refused := not_node_0(s, "once")) is not None:
+        return refused
     with before_a_night(s, args.config, "nightshift once") as lock:  # paths, disk, one night at a time, ledger
         return _once(args, s, lock.fd)
 
@@ -160,6 +179,8 @@ def cmd_run(args: argparse.Namespace, s: Settings) -> int:
     """Everything a user can get wrong is refused here, before READY: systemd sees the start fail."""
     from daemon.service import Service
 
+    if (refused := not_node_0(s, "run")) is not None:
+        return refused
     problems = check_paths(s)
     if problems:
         raise ConfigError(args.config, problems)
@@ -174,21 +195,34 @@ def cmd_status(args: argparse.Namespace, s: Settings) -> int:
     return 0
 
 
+def cmd_join(args: argparse.Namespace, s: Settings) -> int:
+    from daemon.join import join
+
+    return join(s, once=args.once)
+
+
 def cmd_calibrate(args: argparse.Namespace, s: Settings) -> int:
-    """Our own GPU path, measured in a child process and recorded for the planner."""
+    """Our own GPU path, measured in a child process and recorded for the planner; with `[train] gpus` > 1
+    through torchrun, measured for that count of cards (this host's: hosts of [train.distributed] aside)."""
+    from daemon.calibrate_launch import calibrate_command
+
+    if (refused := not_node_0(s, "calibrate")) is not None:
+        return refused
     out = args.out or Path(s.state_dir) / "calibrate"
-    cmd = [sys.executable, "-m", "jobs.night.calibrate", "--out", str(out), "--seconds", str(args.seconds)]
-    if args.no_checkpointing_line:
-        cmd.append("--no-checkpointing-line")
     with before_a_night(s, args.config, "nightshift calibrate") as lock:  # the GPU and the ledger: one at a time
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(),
-                                pass_fds=(lock.fd,) if lock.fd is not None else ())
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(s.night_config().model_dump_json())
-        proc.stdin.close()
-        with NightProgress(choose_mode(log_format=s.log.format)) as progress:
-            relay(proc.stdout, progress)  # phase and progress events; the measurement's JSON is printed as is
-        return proc.wait()
+        extra = ["--no-checkpointing-line"] if args.no_checkpointing_line else []
+        with calibrate_command(s, out=out, seconds=args.seconds, extra=extra) as (cmd, env, stdin):
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, text=True, env={**child_env(), **env},
+                                    pass_fds=(lock.fd,) if lock.fd is not None else ())
+            assert proc.stdout is not None
+            if stdin is not None:
+                assert proc.stdin is not None
+                proc.stdin.write(stdin)
+                proc.stdin.close()
+            with NightProgress(choose_mode(log_format=s.log.format)) as progress:
+                relay(proc.stdout, progress)  # phase and progress events; the measurement's JSON is printed as is
+            return proc.wait()
 
 
 def cmd_bench(args: argparse.Namespace, s: Settings) -> int:
@@ -219,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("run", help="the service: wait for each night's window and run it (systemd)")
     p.set_defaults(func=cmd_run)
+    p = sub.add_parser("join", help="a host other than node 0 of [train.distributed]: train node 0's nights")
+    p.add_argument("--once", action="store_true", help="join one night (or one attempt), then exit")
+    p.set_defaults(func=cmd_join)
     p = sub.add_parser("status", help="config used, next window, last runs, backlog, adapter in service")
     p.add_argument("--json", action="store_true", help="the same as JSON")
     p.set_defaults(func=cmd_status)

@@ -29,7 +29,7 @@ from daemon.notify import Notifier
 from daemon.preflight import disk_problem
 from daemon.scheduler import WakeScheduler
 from daemon.settings import Settings
-from daemon.supervisor import ChildOutcome, NightChild, run_id_for, wait_interruptibly
+from daemon.supervisor import ChildOutcome, NightChild, night_world, run_id_for, wait_interruptibly
 from daemon.window import Window, utcnow
 from jobs.contract import ChildEvent, ExitCode, Outcome, PhaseEvent, ProgressEvent, RunSummary
 from jobs.gpu import free_vram_gb
@@ -253,7 +253,9 @@ class Service:
         run_id = run_id_for(self.ledger, window.night)
         with structlog.contextvars.bound_contextvars(run_id=run_id, night=window.night):
             child = NightChild(self.s.night_config().model_dump_json(), night=window.night,
-                               deadline=deadline.timestamp(), on_event=on_event, lock_fd=lock.fd, run_id=run_id)
+                               deadline=deadline.timestamp(), on_event=on_event, lock_fd=lock.fd, run_id=run_id,
+                               world=night_world(self.s.train), train=self.s.train,
+                               grace=self.s.daemon.stop_grace_seconds)
             child.start()
             self.metrics.on_child_start()
             # a child still busy at the window's end is told to stop and save, and killed after the grace
@@ -293,7 +295,14 @@ class Service:
         """Why the night cannot start now, or None."""
         self.state.mkdir(parents=True, exist_ok=True)
         writes = night_disk_need_gb(self.s.night_config())  # full fine-tuning: checkpoints of whole models
-        return disk_problem(self.state, self.s.daemon.min_free_disk_gb + writes)
+        problem = disk_problem(self.state, self.s.daemon.min_free_disk_gb + writes)
+        if problem is not None:
+            return problem
+        try:
+            night_world(self.s.train)
+        except ValueError as e:  # more cards asked than this host has
+            return str(e)
+        return None
 
     def _gpu_wait(self, window: Window) -> str | None:
         """Not enough free VRAM yet (an inference server may hold some at night): retry later."""

@@ -4,15 +4,23 @@ The child gets the job sections of the settings on stdin and the deadline on its
 command line; its events arrive as JSON lines on its stdout, its log lines on
 stderr (passed through, the last ones kept for a failure report). A stop request
 sends SIGTERM, waits the grace for the checkpoint, then SIGKILLs.
+
+Several processes (`[train] gpus`, jobs/training/topology.py): the child is torchrun, which starts
+the ranks; the config goes in a file (every worker shares torchrun's stdin), torchrun forwards
+SIGTERM to every rank, each rank dies with it if it is SIGKILLed, and the outcome is rank 0's
+result event (torchrun's own exit status is only 0 or 1).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import contextvars
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +34,8 @@ from jobs import logs
 from jobs.contract import ChildEvent, ExitCode, ResultEvent, RunSummary, new_run_id, parse_event
 from jobs.store.ledger import Ledger
 from jobs.store.locking import LOCK_FD_ENV
+from jobs.training.config import TrainConfig
+from jobs.training.topology import World, launch_command, launch_env, resolve_world, visible_gpus
 
 log = structlog.get_logger("nightshift.supervisor")
 
@@ -42,19 +52,30 @@ def run_id_for(ledger: Ledger, night: str) -> str:
     return str(run["id"]) if run is not None else new_run_id(night)
 
 
+def night_world(train: TrainConfig) -> World:
+    """The processes of tonight's child on this host (ValueError: `[train] gpus` asks for more cards than
+    there are)."""
+    return resolve_world(train.gpus, train.devices, train.distributed, visible_gpus())
+
+
 @dataclass
 class ChildOutcome:
     returncode: int
     summary: RunSummary | None
     tail: list[str] = field(default_factory=list)
+    launcher: bool = False  # torchrun's exit status: 0 or 1 whatever the ranks returned
 
     @property
     def crashed(self) -> bool:
+        if self.launcher:  # rank 0's result event is the outcome
+            return self.summary is None
         return self.summary is None or self.returncode not in (ExitCode.OK, ExitCode.INTERRUPTED)
 
     def describe_exit(self) -> str:
         if self.returncode < 0:
             return f"killed by signal {signal.Signals(-self.returncode).name}"
+        if self.launcher:
+            return f"the torchrun group failed (exit status {self.returncode}: a rank died or failed; see its log)"
         return f"exit status {self.returncode}"
 
 
@@ -62,10 +83,15 @@ class NightChild:
     def __init__(self, night_config_json: str, *, night: str, deadline: float,
                  on_event: Callable[[ChildEvent], None] = lambda _: None, plan_only: bool = False,
                  log_stream: TextIO | None = None, tail_lines: int = 40, lock_fd: int | None = None,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, world: World | None = None, train: TrainConfig | None = None,
+                 grace: float | None = None, join: bool = False) -> None:
         """`run_id`: the id a new run gets (the caller logs under it; a run left open keeps its own)."""
         self.lock_fd = lock_fd  # the night lock the child inherits: held while it lives, even if we die
         self.config_json = night_config_json
+        # [distributed] one process unless `world` says more (a plan is always one process)
+        self.world = world if world is not None and not plan_only else World(nproc=1, cuda_visible=None)
+        self.train, self.grace, self.join = train or TrainConfig(), grace, join
+        self._config_file: str | None = None
         self.night, self.deadline, self.plan_only, self.run_id = night, deadline, plan_only, run_id
         self.on_event = on_event
         self.log_stream = log_stream or sys.stderr
@@ -75,27 +101,36 @@ class NightChild:
         self._threads: list[threading.Thread] = []
 
     def start(self) -> int:
-        cmd = [sys.executable, "-m", "jobs.night.child", "--night", self.night, "--deadline", repr(self.deadline)]
+        args = ["--join"] if self.join else ["--night", self.night, "--deadline", repr(self.deadline)]
         if self.plan_only:
-            cmd.append("--plan-only")
-        if self.run_id:
-            cmd += ["--run-id", self.run_id]
-        env = child_env()
+            args.append("--plan-only")
+        if self.run_id and not self.join:
+            args += ["--run-id", self.run_id]
+        if self.world.launcher:  # every torchrun worker shares stdin: the config goes as a file (0600)
+            fd, self._config_file = tempfile.mkstemp(prefix="nightshift-night-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                f.write(self.config_json)
+            args += ["--config", self._config_file]
+        cmd = launch_command(self.world, self.train.distributed, "jobs.night.child", args)
+        env = {**child_env(), **launch_env(self.world, grace_seconds=self.grace)}
         env.setdefault("NIGHTSHIFT_LOG_FORMAT", "console" if self.log_stream.isatty() else "json")
-        if self.lock_fd is not None:
+        if self.lock_fd is not None:  # under torchrun the launcher holds it; its rank 0 checks (jobs/night/child.py)
             env[LOCK_FD_ENV] = str(self.lock_fd)
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL if self._config_file else subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      env=env, start_new_session=True,  # our SIGINT is not its SIGINT
                                      pass_fds=() if self.lock_fd is None else (self.lock_fd,))
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(self.config_json.encode())
-        self.proc.stdin.close()
+        if self._config_file is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(self.config_json.encode())
+            self.proc.stdin.close()
         # the readers log (and call on_event) with the caller's context: its run_id is on their lines too
         self._threads = [threading.Thread(target=contextvars.copy_context().run, args=(f,), daemon=True)
                          for f in (self._read_events, self._read_logs)]
         for t in self._threads:
             t.start()
-        log.info("child_started", pid=self.proc.pid, night=self.night, plan_only=self.plan_only)
+        log.info("child_started", pid=self.proc.pid, night=self.night, plan_only=self.plan_only,
+                 processes=self.world.nproc, nnodes=self.world.nnodes)
         return self.proc.pid
 
     def _read_events(self) -> None:
@@ -150,7 +185,11 @@ class NightChild:
         rc = self.proc.wait(timeout=timeout)
         for t in self._threads:
             t.join(timeout=5)
-        return ChildOutcome(rc, self.summary, list(self.tail))
+        if self._config_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._config_file)
+            self._config_file = None
+        return ChildOutcome(rc, self.summary, list(self.tail), launcher=self.world.launcher)
 
 
 def wait_interruptibly(child: NightChild, stop: threading.Event, grace: float, poll: float = 0.2,

@@ -367,6 +367,7 @@ class RunSummary(BaseModel):
     actual_train_seconds: float | None = None
     stopped: Literal["deadline", "signal"] | None = None
     first_step_seconds: float | None = None  # from the child's start to the end of its first training step
+    ranks: int = 1  # processes that trained the night (one per card; CPU processes where there is none)
     step_shape: StepShape | None = None
     load_info: dict[str, Any] = Field(default_factory=dict)  # backend's own figures (parameter counts, cache)
     expert_lora: ExpertLoraReport | None = None  # MoE bases: did every expert LoRA tensor train
@@ -441,7 +442,22 @@ class ProgressEvent(_Event):
     loss: float | None = None
 
 
+class GpuCardReading(BaseModel):
+    """One card's reading, where a night uses several (the `gpu` label of the per-card series)."""
+
+    model_config = ConfigDict(extra="forbid")
+    gpu: str  # the card's index as CUDA_VISIBLE_DEVICES / `[train] devices` name it
+    power_watts: float | None = None
+    vram_used_bytes: int | None = None
+    vram_total_bytes: int | None = None
+    utilization_ratio: float | None = None
+    temperature_celsius: float | None = None
+
+
 class GpuEvent(_Event):
+    """The cards a night uses, summed (power, energy, memory), averaged (utilisation) or their maximum
+    (temperature); `cards`: each card's own reading where there are several."""
+
     event: Literal["gpu"] = "gpu"
     power_watts: float | None = None
     energy_joules_total: float | None = None
@@ -449,6 +465,7 @@ class GpuEvent(_Event):
     vram_total_bytes: int | None = None
     utilization_ratio: float | None = None
     temperature_celsius: float | None = None
+    cards: list[GpuCardReading] = Field(default_factory=list)
 
 
 class HotswapEvent(_Event):

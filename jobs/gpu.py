@@ -90,6 +90,21 @@ def energy_fields(gpu: GpuSummary | None, tokens: int) -> dict[str, float | None
     }
 
 
+def gpu_count(nvml: Any = AUTO) -> int:
+    """Cards NVML sees (0 without nvidia-ml-py, a driver or a GPU); no torch: the daemon asks."""
+    nvml = load_nvml() if nvml == AUTO else nvml
+    if nvml is None:
+        return 0
+    try:
+        nvml.nvmlInit()
+        try:
+            return int(nvml.nvmlDeviceGetCount())
+        finally:
+            nvml.nvmlShutdown()
+    except Exception:
+        return 0
+
+
 def free_vram_gb(device: int | str = 0, nvml: Any = AUTO) -> float | None:
     """Free memory of the card now (NVML, no torch: the daemon asks before it starts a night)."""
     nvml = load_nvml() if nvml == AUTO else nvml

@@ -138,6 +138,7 @@ def test_units_of_one_reading() -> None:
         "vram_total_bytes": 96 * GIB,
         "utilization_ratio": 0.87,
         "temperature_celsius": 64.0,
+        "cards": [],
     }
 
 

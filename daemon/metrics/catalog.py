@@ -76,6 +76,12 @@ LAST_RUN_GPU_ENERGY_JOULES = "nightshift_last_run_gpu_energy_joules"
 LAST_RUN_TOKENS_PER_JOULE = "nightshift_last_run_tokens_per_joule"
 LAST_RUN_GPU_PEAK_ALLOCATED_BYTES = "nightshift_last_run_gpu_peak_allocated_bytes"
 LAST_RUN_GPU_PEAK_RESERVED_BYTES = "nightshift_last_run_gpu_peak_reserved_bytes"
+# each card of a night on several (label gpu: its CUDA index); the series above are their totals
+GPU_CARD_POWER_WATTS = "nightshift_gpu_card_power_watts"
+GPU_CARD_MEMORY_USED_BYTES = "nightshift_gpu_card_memory_used_bytes"
+GPU_CARD_UTILIZATION_RATIO = "nightshift_gpu_card_utilization_ratio"
+GPU_CARD_TEMPERATURE_CELSIUS = "nightshift_gpu_card_temperature_celsius"
+LAST_RUN_RANKS = "nightshift_last_run_ranks"
 # ---- adapters and the daemon -------------------------------------------------------------------------
 ADAPTER_INFO = "nightshift_adapter_info"
 ADAPTER_VERSION = "nightshift_adapter_version"
@@ -192,6 +198,11 @@ SPECS: tuple[Spec, ...] = (
     Spec(LAST_RUN_TOKENS_PER_JOULE, G, "Tokens trained per joule in the last run."),
     Spec(LAST_RUN_GPU_PEAK_ALLOCATED_BYTES, G, "torch max memory allocated in the last run."),
     Spec(LAST_RUN_GPU_PEAK_RESERVED_BYTES, G, "torch max memory reserved in the last run."),
+    Spec(GPU_CARD_POWER_WATTS, G, "Power draw now of each card a night uses (NVML).", ("gpu",)),
+    Spec(GPU_CARD_MEMORY_USED_BYTES, G, "Memory in use now on each card a night uses (NVML).", ("gpu",)),
+    Spec(GPU_CARD_UTILIZATION_RATIO, G, "Utilisation now of each card a night uses, 0..1 (NVML).", ("gpu",)),
+    Spec(GPU_CARD_TEMPERATURE_CELSIUS, G, "Temperature now of each card a night uses (NVML).", ("gpu",)),
+    Spec(LAST_RUN_RANKS, G, "Processes that trained the last run: one per card (CPU processes without a GPU)."),
     # adapters and the daemon
     Spec(ADAPTER_INFO, G, "The version in service; method=full: a whole model, else a LoRA adapter.",
          ("version", "name", "base_model", "method")),

@@ -47,6 +47,13 @@ GPU_EVENT_GAUGES = {
     "utilization_ratio": m.GPU_UTILIZATION_RATIO,
     "temperature_celsius": m.GPU_TEMPERATURE_CELSIUS,
 }
+# GpuCardReading field -> per-card series (label gpu)
+GPU_CARD_GAUGES = {
+    "power_watts": m.GPU_CARD_POWER_WATTS,
+    "vram_used_bytes": m.GPU_CARD_MEMORY_USED_BYTES,
+    "utilization_ratio": m.GPU_CARD_UTILIZATION_RATIO,
+    "temperature_celsius": m.GPU_CARD_TEMPERATURE_CELSIUS,
+}
 # GpuSummary field -> series
 SUMMARY_GPU_GAUGES = {
     "mean_power_watts": m.LAST_RUN_GPU_MEAN_POWER_WATTS,
@@ -168,6 +175,9 @@ class NightshiftMetrics:
             if key == "vram_total_bytes" and ev.vram_total_bytes is None:
                 continue  # the card's size stays known between runs
             self.values.set(name, _num(getattr(ev, key)))
+        for card in ev.cards:  # a night on several cards: each one's own reading
+            for key, name in GPU_CARD_GAUGES.items():
+                self.values.set(name, _num(getattr(card, key)), gpu=card.gpu)
         energy = _num(ev.energy_joules_total)
         if energy is None:
             return
@@ -195,6 +205,8 @@ class NightshiftMetrics:
         v.set(m.RUN_PROGRESS_RATIO, None)
         for name in LIVE_GPU:
             v.set(name, None)
+        for name in GPU_CARD_GAUGES.values():
+            v.clear(name)
         self._energy_last = None
         v.set(m.RUN_IN_PROGRESS, 0)  # last: a scrape that reads 0 finds the live series gone too
 
@@ -266,6 +278,7 @@ class NightshiftMetrics:
             v.set(m.LAST_RUN_PHASE_DURATION_SECONDS, secs, phase=phase)
         v.set(m.LAST_RUN_OVERRUN_SECONDS, None if window_end is None else max(0.0, ended - window_end))
         v.set(m.LAST_RUN_STEPS, s.steps)
+        v.set(m.LAST_RUN_RANKS, s.ranks if s.steps else None)  # known where the run trained
         v.set(m.LAST_RUN_TOKENS_PER_SECOND, s.tokens_per_second)
         v.set(m.LAST_RUN_SAMPLES_PER_HOUR, s.samples_per_hour)
         v.clear(m.LAST_RUN_LOSS)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from jobs.bench.report import gpu_info, numerics_table, read_rows, summarise, ta
 from jobs.bench.settings import PEAK_BF16, STACKS, BenchSettings
 from jobs.training.synthetic import CAP, PROFILES
 
-MODES = ("bench", "faststart", "budget", "moe", "workloads")
+MODES = ("bench", "faststart", "budget", "moe", "workloads", "scaling")
 
 
 def _csv(s: str) -> list[str]:
@@ -39,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Unsloth + TRL and nightshift, each stack in its own process (see jobs/bench/__init__.py).",
         epilog="modes: bench (stacks side by side), faststart (time to first step, night 1 / night 2), "
         "budget (plan from a calibration, then train: predicted vs actual), moe (LoRA reaches the experts?), "
-        "workloads (the published runs, each recipe beside ours: jobs/bench/workloads.py); "
+        "workloads (the published runs, each recipe beside ours: jobs/bench/workloads.py), "
+        "scaling (ours and the Exxact recipe on 1 and --gpus N GPUs: the scaling efficiency); "
         "and `python -m jobs.bench acceptance --help`: the whole product on one card (daemon, server, nights)",
     )
     hidden = argparse.SUPPRESS
@@ -104,10 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the whole Alpaca job on both sides (else a timed window, extrapolated)")
     w.add_argument("--full-cap-gb", type=float, help="full fine-tuning: the hard memory cap (default 48)")
     w.add_argument("--full-ckpt", choices=["auto", "on", "off"], help="ours, full: checkpointing (default auto)")
+    p.add_argument("--gpus", type=int, default=2, help="scaling: N, compared with 1 (default: 2)")
+    p.add_argument("--scaling-workloads", type=_csv, default=["ours", "exxact"],
+                   help="scaling: comma-separated (default: ours,exxact)")
     # the worker's own (the parent passes them; settings come as JSON on stdin)
     p.add_argument("--stack", help=hidden)
     p.add_argument("--rows", help=hidden)
     p.add_argument("--t-launch", type=float, default=0.0, help=hidden)
+    p.add_argument("--settings", help=hidden)  # a file: torchrun's workers share one stdin
     return p
 
 
@@ -204,8 +210,14 @@ def workloads(s: BenchSettings) -> int:
     return run_workloads(s)
 
 
+def scaling(s: BenchSettings) -> int:
+    from jobs.bench.scaling import scaling as run_scaling
+
+    return run_scaling(s)
+
+
 RUN: dict[str, Callable[[BenchSettings], int]] = {"bench": bench, "faststart": faststart, "budget": budget, "moe": moe,
-                                                  "workloads": workloads}
+                                                  "workloads": workloads, "scaling": scaling}
 QUICK = {"warmup": 2, "max_steps": 8, "seconds": 8.0, "data_tokens": 200_000}
 
 
@@ -215,10 +227,16 @@ def worker(a: argparse.Namespace) -> int:
     from jobs.bench.stacks.common import Job
     from jobs.training.unsloth_backend import setup_caches
 
-    text = "" if sys.stdin.isatty() else sys.stdin.read()  # by hand, from a terminal: the flags instead
+    # a file under torchrun; stdin from the parent; by hand, from a terminal: the flags instead
+    text = Path(a.settings).read_text() if a.settings else ("" if sys.stdin.isatty() else sys.stdin.read())
     s = BenchSettings.model_validate_json(text) if text.strip() else BenchSettings.from_args(a)
     setup_caches(s.state_dir)  # before anything imports torch's compile machinery
-    if a.stack not in ("baseline", "moe", "w_hf"):  # moe: our own MoE path; the plain HF stacks as shipped
+    from jobs.training.distributed import bind_device
+
+    bind_device()  # a torchrun worker (scaling): its own card before Unsloth's import looks at CUDA
+    # moe: our own MoE path; the plain HF stacks as shipped; scaling_ours: Unsloth where it is installed
+    if a.stack not in ("baseline", "moe", "w_hf", "exxact") and (
+            a.stack != "scaling_ours" or importlib.util.find_spec("unsloth")):
         import unsloth  # noqa: F401  (patches transformers at import: before the stack imports it)
     stack_worker(a.stack)(s, Job(a.stack, Path(a.model), Path(a.rows), a.t_launch))
     return 0

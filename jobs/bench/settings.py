@@ -80,6 +80,9 @@ class BenchSettings(BaseModel):
     alpaca_whole: bool = Field(False, description="run the whole Alpaca job (else a timed window, extrapolated)")
     full_cap_gb: float = Field(48.0, gt=0, description="full fine-tuning: the hard memory cap of both stacks")
     full_ckpt: str = Field("auto", pattern="^(auto|on|off)$", description="ours, full: checkpointing")
+    # scaling mode: 1 vs N GPUs through torchrun (jobs/bench/scaling.py)
+    gpus: int = Field(2, ge=2, description="scaling: N of 1 vs N GPUs (CPU processes without a GPU)")
+    scaling_workloads: tuple[str, ...] = ("ours", "exxact")
 
     @field_validator("stacks")
     @classmethod
@@ -121,6 +124,14 @@ class BenchSettings(BaseModel):
         unknown = [x for x in v if x not in ("padding_free", "packing")]
         if unknown:
             raise ValueError(f"unknown TRL config(s) {', '.join(unknown)}; known: padding_free, packing")
+        return v
+
+    @field_validator("scaling_workloads")
+    @classmethod
+    def _known_scaling_workloads(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [x for x in v if x not in ("ours", "exxact")]
+        if unknown or not v:
+            raise ValueError(f"unknown scaling workload(s) {', '.join(unknown)}; known: ours, exxact")
         return v
 
     @model_validator(mode="after")

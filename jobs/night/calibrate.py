@@ -9,6 +9,11 @@ publish: jobs/night/overheads.py) and the checkpointing line (the model reloaded
 checkpointing on), and stores one typed CalibrationRecord in the ledger under the night's key. Its
 stdout carries phase and progress events (JSON lines, as the night's child) for `nightshift
 calibrate`'s display, then the measurement's JSON.
+
+[distributed] With `[train] gpus` > 1 the CLI starts it through torchrun (`--config FILE`): every rank
+probes its own card (under its own free memory), the step shape is the smallest any card holds, the
+timed steps (both profiles, the half size, the checkpointing line) are global steps (one row per card)
+and rank 0 alone emits events and records tokens/s for this count of cards under the key of that count.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import importlib.metadata as md
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from jobs.contract import (
     CalibrationRecord,
@@ -43,23 +49,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=30.0, help="timed seconds per length profile")
     ap.add_argument("--no-checkpointing-line", action="store_true",
                     help="do not reload the model to measure the checkpointing line (the night estimates it)")
+    ap.add_argument("--config", help="the night's config (JSON); default: stdin")
     args = ap.parse_args(argv)
-    cfg = NightConfig.model_validate_json(sys.stdin.read())
+    cfg = NightConfig.model_validate_json(Path(args.config).read_text() if args.config else sys.stdin.read())
+    from jobs.training.distributed import bind_device, die_with_parent, init_group, launched
     from jobs.training.load import device_name, resolve_backend
 
+    if launched():
+        die_with_parent()
+        bind_device()
     backend = resolve_backend(cfg.train)
     if backend != "unsloth":
         print("calibrate measures the GPU path: it needs CUDA and the `gpu` extra (unsloth); "
               f"here the backend would be '{backend}' on {device_name()}", file=sys.stderr)
         return ExitCode.USAGE
-    model_path = ensure_model(cfg)
-    key = throughput_key(cfg, model_fingerprint(model_path), backend, device_name())
+    group = init_group(cfg.train.distributed)
     try:
-        record, slowest = measure(cfg, model_path, seconds=args.seconds,
-                                  checkpointing_line=not args.no_checkpointing_line, emit=_emit)
-    except ValueError as e:
-        print(f"calibrate: {e}", file=sys.stderr)
-        return ExitCode.FAILED
+        model_path = ensure_model(cfg)
+        key = throughput_key(cfg, model_fingerprint(model_path), backend, device_name(), gpus=group.world)
+        try:
+            record, slowest = measure(cfg, model_path, seconds=args.seconds,
+                                      checkpointing_line=not args.no_checkpointing_line,
+                                      emit=_emit if group.is_owner else lambda _: None, group=group)
+        except ValueError as e:
+            print(f"calibrate: {e}", file=sys.stderr)
+            return ExitCode.FAILED
+        if not group.is_owner:
+            return ExitCode.OK
+    finally:
+        group.close()
     ledger = Ledger(Path(cfg.state_dir) / "ledger.sqlite")
     try:
         ledger.record_calibration(key, record, tokens=slowest.tokens, seconds=slowest.seconds)
@@ -78,11 +96,13 @@ def _emit(ev: ChildEvent) -> None:
 
 
 def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing_line: bool = True,
-            emit: Emit = lambda _: None):  # -> (CalibrationRecord, Throughput)
+            emit: Emit = lambda _: None, group: Any = None):  # -> (CalibrationRecord, Throughput)
     """Probe and time our path under min([gpu] max_vram_gb, free VRAM now) - headroom: a card shared
     with an inference server is the use this is for (a probe beside another process once went out
     of memory on the configured cap alone). Then the overheads, a half-size step, and the
-    checkpointing line (reloaded with checkpointing on), so the night can shrink its step honestly."""
+    checkpointing line (reloaded with checkpointing on), so the night can shrink its step honestly.
+    `group` (jobs.training.distributed): the ranks measured together (None: one process)."""
+    import dataclasses
     import gc as pygc
     import time
 
@@ -90,6 +110,7 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
 
     from jobs.gpu import free_vram_gb, torch_device_uuid
     from jobs.night.overheads import measure_overheads
+    from jobs.training.distributed import SOLO
     from jobs.training.load import device_name, load_for_training
     from jobs.training.optim import build_optimizer
     from jobs.training.probe import ProbeSettings, calibration_record, probe_memory, timed_steps
@@ -123,24 +144,28 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     optimizer = build_optimizer(loaded.model, t, loaded.optim, device=loaded.device)  # the night's, by method
     probe = probe_memory(loaded.model, make_samples("wiki", 8 * settings.probe_tokens, vocab=vocab, cap=cap_len),
                          settings, optimizer)
-    if probe.tokens_per_step is None:
+    group = group or SOLO
+    together = group if group.world > 1 else None  # timed steps: one row per rank, the end decided together
+    agreed = group.smallest(probe.tokens_per_step or 0)  # [distributed] the step every card holds
+    if not agreed:
         raise ValueError(f"nothing fits under {max_vram:.1f} GB without checkpointing: set [train] "
                          "gradient_checkpointing = true (or free the card / raise [gpu] max_vram_gb) "
                          "and calibrate again")
-    budget = probe.tokens_per_step
+    probe = dataclasses.replace(probe, tokens_per_step=agreed)
+    budget = agreed
     rates, profiles = {}, list(PROFILES)
     for i, p in enumerate(profiles):  # progress: a profile at a time, each about `seconds` long
         emit(ProgressEvent(fraction=i / len(profiles), eta=time.time() + (len(profiles) - i) * seconds,
                            tokens_per_second=rates[profiles[i - 1]].tokens_per_second if i else 0.0))
-        rates[p] = timed_steps(loaded.model, make_samples(p, 40 * budget, vocab=vocab, cap=cap_len, seed=1),
-                               budget, optimizer, seconds=seconds)
+        data = make_samples(p, 40 * budget * group.world, vocab=vocab, cap=cap_len, seed=1)
+        rates[p] = timed_steps(loaded.model, data, budget, optimizer, seconds=seconds, group=together)
     emit(ProgressEvent(fraction=1.0, tokens_per_second=min(r.tokens_per_second for r in rates.values())))
     slow = min(rates, key=lambda p: rates[p].tokens_per_second)
     extra: list[ShapeRate] = []
     half = max(t.max_seq_length, budget // 2 // 256 * 256)
     if half < budget:  # a second size: the night's smaller steps are predicted through both
-        r = timed_steps(loaded.model, make_samples(slow, 40 * half, vocab=vocab, cap=cap_len, seed=2), half,
-                        optimizer, seconds=max(3.0, seconds / 3))
+        r = timed_steps(loaded.model, make_samples(slow, 40 * half * group.world, vocab=vocab, cap=cap_len, seed=2),
+                        half, optimizer, seconds=max(3.0, seconds / 3), group=together)
         extra.append(ShapeRate(tokens_per_step=half, gradient_checkpointing=gc, tokens_per_second=r.tokens_per_second))
     overheads = measure_overheads(loaded, cfg, load_seconds=load_seconds, vocab=vocab, cap=cap_len)
     emit(PhaseEvent(phase=Phase.train, state="end", seconds=time.perf_counter() - t0))
@@ -156,7 +181,8 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     torch.cuda.empty_cache()
     if not gc and checkpointing_line:
         try:
-            line, rate = _checkpointing_line(cfg, model_path, settings, slow, seconds=max(3.0, seconds / 3))
+            line, rate = _checkpointing_line(cfg, model_path, settings, slow, seconds=max(3.0, seconds / 3),
+                                             group=group)
             update.update(checkpointing_memory=line, checkpointing_measured=True)
             extra.append(rate)
         except Exception as e:  # the night then estimates it (jobs/training/shape.py) and says so
@@ -166,8 +192,9 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     return CalibrationRecord.model_validate(record.model_dump()), rates[slow]
 
 
-def _checkpointing_line(cfg: NightConfig, model_path: Path, settings, profile: str, *, seconds: float):
-    """The model again with checkpointing on: its memory line and its speed at the size that line allows."""
+def _checkpointing_line(cfg: NightConfig, model_path: Path, settings, profile: str, *, seconds: float, group: Any):
+    """The model again with checkpointing on: its memory line and its speed at the size that line allows.
+    [distributed] Each rank loads and probes its own card; if any rank could not, none measures the line."""
     import gc as pygc
 
     import torch
@@ -179,20 +206,29 @@ def _checkpointing_line(cfg: NightConfig, model_path: Path, settings, profile: s
 
     t = cfg.train
     shape = StepShape(tokens_per_step=settings.max_tokens, gradient_checkpointing=True, basis="calibration")
-    loaded = load_for_training(model_path, t, adapter=None, shape=shape, cache_dir=Path(cfg.state_dir) / "models",
-                               max_vram_gb=settings.max_vram_gb)
+    loaded = probe = optimizer = None
+    failed: Exception | None = None
     try:
-        vocab, cap_len = len(loaded.tokenizer), min(t.max_seq_length, 2048)
-        optimizer = build_optimizer(loaded.model, t, loaded.optim, device=loaded.device)
-        probe = probe_memory(loaded.model, make_samples("wiki", 8 * settings.probe_tokens, vocab=vocab, cap=cap_len),
-                             settings, optimizer)
-        tokens = probe.tokens_per_step or t.max_seq_length
-        r = timed_steps(loaded.model, make_samples(profile, 40 * tokens, vocab=vocab, cap=cap_len, seed=3), tokens,
-                        optimizer, seconds=seconds)
+        try:
+            loaded = load_for_training(model_path, t, adapter=None, shape=shape,
+                                       cache_dir=Path(cfg.state_dir) / "models", max_vram_gb=settings.max_vram_gb)
+            vocab, cap_len = len(loaded.tokenizer), min(t.max_seq_length, 2048)
+            optimizer = build_optimizer(loaded.model, t, loaded.optim, device=loaded.device)
+            probe = probe_memory(loaded.model, make_samples("wiki", 8 * settings.probe_tokens, vocab=vocab,
+                                                            cap=cap_len), settings, optimizer)
+        except Exception as e:  # said by the caller; the other ranks must hear of it before the next collective
+            failed = e
+        if group.agree(failed is not None)[0]:
+            raise failed or RuntimeError("another rank could not measure it")
+        assert loaded is not None and probe is not None
+        tokens = group.smallest(probe.tokens_per_step or t.max_seq_length)  # [distributed] what every card holds
+        data = make_samples(profile, 40 * tokens * group.world, vocab=vocab, cap=cap_len, seed=3)
+        r = timed_steps(loaded.model, data, tokens, optimizer, seconds=seconds,
+                        group=group if group.world > 1 else None)
         return probe.memory, ShapeRate(tokens_per_step=tokens, gradient_checkpointing=True,
                                        tokens_per_second=r.tokens_per_second)
     finally:
-        del loaded
+        del loaded, optimizer
         pygc.collect()
         torch.cuda.empty_cache()
 

@@ -100,7 +100,8 @@ def train_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun) -> Tra
         with ctx.phase(Phase.train):
             result = train(prep.loaded, prep.train_set, ctx.cfg.train, ckpt_root=ctx.checkpoints,
                            deadline=ctx.deadline, stop=ctx.stop, shape=prep.shape, clock=ctx.clock, emit=relay,
-                           resume=prep.resume, probe_first=not planned.plan.measured)
+                           resume=prep.resume, probe_first=not planned.plan.measured,
+                           group=ctx.group)
         if watch is not None:
             s.expert_lora = watch.finish(check_moved=result.stopped != "signal" and result.steps > 0)
             result.detail["expert_lora"] = s.expert_lora.model_dump()

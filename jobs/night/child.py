@@ -1,9 +1,15 @@
-"""The night's child process: `python -m jobs.night.child --night N --deadline TS < night-config.json`.
+"""The night's child process: `python -m jobs.night.child --night N --deadline TS < night-config.json`
+(or `--config FILE`: under torchrun every worker shares the launcher's stdin, so the config comes as a file).
 
 The daemon never imports torch; this process does, and its exit returns every byte
 of VRAM. Events go out as JSON lines on the original stdout; anything else a library
 prints is redirected to stderr (the log). SIGTERM asks for a graceful stop: the
 trainer checkpoints and the process exits with EXIT_INTERRUPTED.
+
+[distributed] Started by torchrun as one of several ranks (jobs/training/topology.py): rank 0 runs
+the night and alone writes events (its result event is the outcome: torchrun's exit status is only
+0 or 1); the other ranks follow it (jobs/night/ranks.py) and write only logs. `--join`: a host other
+than node 0, whose ranks learn the night and its deadline from rank 0.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import sqlite3
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -30,51 +37,85 @@ PROCESS_STARTED = time.time()  # the night's "wake": before torch and the model 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.night.child")
-    ap.add_argument("--night", required=True)
-    ap.add_argument("--deadline", type=float, required=True, help="unix seconds")
+    ap.add_argument("--night")
+    ap.add_argument("--deadline", type=float, help="unix seconds")
     ap.add_argument("--plan-only", action="store_true")
     ap.add_argument("--run-id", help="the id of a new run (the supervisor logs under it); an open run keeps its own")
+    ap.add_argument("--config", help="the night's config (JSON); default: stdin")
+    ap.add_argument("--join", action="store_true", help="a host other than node 0: rank 0 says the night")
     args = ap.parse_args(argv)
+    if not args.join and (args.night is None or args.deadline is None):
+        ap.error("--night and --deadline are required (unless --join)")
 
-    events = os.fdopen(os.dup(1), "w", buffering=1)
+    from jobs.training.distributed import bind_device, die_with_parent, init_group, launched
+
+    if launched():
+        die_with_parent()  # the launcher SIGKILLed must not leave this worker holding its card
+    owner = int(os.environ.get("RANK", "0")) == 0
+    events = os.fdopen(os.dup(1), "w", buffering=1) if owner else None  # one writer of events: rank 0
     os.dup2(2, 1)  # stray prints from libraries must not corrupt the event stream
     sys.stdout = sys.stderr
     lock = threading.Lock()
 
     def emit(ev: ChildEvent) -> None:
-        with lock:
-            events.write(ev.model_dump_json() + "\n")
+        if events is not None:
+            with lock:
+                events.write(ev.model_dump_json() + "\n")
 
     from jobs import logs
 
     logs.configure(os.environ.get("NIGHTSHIFT_LOG_LEVEL", "INFO"))
+    if launched():  # [distributed] every log line says which rank wrote it
+        structlog.contextvars.bind_contextvars(rank=int(os.environ.get("RANK", "0")))
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before the process group: an early SIGTERM must not kill
         signal.signal(sig, lambda *_: stop.set())
 
-    raw = sys.stdin.read()
+    raw = Path(args.config).read_text() if args.config else sys.stdin.read()
+    bind_device()  # [distributed] this rank's card, before Unsloth's import looks at CUDA
     _import_unsloth_first(json.loads(raw))
     from jobs.night.config import NightConfig
     from jobs.night.run import failure_text, run_night
 
     cfg = NightConfig.model_validate_json(raw)
     logs.route_transformers_logging()
-    with contextlib.ExitStack() as held:
-        if not args.plan_only and not inherited_night_lock(cfg.state_dir):  # started by hand: take it here
+    group = init_group(cfg.train.distributed)
+    try:
+        if not group.is_owner:
+            from jobs.night.ranks import follow_night
+
+            follow_night(cfg, group, stop)
+            return ExitCode.OK
+        with contextlib.ExitStack() as held:
+            if not args.plan_only and not _holds_night_lock(cfg.state_dir):  # started by hand: take it here
+                try:
+                    held.enter_context(night_lock(cfg.state_dir, what=f"night {args.night} (child {os.getpid()})"))
+                except LockTimeout as e:
+                    print(f"nightshift: {e}", file=sys.stderr)
+                    return ExitCode.BUSY
             try:
-                held.enter_context(night_lock(cfg.state_dir, what=f"night {args.night} (child {os.getpid()})"))
-            except LockTimeout as e:
-                print(f"nightshift: {e}", file=sys.stderr)
-                return ExitCode.BUSY
+                summary = run_night(cfg, night=args.night, deadline=args.deadline, emit=emit, stop=stop,
+                                    plan_only=args.plan_only, run_id=args.run_id,
+                                    process_started=PROCESS_STARTED, group=group)
+            except (DamagedState, OSError, sqlite3.Error) as e:  # before a run could open: the model, the ledger
+                summary = RunSummary(night=args.night, outcome=Outcome.failed, error=failure_text(e))
+                structlog.get_logger("nightshift.night").error("night_refused", error=summary.error)
+        emit(ResultEvent(summary=summary))
+        return outcome_exit_code(summary.outcome)
+    finally:
         try:
-            summary = run_night(cfg, night=args.night, deadline=args.deadline, emit=emit, stop=stop,
-                                plan_only=args.plan_only, run_id=args.run_id,
-                                process_started=PROCESS_STARTED)
-        except (DamagedState, OSError, sqlite3.Error) as e:  # before a run could open: the model, the ledger
-            summary = RunSummary(night=args.night, outcome=Outcome.failed, error=failure_text(e))
-            structlog.get_logger("nightshift.night").error("night_refused", error=summary.error)
-    emit(ResultEvent(summary=summary))
-    return outcome_exit_code(summary.outcome)
+            group.release()  # [distributed] rank 0 with nothing handed out frees the waiting ranks
+        finally:
+            group.close()
+
+
+def _holds_night_lock(state_dir: str | Path) -> bool:
+    """The night lock came with this process: its own descriptor (started by the daemon), or, for a
+    worker of torchrun, the launcher's (torchrun does not pass descriptors on to its workers)."""
+    from jobs.training.distributed import launched
+
+    return inherited_night_lock(Path(state_dir)) or (
+        launched() and inherited_night_lock(Path(state_dir), holder_pid=os.getppid()))
 
 
 def _import_unsloth_first(cfg: dict[str, Any]) -> None:

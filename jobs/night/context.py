@@ -6,6 +6,7 @@ ledger keeps its plan and the checkpoints keep its position, so it resumes where
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -15,12 +16,14 @@ from pathlib import Path
 import structlog
 
 from jobs.contract import Emit, Outcome, Phase, PhaseEvent, RunSummary, new_run_id
-from jobs.gpu import GpuSampler, torch_device_uuid, torch_peak_memory
+from jobs.gpu import GpuSampler
+from jobs.gpu_cards import CardsSampler, night_sampler
 from jobs.night.config import NightConfig
 from jobs.store.cleanup import close_run, sweep_checkpoints
 from jobs.store.ledger import Ledger
 from jobs.store.readonly import open_read_only
 from jobs.store.registry import Registry
+from jobs.training.distributed import SOLO, Solo
 
 log = structlog.get_logger("nightshift.night")
 
@@ -42,8 +45,9 @@ class RunContext:
     resumed: bool = False  # the run was opened before: its stored plan and checkpoints are used
     plan_only: bool = False  # `nightshift plan`: nothing is recorded
     parent: int | None = None  # the version in service a new plan continues from (checked by the night)
-    gpu: GpuSampler | None = None
+    gpu: GpuSampler | CardsSampler | None = None
     process_started: float | None = None  # when the child process started (wake -> first step)
+    group: Solo = SOLO  # [distributed] the night's ranks: this process is rank 0 (jobs/night/ranks.py)
 
     @property
     def state(self) -> Path:
@@ -77,8 +81,10 @@ class RunContext:
     def start_gpu(self) -> None:
         if not self.cfg.gpu.enabled:
             return
-        self.gpu = GpuSampler(self.emit, hz=self.cfg.gpu.sample_hz, device=torch_device_uuid() or self.cfg.gpu.device,
-                              peak_memory=torch_peak_memory)
+        # [distributed] the cards of this host's ranks, summed; the other ranks' peak memory added
+        self.gpu = night_sampler(self.emit, self.cfg.gpu, others_peak=lambda: self.group.others_peak,
+                                 local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.group.world > 1
+                                 else 1)
         if not self.gpu.start():
             self.gpu = None  # no GPU here: the GPU figures stay absent
 
@@ -97,10 +103,10 @@ class RunContext:
 
 def open_context(cfg: NightConfig, *, model_path: Path, fingerprint: str, night: str, deadline: float, emit: Emit,
                  stop: threading.Event, clock: Callable[[], float], plan_only: bool,
-                 run_id: str | None = None, process_started: float | None = None) -> RunContext:
+                 run_id: str | None = None, process_started: float | None = None, group: Solo = SOLO) -> RunContext:
     """Open tonight's run in the ledger (or reopen the one a crash or stop left open). `run_id`: the id a
     new run gets (the supervisor chose it to log under); a plan opens the ledger read-only.
-    `process_started`: when the child process started (wake -> first step)."""
+    `process_started`: when the child process started (wake -> first step). `group`: the night's ranks."""
     state = Path(cfg.state_dir)
     ledger = open_read_only(state / "ledger.sqlite", clock=clock) if plan_only else Ledger(state / "ledger.sqlite",
                                                                                           clock=clock)
@@ -121,4 +127,5 @@ def open_context(cfg: NightConfig, *, model_path: Path, fingerprint: str, night:
                       clock=clock, stop=stop,
                       night=night, deadline=deadline, run_id=run_id, model_path=model_path,
                       fingerprint=fingerprint, summary=summary,
-                      resumed=open_run is not None, plan_only=plan_only, process_started=process_started)
+                      resumed=open_run is not None, plan_only=plan_only, process_started=process_started,
+                      group=group)

@@ -82,10 +82,11 @@ def model_fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def throughput_key(cfg: NightConfig, fingerprint: str, backend: str, device: str) -> str:
-    """'The same work on the same machine': calibrate and every night of this config share it."""
+def throughput_key(cfg: NightConfig, fingerprint: str, backend: str, device: str, gpus: int = 1) -> str:
+    """'The same work on the same machine': calibrate and every night of this config share it. `gpus`: the
+    night's processes (one per card): measured per count; one keeps the keys recorded before it existed."""
     t = cfg.train
-    parts = {
+    parts: dict[str, object] = {
         "model": fingerprint, "backend": backend, "device": device, "rank": t.lora_rank,
         "targets": t.target_modules, "batch_size": t.batch_size, "max_tokens": t.max_tokens_per_batch,
         "max_seq": t.max_seq_length, "grad_ckpt": t.gradient_checkpointing, "4bit": t.quantized_base,
@@ -94,4 +95,6 @@ def throughput_key(cfg: NightConfig, fingerprint: str, backend: str, device: str
         parts.update(compute=t.compute, fp8_keep_transposed=t.fp8_keep_transposed)
     if t.method is not Method.qlora:  # qlora's keys stay what they were: its measured history still counts
         parts.update(method=t.method.value, optimizer=t.optimizer, in_backward=t.optimizer_in_backward)
+    if gpus > 1:  # [distributed] measured per count of cards
+        parts["gpus"] = gpus
     return budget.throughput_key(parts)

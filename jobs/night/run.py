@@ -24,32 +24,37 @@ from jobs.night.context import RunContext, open_context
 from jobs.night.intake import plan_night, pull_new_data
 from jobs.night.model import ensure_model, model_fingerprint, model_to_read, throughput_key
 from jobs.night.publish import announce_version, close_run, finish_published, judge, publish_candidate
+from jobs.night.ranks import share_prepared
 from jobs.store.files import DamagedState
 from jobs.store.integrity import check_registry_known, parent_for_night
+from jobs.training.distributed import SOLO, Solo
+from jobs.training.topology import night_size
 
 log = structlog.get_logger("nightshift.night")
 
 
 def run_night(cfg: NightConfig, *, night: str, deadline: float, emit: Emit, stop: threading.Event,
               clock: Callable[[], float] = time.time, plan_only: bool = False, run_id: str | None = None,
-              process_started: float | None = None) -> RunSummary:
+              process_started: float | None = None, group: Solo = SOLO) -> RunSummary:
     """`plan_only`: pull and plan without changing anything (no ingest, no quarantine file, no move,
     no model built in the state directory). `run_id`: the id the supervisor logs under (a new run only).
-    `process_started`: when the child process started (the summary's wake -> first step)."""
+    `process_started`: when the child process started (the summary's wake -> first step).
+    `group`: the night's ranks (this process is rank 0; one process: SOLO)."""
     if plan_only:
         with model_to_read(cfg) as model_path:
             return _run(cfg, model_path, night=night, deadline=deadline, emit=emit, stop=stop, clock=clock,
-                        plan_only=True, run_id=run_id, process_started=process_started)
+                        plan_only=True, run_id=run_id, process_started=process_started, group=group)
     return _run(cfg, ensure_model(cfg), night=night, deadline=deadline, emit=emit, stop=stop, clock=clock,
-                plan_only=False, run_id=run_id, process_started=process_started)
+                plan_only=False, run_id=run_id, process_started=process_started, group=group)
 
 
 def _run(cfg: NightConfig, model_path: Path, *, night: str, deadline: float, emit: Emit, stop: threading.Event,
-         clock: Callable[[], float], plan_only: bool, run_id: str | None, process_started: float | None
-         ) -> RunSummary:
+         clock: Callable[[], float], plan_only: bool, run_id: str | None, process_started: float | None,
+         group: Solo) -> RunSummary:
     ctx = open_context(cfg, model_path=model_path, fingerprint=model_fingerprint(model_path), night=night,
                        deadline=deadline, emit=emit, stop=stop, clock=clock, plan_only=plan_only, run_id=run_id,
-                       process_started=process_started)
+                       process_started=process_started, group=group)
+    ctx.summary.ranks = group.world  # [distributed]
     if not plan_only:
         ctx.start_gpu()
     try:
@@ -83,8 +88,9 @@ def _steps(ctx: RunContext) -> None:
     ctx.parent = parent_for_night(ctx.registry, ctx.ledger, repair=not ctx.plan_only)  # refused: damaged lineage
     backend, device = resolve_backend(ctx.cfg.train), device_name()
     pulled = pull_new_data(ctx, load_tokenizer(ctx.model_path))
-    planned = plan_night(ctx, key=throughput_key(ctx.cfg, ctx.fingerprint, backend, device), backend=backend,
-                         device=device, incoming=pulled.incoming)
+    ranks = ctx.group.world if not ctx.plan_only else night_size(ctx.cfg.train)  # a plan runs alone
+    key = throughput_key(ctx.cfg, ctx.fingerprint, backend, device, gpus=ranks)  # measured per count
+    planned = plan_night(ctx, key=key, backend=backend, device=device, incoming=pulled.incoming)
     if ctx.plan_only:
         s.outcome = Outcome.skipped
         return
@@ -98,6 +104,7 @@ def _steps(ctx: RunContext) -> None:
         finish_published(ctx, row)
         return
     prep = load_model_and_data(ctx, planned)
+    share_prepared(ctx, prep, planned)  # [distributed] the other ranks get their night (a no-op for one)
     evaluate_candidate(ctx, prep, "before")
     result = train_candidate(ctx, prep, planned)
     if result.stopped == "signal":

@@ -97,14 +97,17 @@ def night_lock(state_dir: Path, *, timeout: float = 0.0, what: str = "") -> Stat
     return StateLock(Path(state_dir) / NIGHT_LOCK, timeout=timeout, what=what)
 
 
-def inherited_night_lock(state_dir: Path, environ: dict[str, str] | None = None) -> bool:
+def inherited_night_lock(state_dir: Path, environ: dict[str, str] | None = None, *,
+                         holder_pid: int | None = None) -> bool:
     """True when this process was handed the state directory's night lock by its parent (checked:
-    the descriptor is open on that very file and the lock is held)."""
+    the descriptor is open on that very file and the lock is held). `holder_pid`: the descriptor is
+    that process's, not ours (a torchrun worker: its launcher got the lock, the worker did not)."""
     raw = (os.environ if environ is None else environ).get(LOCK_FD_ENV, "")
     if not raw.isdigit():
         return False
     try:
-        mine, there = os.fstat(int(raw)), os.stat(Path(state_dir) / NIGHT_LOCK)
+        mine = os.stat(f"/proc/{holder_pid}/fd/{raw}") if holder_pid is not None else os.fstat(int(raw))
+        there = os.stat(Path(state_dir) / NIGHT_LOCK)
     except OSError:
         return False
     if (mine.st_dev, mine.st_ino) != (there.st_dev, there.st_ino):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jobs.contract import Method
 from jobs.data.render import OverlongPolicy, SpecialTokens
+from jobs.training.topology import DistributedConfig
 
 FULL_LEARNING_RATE = 2e-5  # full fine-tuning's default: every weight moves, so ten times smaller than LoRA's
 
@@ -59,6 +60,25 @@ class TrainConfig(BaseModel):
     optimizer_in_backward: bool | Literal["auto"] = Field(
         "auto", description="step each weight as soon as its gradient is ready, so the whole model's gradients "
         "never exist at once (full fine-tuning; no gradient clipping then); auto: only where memory asks for it")
+
+    # ---- several GPUs / hosts (jobs/training/topology.py, jobs/training/distributed.py) ----
+    gpus: int | Literal["all"] = Field(
+        1, description="processes training the night: one per card; without a GPU, N CPU processes (gloo)")
+    devices: list[int] | None = Field(None, description="CUDA indices to use (default: the first `gpus` visible)")
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _count_or_all(cls, v: object) -> object:
+        if v == "all":
+            return v
+        try:
+            n = int(str(v))
+        except ValueError:
+            raise ValueError('expected a number of processes (1, 2, ...) or "all"') from None
+        if n < 1:
+            raise ValueError('must be at least 1, or "all"')
+        return n
 
     @model_validator(mode="after")
     def _method(self) -> TrainConfig:

@@ -128,7 +128,7 @@ def _load_hf(model_path: Path, cfg: TrainConfig, adapter: Path | None, shape: St
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
             bnb_4bit_use_double_quant=True,
         )
-        kwargs["device_map"] = {"": 0}
+        kwargs["device_map"] = {"": torch.cuda.current_device()}  # [distributed] each rank its own card
     # full fine-tuning continues the model in service (or a checkpoint): it is the whole model
     model = AutoModelForCausalLM.from_pretrained(str(adapter if full and adapter else model_path), **kwargs)
     moe.adapt_base(model)  # issue 15: GPT-OSS-like bases keep packed samples apart (sinks, windows)

@@ -16,6 +16,9 @@ A night without a measurement for its key does not bet the window on its first s
 step of a slow model once took 337 s in a 3-minute window): two probe steps of about PROBE_TOKENS
 each (the first warms up, the second is timed) size the rest, so a step takes at most
 1/STEPS_IN_TIME_LEFT of the time left, never more than the configured shape.
+
+Several ranks (jobs/training/distributed.py): each step is one row of the batch sequence per rank,
+and every decision that stops the loop or changes the sequence is the same on every rank.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from jobs.contract import Emit, OomSplitEvent, ProgressEvent, StepShape
 from jobs.data.batching import Batch, TokenizedSample, padded_batches
 from jobs.training.checkpoints import save_checkpoint
 from jobs.training.config import TrainConfig
+from jobs.training.distributed import SOLO, Solo
 from jobs.training.load import Loaded
 
 log = structlog.get_logger("nightshift.train")
@@ -108,19 +112,27 @@ def _batches(order: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: int, to
                                pad_id=pad_id))
 
 
-def probe_sizes(samples: Sequence[TokenizedSample], tokens: int = PROBE_TOKENS) -> list[int]:
-    """How many samples each of the two probe steps takes (about `tokens` each, at least one)."""
+def probe_sizes(samples: Sequence[TokenizedSample], tokens: int = PROBE_TOKENS, world: int = 1) -> list[int]:
+    """How many samples each probe batch takes: two probe steps of about `tokens` each (at least one
+    sample a rank). [distributed] `world` ranks: each probe step is split into `world` rows (one per
+    rank), so the global probe step holds what one process's would."""
     sizes: list[int] = []
     i = 0
     for _ in range(2):
         n = used = 0
-        while i + n < len(samples) and (n == 0 or used + samples[i + n].n_tokens <= tokens):
+        while i + n < len(samples) and (n < world or used + samples[i + n].n_tokens <= tokens):
             used += samples[i + n].n_tokens
             n += 1
-        if n:
-            sizes.append(n)
+        sizes += [n // world + (1 if r < n % world else 0) for r in range(min(n, world))]
         i += n
     return sizes
+
+
+def _cut(batches: Sequence[Batch], i: int, first_len: int, *, rate: float, left: float, epochs: int) -> list[int]:
+    """Rank 0's decision before step i: the samples to cut when the rest of the run, at `rate` tokens/s
+    (measured this attempt, after the probes), would not fit in the `left` seconds."""
+    over = (sum(b.real_tokens for b in batches[i:]) / rate - left) * rate * 1.1
+    return _to_cut(batches, i, first_len, over, epochs) if over > 0 else []
 
 
 def _to_cut(batches: Sequence[Batch], i: int, first_len: int, tokens_over: float, epochs: int) -> list[int]:
@@ -152,17 +164,24 @@ def train(
     loaded: Loaded, samples: Sequence[TokenizedSample], cfg: TrainConfig, *, ckpt_root: Path, deadline: float,
     stop: threading.Event, shape: StepShape, clock: Callable[[], float] = time.time,
     emit: Emit = lambda _: None, resume: Path | None = None, save_seconds: float = 5.0, probe_first: bool = False,
+    group: Solo = SOLO,
 ) -> TrainResult:
     """Train `samples` (in order, `cfg.epochs` times) until done, the deadline or `stop`; emits
     ProgressEvent (version unset: the night knows it) and OomSplitEvent. `probe_first`: no
-    measurement of this key yet: size the steps from two short probe steps first."""
+    measurement of this key yet: size the steps from two short probe steps first.
+
+    [distributed] `group`: with several ranks each global step is `group.world` consecutive rows of the
+    batch sequence, one per rank; the position counts rows, so a checkpoint holds the global position
+    (and a resume with another number of ranks continues from it). Rank 0 alone saves checkpoints.
+    Every decision that changes the batch sequence or stops the loop is the same on every rank: stop
+    and deadline are agreed (any rank), a cut and a probe's resize are rank 0's, handed to the others."""
     import torch
 
     from jobs.training.optim import build_optimizer
-    from jobs.training.step import train_step
 
     model, device = loaded.model, loaded.device
     params = [p for p in model.parameters() if p.requires_grad]
+    group.start(params)  # [distributed] wait for every rank, then take rank 0's weights
     optimizer = build_optimizer(model, cfg, loaded.optim, device=device)  # by method and memory: optim.py
     warm = max(1, cfg.warmup_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
@@ -188,7 +207,7 @@ def train(
             state["halved"] = True
         shape = shape.model_copy(update={"tokens_per_step": ckpt_tokens})
     elif probing:
-        state["probe_samples"] = probe_sizes(samples)
+        state["probe_samples"] = probe_sizes(samples, world=group.world)
     state["tokens_per_step"] = int(state.get("tokens_per_step", shape.tokens_per_step))
     n_probes = len(state["probe_samples"])
     pad_id = loaded.tokenizer.pad_token_id
@@ -213,63 +232,72 @@ def train(
     measured_from, since, tokens_here = max(resumed_from, n_probes), started, 0  # this attempt's throughput
     i = resumed_from
     while i < len(batches):
+        rows = batches[i: i + group.world]  # [distributed] one row per rank (one row: one process)
         now = clock()
-        if stop.is_set():
+        predicted = 1.5 * per_token * _tokens(rows) if per_token is not None else 0.0
+        cut: list[int] = []
+        if group.is_owner and per_token is not None and i < first_len and i - measured_from >= 3 * group.world:
+            cut = _cut(batches, i, first_len, rate=tokens_here / max(1e-9, now - since),
+                       left=deadline - now - save_seconds - predicted, epochs=cfg.epochs)
+        # [distributed] decided together: every rank stops at the same step, whatever its own clock says
+        signalled, late, cutting = group.agree(stop.is_set(), now + predicted + save_seconds > deadline, bool(cut))
+        if signalled:
             stopped = "signal"
             break
-        predicted = 1.5 * per_token * batches[i].real_tokens if per_token is not None else 0.0
-        if now + predicted + save_seconds > deadline:
+        if late:
             stopped = "deadline"
             break
-        if per_token is not None and i < first_len and i - measured_from >= 3:
-            rate = tokens_here / max(1e-9, now - since)  # tokens/s measured this attempt (after the probes)
-            left = deadline - now - save_seconds - predicted
-            over = (sum(b.real_tokens for b in batches[i:]) / rate - left) * rate * 1.1
-            cut = _to_cut(batches, i, first_len, over, cfg.epochs) if over > 0 else []
-            if cut:
-                state["cuts"].append([i, cut])
-                batches, first_len = replan()
-                total_tokens = sum(b.real_tokens for b in batches)
-                log.info("samples_cut", samples=len(cut), at_batch=i, batches=len(batches),
-                         reason="the rest of the run would not fit before the deadline")
-                if i >= len(batches):
-                    break
-        st = train_step(model, batches[i], optimizer, device=device, scheduler=scheduler, params=params,
+        if cutting:  # rank 0's cut, the same on every rank (it changes the batch sequence)
+            cut = group.broadcast(cut)
+            state["cuts"].append([i, cut])
+            batches, first_len = replan()
+            total_tokens = sum(b.real_tokens for b in batches)
+            log.info("samples_cut", samples=len(cut), at_batch=i, batches=len(batches),
+                     reason="the rest of the run would not fit before the deadline")
+            if i >= len(batches):
+                break
+            rows = batches[i: i + group.world]
+        st = group.step(model, rows, optimizer, device=device, scheduler=scheduler, params=params,
                         on_event=step_event, halve=bool(state.get("halved")))
+        if st.split:  # [distributed] an out-of-memory on any rank: every rank halves from now on
+            state["halved"] = True
         loss, dt = st.loss, st.seconds
-        step_rate = dt / max(1, batches[i].real_tokens)
+        step_rate = dt / max(1, _tokens(rows))  # seconds per token of the global step
         per_token = step_rate if per_token is None or i < n_probes else 0.8 * per_token + 0.2 * step_rate
         first_step_at = first_step_at or clock()
-        state["next_batch"] = i + 1
+        done = i + len(rows)  # rows consumed: the global position
+        state["next_batch"] = done
         state["steps"] += 1
-        state["tokens"] += batches[i].real_tokens
+        state["tokens"] += _tokens(rows)
         state["loss_sum"] += loss
         state["loss_n"] += 1
         state["loss_curve"].append([state["steps"], loss])
         if i >= measured_from:
-            tokens_here += batches[i].real_tokens
+            tokens_here += _tokens(rows)
         else:
             since = clock()
         state["seconds"] = seconds_before + (clock() - started)
-        # after the timed probe, the rest of the night's steps are sized from it
-        if probing and i + 1 == n_probes and _resize(state, shape, left=deadline - clock() - save_seconds,
-                                                      per_token=step_rate):
-            batches, first_len = replan()
-            total_tokens = sum(b.real_tokens for b in batches)
-        if clock() - last_ckpt >= cfg.checkpoint_every_seconds and i + 1 < len(batches):
+        if probing and i < n_probes <= done:  # after the timed probe, the rest of the steps are sized from it
+            fit = (_fit(shape, left=deadline - clock() - save_seconds, per_token=step_rate, world=group.world)
+                   if group.is_owner else None)
+            if _resize(state, group.broadcast(fit)):  # [distributed] rank 0's measurement on every rank
+                batches, first_len = replan()
+                total_tokens = sum(b.real_tokens for b in batches)
+        if group.is_owner and clock() - last_ckpt >= cfg.checkpoint_every_seconds and done < len(batches):
             save_checkpoint(ckpt_root, model, optimizer, scheduler, state)
             last_ckpt = clock()
-        if clock() - last_progress >= 1.0 or i + 1 == len(batches):
+        if clock() - last_progress >= 1.0 or done == len(batches):
             last_progress = clock()
             tps = state["tokens"] / state["seconds"] if state["seconds"] > 0 else 0.0
-            remaining = total_tokens - sum(b.real_tokens for b in batches[: i + 1])
-            emit(ProgressEvent(fraction=(i + 1) / len(batches), tokens=state["tokens"], planned_tokens=total_tokens,
-                               steps=state["steps"], samples=len(_consumed(batches, i + 1)), tokens_per_second=tps,
+            remaining = total_tokens - sum(b.real_tokens for b in batches[:done])
+            emit(ProgressEvent(fraction=done / len(batches), tokens=state["tokens"], planned_tokens=total_tokens,
+                               steps=state["steps"], samples=len(_consumed(batches, done)), tokens_per_second=tps,
                                eta=clock() + remaining / tps if tps > 0 else None, loss=loss))
-        i += 1
-    if stopped == "signal":
+        i = done
+    if stopped == "signal" and group.is_owner:
         save_checkpoint(ckpt_root, model, optimizer, scheduler, state)
         log.info("checkpoint_saved_on_stop", next_batch=state["next_batch"], of=len(batches))
+    group.finish()  # [distributed] the other ranks' peak memory for rank 0's summary
     done = int(state["next_batch"])
     consumed = _consumed(batches, done)
     last = {sid: k for k, b in enumerate(batches) for sid in b.sample_ids}  # each sample's last batch
@@ -288,23 +316,32 @@ def train(
         detail={"batches": len(batches), "batches_done": done, "halved": state["halved"],
                 "tokens_per_step": tokens_per_step, "gradient_checkpointing": shape.gradient_checkpointing,
                 "step_shape_basis": basis, "batching": cfg.batching, "cuts": state["cuts"],
-                "probe_samples": list(state["probe_samples"]),
+                "probe_samples": list(state["probe_samples"]), "world_size": group.world,
                 "step_shape": shape.model_copy(update={"tokens_per_step": tokens_per_step,
                                                        "basis": basis}).model_dump(mode="json")},
     )
 
 
-def _resize(state: dict[str, Any], shape: StepShape, *, left: float, per_token: float) -> bool:
-    """After the timed probe: steps of at most 1/STEPS_IN_TIME_LEFT of the time left (and at most the
-    shape's size). Recorded in the state, so a resume rebuilds exactly this batch sequence."""
-    fit = int(max(0.0, left) / STEPS_IN_TIME_LEFT / max(per_token, 1e-9))
+def _fit(shape: StepShape, *, left: float, per_token: float, world: int) -> int:
+    """After the timed probe: tokens of one rank's row, so that a step takes at most 1/STEPS_IN_TIME_LEFT
+    of the time left (and holds at most the shape's size). `per_token`: seconds per token of a global step."""
+    fit = int(max(0.0, left) / STEPS_IN_TIME_LEFT / max(per_token, 1e-9)) // world
     tokens = max(1, min(shape.tokens_per_step, fit))
     log.info("step_size_from_probe", seconds_per_1k_tokens=round(per_token * 1000, 4), seconds_left=round(left, 1),
-             tokens_per_step=tokens, configured=shape.tokens_per_step)
+             tokens_per_step=tokens, configured=shape.tokens_per_step, ranks=world)
+    return tokens
+
+
+def _resize(state: dict[str, Any], tokens: int) -> bool:
+    """Recorded in the state, so a resume rebuilds exactly this batch sequence."""
     if tokens == int(state["tokens_per_step"]):
         return False
     state["tokens_per_step"] = tokens
     return True
+
+
+def _tokens(rows: Sequence[Batch]) -> int:
+    return sum(b.real_tokens for b in rows)
 
 
 def _consumed(batches: Sequence[Batch], upto: int) -> list[int]:

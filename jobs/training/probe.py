@@ -114,20 +114,27 @@ class Throughput:
 
 
 def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step: int, optimizer: Any, *,
-                warmup: int = 3, max_steps: int = 30, seconds: float = 30.0) -> Throughput:
-    """Packed steps at the budget: `warmup` untimed, then up to `max_steps` or `seconds`."""
+                warmup: int = 3, max_steps: int = 30, seconds: float = 30.0, group: Any = None) -> Throughput:
+    """Packed steps at the budget: `warmup` untimed, then up to `max_steps` or `seconds`.
+
+    [distributed] `group` (jobs.training.distributed): each step is one row per rank, the end of the
+    window is decided together, and the tokens are the global step's: tokens/s for this count of cards."""
     import torch
 
+    world = group.world if group is not None else 1
+    rows = list(packed_batches(samples, tokens_per_step=tokens_per_step))
     tokens = steps = 0
     started = None
-    for i, b in enumerate(packed_batches(samples, tokens_per_step=tokens_per_step)):
+    for i, k in enumerate(range(0, len(rows) - world + 1, world)):
         if i == warmup:
             torch.cuda.synchronize()
             started = time.perf_counter()
-        st = train_step(model, b, optimizer)
+        step = rows[k: k + world]
+        st = group.step(model, step, optimizer) if group is not None else train_step(model, step[0], optimizer)
         if started is not None:
             tokens, steps = tokens + st.tokens, steps + 1
-            if steps >= max_steps or time.perf_counter() - started >= seconds:
+            done = steps >= max_steps or time.perf_counter() - started >= seconds
+            if (group.agree(done)[0] if group is not None else done):  # every rank ends at the same step
                 break
     return Throughput(tokens, time.perf_counter() - started if started else 0.0, steps)
 

@@ -208,10 +208,12 @@ def load_unsloth(
         use_gradient_checkpointing=gc_arg,
         fix_tokenizer=False,
         trust_remote_code=False,
+        device_map={"": torch.cuda.current_device()},  # [distributed] this rank's card (set by the group)
     )
     info["base_load_seconds"] = round(time.perf_counter() - t1, 2)
     info.update(base_loaded_from=str(load_from), base_cache_hit=cache_hit, quantized_4bit=quantized)
-    if cache_path is not None and not cache_hit:
+    # [distributed] one writer per host: the first rank of each host saves the NF4 copy, the others load as is
+    if cache_path is not None and not cache_hit and os.environ.get("LOCAL_RANK", "0") == "0":
         t2 = time.perf_counter()
         try:
             save_quantized_base(model, tokenizer, model_path, cache_path)

@@ -76,6 +76,11 @@ def test_a_night_with_a_gpu(reg: CollectorRegistry) -> None:
     assert val(reg, "nightshift_gpu_utilization_ratio") == 0.93
     assert val(reg, "nightshift_gpu_temperature_celsius") == 71.0
     assert val(reg, "nightshift_gpu_energy_joules_total") == 500.0  # 3 readings 250 J apart: 2 deltas
+    # two cards: the series above are their totals, each card's own reading carries its `gpu` label
+    assert val(reg, "nightshift_gpu_card_power_watts", gpu="0") == val(reg, "nightshift_gpu_card_power_watts",
+                                                                       gpu="1") == 125.0
+    assert val(reg, "nightshift_gpu_card_memory_used_bytes", gpu="1") == 15 * GIB
+    assert val(reg, "nightshift_gpu_card_temperature_celsius", gpu="1") == 69.0
     assert val(reg, "nightshift_trained_tokens_total") == 54_000
     assert val(reg, "nightshift_last_run_tokens_per_second") == 1_500.0
     for ev in rest:
@@ -130,10 +135,13 @@ def test_a_night_with_a_gpu(reg: CollectorRegistry) -> None:
         "nightshift_gpu_memory_used_bytes",
         "nightshift_gpu_utilization_ratio",
         "nightshift_gpu_temperature_celsius",
+        "nightshift_gpu_card_power_watts",
+        "nightshift_gpu_card_memory_used_bytes",
         "nightshift_run_progress_ratio",
         "nightshift_run_phase",
     ):
         assert live not in names(reg), live
+    assert val(reg, "nightshift_last_run_ranks") == 2
     assert val(reg, "nightshift_run_in_progress") == 0
     # adapters
     assert val(reg, "nightshift_adapter_info", version="3", name="tiny-v0003", base_model="/models/qwen",

@@ -31,6 +31,9 @@ WORKERS = {  # name -> what it measures
     "w_ours_qlora": "fixstars, ours: method qlora, packed, budget from memory",
     "w_full": "full recipe: Unsloth full fine-tuning + TRL SFTTrainer under a hard memory cap",
     "w_ours_full": "full, ours: method full, optimizer and budget from memory under the same cap",
+    # scaling (jobs/bench/scaling.py): 1 vs N GPUs through torchrun
+    "scaling_ours": "scaling: our path on the ranks of a torchrun group, gradients reduced once per step",
+    "exxact": "scaling: the Exxact recipe, HF LoRA bf16 r=16 on q,v, seq 512, batch 2 per GPU, DDP",
 }
 
 

@@ -1,0 +1,75 @@
+"""[train] gpus / devices / [train.distributed]: the world and the launch command, without torch."""
+
+import pytest
+
+from daemon.settings import ConfigError, load_settings
+from jobs.training.config import TrainConfig
+from jobs.training.topology import DistributedConfig, World, launch_command, launch_env, resolve_world, visible_gpus
+
+ONE_HOST = DistributedConfig()
+
+
+def test_one_process_is_the_plain_child():
+    w = resolve_world(1, None, ONE_HOST, visible=0)
+    assert w == World(nproc=1, cuda_visible=None) and not w.launcher
+    assert launch_command(w, ONE_HOST, "jobs.night.child", ["--night", "n"], python="py") == [
+        "py", "-m", "jobs.night.child", "--night", "n"]
+
+
+def test_n_processes_without_a_gpu_are_cpu_processes_through_torchrun():
+    w = resolve_world(2, None, ONE_HOST, visible=0)
+    assert w.nproc == 2 and w.launcher and w.cuda_visible is None
+    cmd = launch_command(w, ONE_HOST, "jobs.night.child", ["--config", "f.json"], python="py")
+    assert cmd[:3] == ["py", "-m", "torch.distributed.run"] and "--standalone" in cmd
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and cmd[cmd.index("--max-restarts") + 1] == "0"
+    assert cmd[-4:] == ["-m", "jobs.night.child", "--config", "f.json"]
+    env = launch_env(w, grace_seconds=60, cpus=8)
+    assert env["OMP_NUM_THREADS"] == "4" and env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "55"
+
+
+def test_all_and_devices_pick_the_cards():
+    assert resolve_world("all", None, ONE_HOST, visible=4).nproc == 4
+    assert resolve_world("all", None, ONE_HOST, visible=0).nproc == 1  # no GPU: one CPU process
+    w = resolve_world("all", [2, 3], ONE_HOST, visible=4)
+    assert w.nproc == 2 and launch_env(w)["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert resolve_world(1, [3], ONE_HOST, visible=4).cuda_visible == "3"
+
+
+def test_more_gpus_than_the_host_has_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"\[train\] gpus: 4 asked, 2 visible"):
+        resolve_world(4, None, ONE_HOST, visible=2)
+    with pytest.raises(ValueError, match=r"\[train\] devices lists 1"):
+        resolve_world(2, [0], ONE_HOST, visible=4)
+
+
+def test_visible_gpus_follow_cuda_visible_devices():
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,2"}) == 2
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == 0
+
+
+def test_several_hosts_use_the_static_rendezvous_of_node_0():
+    d = DistributedConfig(nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.5:29400", join_timeout_seconds=90)
+    w = resolve_world(1, None, d, visible=0)
+    assert w.launcher and w.size == 2
+    cmd = launch_command(w, d, "jobs.night.child", ["--join"], python="py")
+    args = dict(zip(cmd[3:-3:2], cmd[4:-3:2], strict=False))
+    assert args["--nnodes"] == "2" and args["--node-rank"] == "1" and args["--rdzv-backend"] == "static"
+    assert args["--rdzv-endpoint"] == "10.0.0.5:29400" and args["--rdzv-conf"] == "timeout=90"
+    assert "--standalone" not in cmd and cmd[-3:] == ["-m", "jobs.night.child", "--join"]
+
+
+def test_bad_distributed_config_names_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"rdzv_endpoint: required with nnodes > 1"):
+        DistributedConfig(nnodes=2)
+    with pytest.raises(ValueError, match=r"node_rank: 2 must be below nnodes"):
+        DistributedConfig(nnodes=2, node_rank=2, rdzv_endpoint="h:1")
+    with pytest.raises(ValueError, match="expected HOST:PORT"):
+        DistributedConfig(rdzv_endpoint="no-port")
+    with pytest.raises(ValueError, match="at least 1"):
+        TrainConfig(gpus=0)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[model]\npath = "m"\n[train]\ngpus = "some"\n[train.distributed]\nnnodes = 2\n')
+    with pytest.raises(ConfigError) as e:
+        load_settings(cfg)
+    text = str(e.value)
+    assert "[train] gpus" in text and "[train.distributed] rdzv_endpoint: required" in text
