@@ -36,17 +36,20 @@ def manifest(state):
 
 
 def test_two_ranks_publish_the_adapter_one_process_trains_with_the_same_global_batch(tmp_path, tiny_model):
-    """2 ranks x 4 samples per step against 1 process x 8: samples of different lengths, so each rank's share
-    has its own token count and only a token-weighted reduction gives the same step."""
+    """2 ranks x 3 samples per step against 1 process x 6: samples of different lengths, so each rank's share
+    has its own token count and only a token-weighted reduction gives the same step. The night is unmeasured:
+    its two probe steps are split one row per rank (the same global probe steps as one process's). Batches of
+    3 so that every epoch's rows pair up into one process's batches of 6 (a global step takes consecutive rows:
+    an odd count would pair an epoch's last row with the next epoch's first)."""
     records = [alpaca(i) for i in range(40)]
     (tmp_path / "two").mkdir()
     (tmp_path / "one").mkdir()
-    two, inbox = toml_config(tmp_path / "two", tiny_model, gpus=2, batch_size=4, epochs=2, learning_rate=1e-3)
+    two, inbox = toml_config(tmp_path / "two", tiny_model, gpus=2, batch_size=3, epochs=2, learning_rate=1e-3)
     write_jsonl(inbox / "a.jsonl", records)
     r = nightshift("--config", str(two), "once")
     assert r.returncode == 0, r.stderr[-4000:]
     assert r.stdout.count("outcome ") == 1  # rank 0 alone reports: one plan, one summary
-    one, inbox = toml_config(tmp_path / "one", tiny_model, gpus=1, batch_size=8, epochs=2, learning_rate=1e-3)
+    one, inbox = toml_config(tmp_path / "one", tiny_model, gpus=1, batch_size=6, epochs=2, learning_rate=1e-3)
     write_jsonl(inbox / "a.jsonl", records)
     s1 = run(load_settings(one).night_config())
     assert s1["outcome"] == "succeeded", s1["error"]
@@ -58,7 +61,11 @@ def test_two_ranks_publish_the_adapter_one_process_trains_with_the_same_global_b
     assert diff < 1e-5 and moved > 1e-3, (diff, moved)  # measured: 1.7e-7 (float32 summation order), 8e-3
     m2, m1 = manifest(tmp_path / "two" / "state"), manifest(tmp_path / "one" / "state")
     assert m2["training"]["world_size"] == 2 and m1["training"]["world_size"] == 1
-    assert m2["training"]["steps"] == m1["training"]["steps"] == 10  # 40 samples / 8 per step x 2 epochs
+    probes = m1["training"]["probe_samples"]
+    assert len(probes) == 2 and m2["training"]["probe_samples"] == [p - p // 2 if k % 2 == 0 else p // 2
+                                                                    for p in probes for k in range(2)]
+    # two probe steps, the first epoch's other samples and then all 40, 6 per step
+    assert m2["training"]["steps"] == m1["training"]["steps"] == 2 + -(-(40 - sum(probes)) // 6) + -(-40 // 6)
     assert abs(m2["losses"]["train"] - m1["losses"]["train"]) < 1e-5
     led = Ledger(tmp_path / "two" / "state" / "ledger.sqlite")
     assert led.sample_counts() == {"trained": 40}

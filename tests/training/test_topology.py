@@ -16,7 +16,8 @@ def test_one_process_is_the_plain_child():
         "py", "-m", "jobs.night.child", "--night", "n"]
 
 
-def test_n_processes_without_a_gpu_are_cpu_processes_through_torchrun():
+def test_n_processes_without_a_gpu_are_cpu_processes_through_torchrun(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # an operator's value is kept (the suite may set one)
     w = resolve_world(2, None, ONE_HOST, visible=0)
     assert w.nproc == 2 and w.launcher and w.cuda_visible is None
     cmd = launch_command(w, ONE_HOST, "jobs.night.child", ["--config", "f.json"], python="py")
