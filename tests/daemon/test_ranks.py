@@ -45,3 +45,22 @@ def test_kill_9_of_one_rank_fails_the_attempt_and_the_retry_trains_every_sample_
     assert manifest["training"]["resumed_from_step"] > 0 and manifest["training"]["world_size"] == 2
     assert manifest["training"]["steps"] == 20 * 6 // 2  # every global step exactly once over both attempts
     assert led.sample_counts() == {"trained": 24} and len(runs(state)) == 1
+
+
+def test_a_torchrun_worker_sees_the_night_lock_its_launcher_holds(tmp_path):
+    """The daemon hands the night lock to torchrun (pass_fds); torchrun does not pass descriptors on to its
+    workers, so rank 0 checks its launcher's descriptor instead of taking the lock (which would be busy)."""
+    import subprocess
+
+    from jobs.store.locking import LOCK_FD_ENV, inherited_night_lock, night_lock
+
+    with night_lock(tmp_path, what="test") as lock:
+        env = {LOCK_FD_ENV: str(lock.fd)}
+        assert inherited_night_lock(tmp_path, env, holder_pid=os.getpid())  # the holder's descriptor: ours
+        other = subprocess.Popen(["sleep", "30"])  # a process without that descriptor
+        try:
+            assert not inherited_night_lock(tmp_path, env, holder_pid=other.pid)
+        finally:
+            other.kill()
+            other.wait()
+    assert not inherited_night_lock(tmp_path, env, holder_pid=os.getpid())  # closed: nobody holds it

@@ -1,6 +1,6 @@
 """The collectives of a night on several ranks: 2 CPU processes over gloo, started by torchrun.
 
-One torchrun launch runs the loop four times (tests/training/dist_worker.py), each with one rank
+One torchrun launch runs the loop six times (tests/training/dist_worker.py), each with one rank
 behaving differently; every assertion is about what *both* ranks did.
 """
 
@@ -76,6 +76,27 @@ def test_two_ranks_step_like_one_process_over_the_same_global_batch(ranks):
     # float32 summation order only (AdamW at lr 1e-2 amplifies it on near-zero gradients): 9e-6 measured, with
     # weights moved by 4e-2; averaging the ranks' mean losses instead of weighting by tokens gives 5e-2
     assert ref["max_abs_diff"] < 1e-4 and ref["moved"] > 1e-2
+
+
+def test_the_probe_steps_are_split_across_ranks_and_rank_0_sizes_the_rest_for_all(ranks):
+    """Each rank's own sizing would differ (rank 1's says 30 tokens): every rank takes rank 0's (20)."""
+    r0, r1 = ranks("probe")
+    assert r0["probe_samples"] == r1["probe_samples"] == [13, 12, 13, 12]  # two probe steps of 25 samples
+    assert r0["tokens_per_step"] == r1["tokens_per_step"] == 20
+    assert r0["batches"] == r1["batches"] == 4 + 5 and r0["steps"] == r1["steps"] == 2 + 3  # 10 samples left, 2 a row
+    assert r0["trained_ids"] == r1["trained_ids"] == list(range(60)) and r0["checksum"] == r1["checksum"]
+
+
+def test_a_cut_is_rank_0s_decision_and_every_rank_makes_it(ranks):
+    r0, r1 = ranks("cut")
+    assert len(r0["cut_ids"]) == 3 and r0["cut_ids"] == r1["cut_ids"]  # rank 1 alone would have cut 5
+    assert r0["trained_ids"] == r1["trained_ids"] == [i for i in range(48) if i not in r0["cut_ids"]]
+    assert r0["steps"] == r1["steps"] and r0["checksum"] == r1["checksum"]
+
+
+def test_an_optimizer_stepped_in_the_backward_pass_is_refused_on_every_rank(ranks):
+    r0, r1 = ranks("in_backward")
+    assert r0["error"] and r0["error"] == r1["error"] and "optimizer_in_backward = false" in r0["error"]
 
 
 def test_a_killed_launcher_takes_its_workers_with_it(tmp_path):
