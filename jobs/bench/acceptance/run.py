@@ -393,7 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     mode = data_mode(model)
     say(f"model {model} ({mode} data)")
     write_jsonl(work / "regression.jsonl", records(mode, 32, seed=999))
-    env = {"PYTHONTZPATH": os.pathsep.join([str(work / "tz"), *zoneinfo.TZPATH]), "PYTHONPATH": str(REPO)}
+    # the repository first, then whatever the caller's PYTHONPATH holds (an install --target on a GPU box)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {"PYTHONTZPATH": os.pathsep.join([str(work / "tz"), *zoneinfo.TZPATH]), "PYTHONPATH": path}
     server = Proc([python(), "-m", "jobs.bench.acceptance.server", "--model", str(model), "--port-file",
                    str(work / "server.port"), "--hold-fraction", str(a.server_share if gpu else 0)],
                   log=work / "logs" / "server.log", env=env, cwd=REPO)
