@@ -95,7 +95,7 @@ def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | Non
                                             device=loaded.device)
     loaded.optim = choose_for_model(loaded.model, cfg, device=loaded.device, max_vram_gb=max_vram_gb)
     loaded.info.update(method=cfg.method.value, **loaded.optim.as_info())
-    log.info("model_loaded", backend=loaded.backend, device=device_name(), **loaded.info)
+    log.info("model_loaded", **{"backend": loaded.backend, "device": device_name(), **loaded.info})
     return loaded
 
 

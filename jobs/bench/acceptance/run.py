@@ -146,9 +146,10 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def config(a: argparse.Namespace, work: Path, model: Path, *, zone: str, start: str, end: str, server: str,
-           gpu: bool) -> str:
-    # a night 2 checkpoint to resume from, soon (a CPU night trains about a second: checkpoints every 0.25 s)
-    ckpt = a.window_minutes * 60 / 8 if gpu else 0.25
+           gpu: bool, kill: bool = False) -> str:
+    # the night that is killed checkpoints every second: a checkpoint to resume from, soon (a GPU night
+    # of these windows trains for seconds only; a CPU night about one second: every 0.25 s there)
+    ckpt = 0.25 if not gpu else 1.0 if kill else a.window_minutes * 60 / 8
     return f"""# acceptance run: one window of {a.window_minutes:g} min in zone {zone}
 state_dir = "{work / 'state'}"
 [model]
@@ -241,7 +242,8 @@ def run_night(a: argparse.Namespace, k: int, work: Path, model: Path, server_url
     z = dt.timezone(dt.timedelta(seconds=offset))
     cfg = work / f"night{k}.toml"
     cfg.write_text(config(a, work, model, zone=zone, start=start.astimezone(z).strftime("%H:%M:%S"),
-                          end=end.astimezone(z).strftime("%H:%M:%S"), server=server_url, gpu=gpu))
+                          end=end.astimezone(z).strftime("%H:%M:%S"), server=server_url, gpu=gpu,
+                          kill=k == a.kill_night))
     night = day.isoformat()
     info: dict[str, Any] = {"night": k, "key": night, "zone": zone, "window_start": start.timestamp(),
                             "window_end": end.timestamp(), "attempts": 1, "children": []}
@@ -394,7 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     mode = data_mode(model)
     say(f"model {model} ({mode} data)")
     write_jsonl(work / "regression.jsonl", records(mode, 32, seed=999))
-    env = {"PYTHONTZPATH": os.pathsep.join([str(work / "tz"), *zoneinfo.TZPATH]), "PYTHONPATH": str(REPO)}
+    # the repository first, then whatever the caller's PYTHONPATH holds (an install --target on a GPU box)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {"PYTHONTZPATH": os.pathsep.join([str(work / "tz"), *zoneinfo.TZPATH]), "PYTHONPATH": path}
     server = Proc([python(), "-m", "jobs.bench.acceptance.server", "--model", str(model), "--port-file",
                    str(work / "server.port"), "--hold-fraction", str(a.server_share if gpu else 0)],
                   log=work / "logs" / "server.log", env=env, cwd=REPO)
@@ -418,10 +422,12 @@ def main(argv: list[str] | None = None) -> int:
         n = night_size(a, cal, mode)
         after = None
         for k in range(1, a.nights + 1):
-            write_jsonl(work / "inbox" / f"night-{k}.jsonl", records(mode, n, seed=k))
-            say(f"night {k}: dropped {n} new records")
+            # the killed night gets half: its restart pays the wake again and must still finish in the window
+            m = n // 2 if gpu and k == a.kill_night else n
+            write_jsonl(work / "inbox" / f"night-{k}.jsonl", records(mode, m, seed=k))
+            say(f"night {k}: dropped {m} new records")
             info = run_night(a, k, work, model, url, env, after, ledger, gpu)
-            info["records_dropped"] = n
+            info["records_dropped"] = m
             nights.append(info)
             newest = work / "newest-adapter"
             if newest.exists():  # the client asks for the new version before the next night (or the end)
