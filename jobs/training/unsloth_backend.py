@@ -152,6 +152,18 @@ def enable_varlen_attention() -> str:
     return "patched"
 
 
+def rank_device_map() -> dict[str, Any]:
+    """[distributed] A rank of several loads onto its own card (bound by the group before Unsloth's import);
+    one process: Unsloth's own default, as before."""
+    from jobs.training.distributed import launched
+
+    if not launched():
+        return {}
+    import torch
+
+    return {"device_map": {"": torch.cuda.current_device()}}
+
+
 def load_unsloth(
     model_path: Path | str,
     *,
@@ -208,7 +220,7 @@ def load_unsloth(
         use_gradient_checkpointing=gc_arg,
         fix_tokenizer=False,
         trust_remote_code=False,
-        device_map={"": torch.cuda.current_device()},  # [distributed] this rank's card (set by the group)
+        **rank_device_map(),
     )
     info["base_load_seconds"] = round(time.perf_counter() - t1, 2)
     info.update(base_loaded_from=str(load_from), base_cache_hit=cache_hit, quantized_4bit=quantized)
@@ -283,6 +295,7 @@ def _load_full(model_path: Path, start: Path | str | None, max_seq_length: int, 
         use_gradient_checkpointing=gc_arg,
         fix_tokenizer=False,
         trust_remote_code=False,
+        **rank_device_map(),
     )
     info.update(base_load_seconds=round(time.perf_counter() - t1, 2), base_loaded_from=str(source),
                 base_cache_hit=False, quantized_4bit=False)

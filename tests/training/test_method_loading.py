@@ -87,3 +87,16 @@ def test_what_a_night_continues_must_match_its_method(tmp_path):
         check_start(model, Method.lora)
     with pytest.raises(ValueError, match=r'method = "full" continues a whole model, but .*adapter is a LoRA adapter'):
         check_start(adapter, Method.full)
+
+
+def test_a_rank_of_several_loads_onto_its_own_card_and_one_process_as_before(fake_unsloth, tiny_model, monkeypatch):
+    """torchrun's rank with local rank 1 has bound card 1 (jobs/training/distributed.py bind_device): every
+    loader puts the model there, not on card 0; one process passes no device_map (Unsloth's default)."""
+    import torch
+
+    assert "device_map" not in call(tiny_model, "qlora").kwargs
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    for method in ("qlora", "lora", "full"):
+        assert call(tiny_model, method).kwargs["device_map"] == {"": 1}, method
