@@ -150,8 +150,8 @@ def _key(k: str) -> str:
 
 
 def _value(v: Any) -> str:
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{_key(k)} = {_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, dict):  # TOML has no null: a key not set is left out ([train.distributed] rdzv_endpoint)
+        return "{" + ", ".join(f"{_key(k)} = {_value(x)}" for k, x in v.items() if x is not None) + "}"
     if isinstance(v, list):
         return "[" + ", ".join(_value(x) for x in v) + "]"
     return json.dumps(v)  # strings, numbers, booleans: JSON's spelling is TOML's
