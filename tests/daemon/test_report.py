@@ -37,7 +37,7 @@ def three_nights(tmp_path_factory, tiny_model):
                           "gradient_checkpointing": False}}
         return NightConfig.model_validate({**base, **over})
 
-    write_jsonl(inbox / "n1.jsonl", [alpaca(i) for i in range(24)])
+    write_jsonl(inbox / "n1.jsonl", [alpaca(i) for i in range(40)])  # 8 held out: min_eval_samples (issue 12)
     run(cfg(), night="2026-11-19")
     write_jsonl(inbox / "n2.jsonl", [alpaca(i, " again") for i in range(24)])
     run(cfg(eval={"gate": [{"data": "heldout", "metric": "loss", "limit": 0.001}]}), night="2026-11-20")
@@ -54,11 +54,12 @@ def test_collect_reads_every_figure_of_the_last_nights(three_nights):
     first, rejected, last = r.nights
     assert first.trained_samples > 0 and first.tokens_per_second and first.samples_per_hour
     assert first.predicted_train_seconds and first.actual_train_seconds
-    assert first.planned_tokens and first.planned_tokens_from == "plan" and first.trained_tokens > 0
+    # the summary records the planned tokens and the manifest the loss curve since issues 11 and 12
+    assert first.planned_tokens and first.planned_tokens_from == "summary" and first.trained_tokens > 0
     assert rejected.gate is not None and rejected.gate.passed is False and not rejected.promoted
     assert set(first.metrics) >= {"heldout_before", "heldout_after"} and first.losses["heldout_after"] is not None
     assert last.deferred_samples and last.backlog_samples == last.deferred_samples  # max_samples left some
-    assert r.loss_curve is None and r.loss_curve_version == "tiny-v0003"  # this code records none yet
+    assert r.loss_curve and r.loss_curve_version == "tiny-v0003"
     assert collect(three_nights / "state", 2).nights[0].night == "2026-11-20"
 
 
@@ -129,7 +130,8 @@ def test_the_report_renders_in_a_real_headless_chromium(three_nights, tmp_path):
             [*SECTIONS, "Nights"]
         assert browser.evaluate("document.querySelectorAll('table tr').length") == 4
         text = browser.evaluate("document.body.innerText")
-        assert "rejected" in text and "not recorded" in text
+        assert "rejected" in text and "tiny-v0003" in text  # the last published version's loss curve
+        assert browser.evaluate("document.querySelectorAll('#chart-loss-curve path.line').length") == 1
         shot = Path(os.environ.get("NIGHTSHIFT_TEST_ARTIFACTS", tmp_path)) / "report.png"
         shot.parent.mkdir(parents=True, exist_ok=True)
         width, height = png_size(browser.screenshot(shot))
