@@ -10,10 +10,12 @@ refused too unless `[train] allow_method_change = true` says to go on.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from jobs.contract import Method
+from jobs.store.files import PRIVATE_DIR, PRIVATE_FILE, make_dir
 from jobs.training.config import TrainConfig
 
 MARKER = "method.json"  # in a run's checkpoint directory: the method its checkpoints were trained with
@@ -58,8 +60,10 @@ def check_checkpoint(ckpt_root: Path, method: Method, resuming: bool) -> None:
                 f'[train] method = "{method.value}", but this night\'s run checkpointed as "{trained_as.value}" '
                 f'and resumes from that checkpoint: set method = "{trained_as.value}" again until the night ends')
         return
-    ckpt_root.mkdir(parents=True, exist_ok=True)
+    make_dir(ckpt_root.parent, PRIVATE_DIR)  # raw training state: the service user's only
+    make_dir(ckpt_root, PRIVATE_DIR)
     marker.write_text(json.dumps({"method": method.value}))
+    os.chmod(marker, PRIVATE_FILE)
 
 
 def check_parent(ledger: Any, cfg: TrainConfig, parent: int | None) -> None:

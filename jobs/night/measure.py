@@ -93,6 +93,16 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
         run("after")
         return measured, slices
     run("before")
+    if not hasattr(model, "disable_adapter"):  # full fine-tuning: the model is whole, no adapter to switch off
+        why = "full fine-tuning: the base and the reference are whole models, not measured in the night"
+        for data in sized:
+            measured[f"{data}_base"] = measured[f"{data}_reference"] = None
+            ctx.summary.not_evaluated.setdefault(f"{data}_base", why)
+            ctx.summary.not_evaluated.setdefault(f"{data}_reference", why)
+        sets.reference, sets.reference_path = None, None
+        _keep_before(ctx, {"metrics": measured, "slices": slices, "reference": None,
+                           "not_evaluated": ctx.summary.not_evaluated})
+        return measured, slices
     with model.disable_adapter():
         run("base")
     if sets.reference is None or sets.reference == sets.service:

@@ -16,7 +16,10 @@ from tests.conftest import REPO, toml_config, write_jsonl
 
 def test_once_stops_the_child_at_the_windows_end_as_the_service_does(tmp_path, monkeypatch):
     """SIGTERM at --until, then the grace, then SIGKILL: `once` hands the window's end to the same wait."""
-    cfg, _ = toml_config(tmp_path, tmp_path / "model", more="[daemon]\nstop_grace_seconds = 7\n")
+    model = tmp_path / "model"  # never loaded (the child is a stand-in), but `once` checks that it is there
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cfg, _ = toml_config(tmp_path, model, more="[daemon]\nstop_grace_seconds = 7\n")
     seen = {}
 
     class Child:
@@ -67,7 +70,9 @@ stop_grace_seconds = 5
     text = cfg.read_text().replace("prior_tokens_per_second = 2000", "prior_tokens_per_second = 1000000")
     text = text.replace('batching = "padded"', 'batching = "packed"')
     cfg.write_text(text)
-    write_jsonl(inbox / "a.jsonl", [{"instruction": words(i, 12), "output": words(i + 1, 12)} for i in range(300)])
+    # 10,000 distinct records (~300k tokens): more than any CPU trains in the window, however fast
+    write_jsonl(inbox / "a.jsonl", [{"instruction": f"{words(i, 12)} {words(i // 256, 3)}", "output": words(i + 1, 12)}
+                                    for i in range(10_000)])
     until = (dt.datetime.now() + dt.timedelta(seconds=55)).replace(microsecond=0)
     t0 = time.time()
     r = subprocess.run([sys.executable, "-m", "daemon", "--config", str(cfg), "once", "--until",
@@ -81,7 +86,9 @@ stop_grace_seconds = 5
         s = led.summary_of(run)
     finally:
         led.close()
-    assert s is not None and s.stopped == "deadline" and s.plan is not None and not s.plan.measured
+    # stopped by the deadline, or finished early after cutting the samples that would not fit
+    assert s is not None and (s.stopped == "deadline" or s.cut_samples) and s.plan is not None
+    assert not s.plan.measured
     assert 0 < s.trained_tokens < s.planned_tokens  # the plan promised everything; the window held less
     assert ended - t0 < 60 and s.first_step_seconds is not None
     manifest = json.loads((tmp_path / "state" / "adapters" / "tiny-v0001" / "manifest.json").read_text())

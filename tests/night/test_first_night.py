@@ -43,17 +43,19 @@ def test_first_night_of_the_demo_quarantines_hidden_bad_input(night_env, tmp_pat
     # a plan before the first night: the model is built in a temporary directory, the state is not made
     plan = run_night(cfg, night="plan", deadline=time.time() + 3600, emit=lambda _: None, stop=threading.Event(),
                      plan_only=True)
-    assert plan.plan is not None and len(plan.plan.train_ids) + len(plan.plan.heldout_ids) == 21
-    assert plan.quarantined == {"invalid_json": 3, "invalid_utf8": 2, "bad_file": 1}
+    # 20 good records, the first line of broken.jsonl and the first element of truncated.json (arrays are
+    # read element by element: the cut-off tail is quarantined alone)
+    assert plan.plan is not None and len(plan.plan.train_ids) + len(plan.plan.heldout_ids) == 22
+    assert plan.quarantined == {"invalid_json": 2, "invalid_utf8": 2, "too_large": 1, "bad_file": 1}
     assert not state.exists()
 
     s = run(cfg)
     assert s["outcome"] == "succeeded", s["error"]
     assert (state / "models" / "tiny-llama" / "tokenizer.json").exists()
-    assert s["trained_samples"] + s["heldout_samples"] == 21
+    assert s["trained_samples"] + s["heldout_samples"] == 22
     [qfile] = (state / "quarantine").glob("*.jsonl")
     got = {(Path(x["file"]).name, x["line"]): x["reason"] for x in map(json.loads, qfile.read_text().splitlines())}
     assert got == {("broken.jsonl", 2): "invalid_json", ("broken.jsonl", 3): "invalid_utf8",
-                   ("broken.jsonl", 4): "invalid_json", ("object.json", None): "bad_file",
-                   ("truncated.json", None): "invalid_json", ("latin1.json", None): "invalid_utf8"}
+                   ("broken.jsonl", 4): "too_large", ("object.json", None): "bad_file",  # DEEP: nested too deep
+                   ("truncated.json", 1): "invalid_json", ("latin1.json", 1): "invalid_utf8"}
     assert s["quarantined"] == plan.quarantined  # the plan said what the night would quarantine
