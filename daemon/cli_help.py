@@ -13,7 +13,7 @@ it as an immutable version and hot-swaps it into the inference server.
 Start with `nightshift once` (one night now), `nightshift status`, `nightshift validate FILE`
 and `nightshift report`; `nightshift run` is the service systemd starts."""
 
-# What each exit status (jobs/contract.py ExitCode) means, in words: `--help` and the README print these.
+# What each exit status (ExitCode in jobs/contract/basics.py) means, in words: `--help` and the README print these.
 EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.OK: "done (a night that was skipped or rejected by the gate also ends with 0)",
     ExitCode.FAILED: "the night or the command failed (`validate`: at least one record would be quarantined)",

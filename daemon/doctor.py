@@ -17,7 +17,7 @@ MARK = {"ok": "ok     ", "note": "note   ", "problem": "PROBLEM"}
 def add_command(sub: Any) -> None:
     p = sub.add_parser("doctor", help="check the ledger, the adapter registry and `current` against each other; "
                        "say how to repair what is wrong (read-only)")
-    p.add_argument("--json", action="store_true", help="the findings as JSON")
+    p.add_argument("--json", action="store_true", help="the findings as JSON (ok, and each finding with its repair)")
     p.set_defaults(func=cmd_doctor)
 
 

@@ -60,7 +60,7 @@ def check_checkpoint(ckpt_root: Path, method: Method, resuming: bool) -> None:
                 f'[train] method = "{method.value}", but this night\'s run checkpointed as "{trained_as.value}" '
                 f'and resumes from that checkpoint: set method = "{trained_as.value}" again until the night ends')
         return
-    make_dir(ckpt_root.parent, PRIVATE_DIR)  # private like the checkpoints beside it (user data)
+    make_dir(ckpt_root.parent, PRIVATE_DIR)  # raw training state: the service user's only
     make_dir(ckpt_root, PRIVATE_DIR)
     marker.write_text(json.dumps({"method": method.value}))
     os.chmod(marker, PRIVATE_FILE)

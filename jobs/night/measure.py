@@ -93,49 +93,37 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
         run("after")
         return measured, slices
     run("before")
-    if hasattr(model, "disable_adapter"):
-        _adapter_anchors(model, sets, measured, run, list(sized))
-    else:  # full fine-tuning: the base and other versions are whole models
-        _whole_model_anchors(measured, sets, list(sized))
+    if not hasattr(model, "disable_adapter"):  # full fine-tuning: the model is whole, no adapter to switch off
+        why = "full fine-tuning: the base and the reference are whole models, not measured in the night"
+        for data in sized:
+            measured[f"{data}_base"] = measured[f"{data}_reference"] = None
+            ctx.summary.not_evaluated.setdefault(f"{data}_base", why)
+            ctx.summary.not_evaluated.setdefault(f"{data}_reference", why)
+        sets.reference, sets.reference_path = None, None
+        _keep_before(ctx, {"metrics": measured, "slices": slices, "reference": None,
+                           "not_evaluated": ctx.summary.not_evaluated})
+        return measured, slices
+    with model.disable_adapter():
+        run("base")
+    if sets.reference is None or sets.reference == sets.service:
+        for data in sized:
+            measured[f"{data}_reference"] = measured[f"{data}_{'base' if sets.reference is None else 'before'}"]
+    else:
+        service = _swap_in(model, sets.reference_path)
+        if service is None:  # another adapter shape (rank, targets): compare with the base instead
+            log.warning("reference_incompatible", version=sets.reference, note="the base model serves instead")
+            sets.reference, sets.reference_path = None, None
+            for data in sized:
+                measured[f"{data}_reference"] = measured[f"{data}_base"]
+        else:
+            try:
+                run("reference")
+            finally:
+                _restore(model, service)
     if when == "before":
         _keep_before(ctx, {"metrics": measured, "slices": slices, "reference": sets.reference,
                            "not_evaluated": ctx.summary.not_evaluated})
     return measured, slices
-
-
-def _adapter_anchors(model: Any, sets: EvalSets, measured: Measured, run: Any, data: list[str]) -> None:
-    """LoRA: the base (adapter disabled) and the reference (its adapter swapped in) on the same model."""
-    with model.disable_adapter():
-        run("base")
-    if sets.reference is None or sets.reference == sets.service:
-        for d in data:
-            measured[f"{d}_reference"] = measured[f"{d}_{'base' if sets.reference is None else 'before'}"]
-        return
-    service = _swap_in(model, sets.reference_path)
-    if service is None:  # another adapter shape (rank, targets): compare with the base instead
-        log.warning("reference_incompatible", version=sets.reference, note="the base model serves instead")
-        sets.reference, sets.reference_path = None, None
-        for d in data:
-            measured[f"{d}_reference"] = measured[f"{d}_base"]
-        return
-    try:
-        run("reference")
-    finally:
-        _restore(model, service)
-
-
-def _whole_model_anchors(measured: Measured, sets: EvalSets, data: list[str]) -> None:
-    """Full fine-tuning (issue 13): the model in service is a whole model, so the base and an older
-    reference would each be another model to load. Not measured: their gate rules are skipped (and say
-    so); a reference that is the version in service is its "before"."""
-    if sets.reference is not None and sets.reference == sets.service:
-        for d in data:
-            measured[f"{d}_reference"] = measured[f"{d}_before"]
-        return
-    if sets.reference is not None:
-        log.warning("reference_not_measured", version=sets.reference,
-                    note="full fine-tuning: another whole model; its rules are skipped")
-    sets.reference, sets.reference_path = None, None
 
 
 def kept_before(ctx: RunContext) -> dict[str, Any] | None:

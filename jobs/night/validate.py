@@ -2,7 +2,7 @@
 
 A child process like the night, since the check needs the model's tokenizer (the chat template
 and the lengths): `python -m jobs.night.validate [--source NAME] FILE... < night-config.json`
-prints one FileCheck (jobs/contract.py) per file as a JSON line on stdout. The records go through
+prints one FileCheck (jobs/contract/) per file as a JSON line on stdout. The records go through
 the pull's own reading (jobs.data.check.checked_records: reader, format, field map, template,
 length), so what validate accepts is what the inbox accepts. The ledger is opened read-only, only
 to say which records it already holds.

@@ -14,10 +14,12 @@ from jobs.store.ledger import Ledger
 from tests.conftest import REPO, toml_config, write_jsonl
 
 
-def test_once_stops_the_child_at_the_windows_end_as_the_service_does(tmp_path, tiny_model, monkeypatch):
-    """SIGTERM at --until, then the grace, then SIGKILL: `once` hands the window's end to the same wait.
-    (A real model directory: `once` refuses a missing one before it starts anything.)"""
-    cfg, _ = toml_config(tmp_path, tiny_model, more="[daemon]\nstop_grace_seconds = 7\n")
+def test_once_stops_the_child_at_the_windows_end_as_the_service_does(tmp_path, monkeypatch):
+    """SIGTERM at --until, then the grace, then SIGKILL: `once` hands the window's end to the same wait."""
+    model = tmp_path / "model"  # never loaded (the child is a stand-in), but `once` checks that it is there
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cfg, _ = toml_config(tmp_path, model, more="[daemon]\nstop_grace_seconds = 7\n")
     seen = {}
 
     class Child:
@@ -55,10 +57,9 @@ def words(i: int, n: int) -> str:
 
 @pytest.mark.slow
 def test_once_with_a_wrong_prior_ends_by_until_and_trains_what_fit(tmp_path, slow_model):
-    """Prior 1,000,000 tok/s on a model that does ~50-300 tok/s here: the plan takes every sample (minutes
-    of work); the probe steps size the rest, the night stops at its deadline (or cuts the samples that
-    would not fit), publishes what it trained, and `once` returns before --until. The summary shows the
-    miss in tokens."""
+    """Prior 1,000,000 tok/s on a model that does ~50-100 tok/s here: the plan takes every sample (minutes
+    of work); the probe steps size the rest, the night stops at its deadline, publishes what it
+    trained, and `once` returns before --until. The summary shows the miss in tokens."""
     cfg, inbox = toml_config(tmp_path, slow_model, tokens_per_step="auto", more="""
 [window]
 save_margin_minutes = 0.15
@@ -69,10 +70,9 @@ stop_grace_seconds = 5
     text = cfg.read_text().replace("prior_tokens_per_second = 2000", "prior_tokens_per_second = 1000000")
     text = text.replace('batching = "padded"', 'batching = "packed"')
     cfg.write_text(text)
-    # about 34,000 tokens, every record distinct: minutes of work even at the ~300 tok/s this model makes on a
-    # 2-core box with one thread (300 records of 12 + 12 words, 256 distinct, once fit in the window)
-    write_jsonl(inbox / "a.jsonl", [{"instruction": f"w{i % 256} w{i // 256} {words(i, 22)}",
-                                     "output": words(i + 1, 24)} for i in range(600)])
+    # 10,000 distinct records (~300k tokens): more than any CPU trains in the window, however fast
+    write_jsonl(inbox / "a.jsonl", [{"instruction": f"{words(i, 12)} {words(i // 256, 3)}", "output": words(i + 1, 12)}
+                                    for i in range(10_000)])
     until = (dt.datetime.now() + dt.timedelta(seconds=55)).replace(microsecond=0)
     t0 = time.time()
     r = subprocess.run([sys.executable, "-m", "daemon", "--config", str(cfg), "once", "--until",
@@ -86,8 +86,9 @@ stop_grace_seconds = 5
         s = led.summary_of(run)
     finally:
         led.close()
-    assert s is not None and s.plan is not None and not s.plan.measured
-    assert s.stopped == "deadline" or (s.stopped is None and s.cut_samples)  # stopped, or cut what would not fit
+    # stopped by the deadline, or finished early after cutting the samples that would not fit
+    assert s is not None and (s.stopped == "deadline" or s.cut_samples) and s.plan is not None
+    assert not s.plan.measured
     assert 0 < s.trained_tokens < s.planned_tokens  # the plan promised everything; the window held less
     assert ended - t0 < 60 and s.first_step_seconds is not None
     manifest = json.loads((tmp_path / "state" / "adapters" / "tiny-v0001" / "manifest.json").read_text())

@@ -6,7 +6,7 @@ from daemon.metrics import NightshiftMetrics
 from daemon.metrics import catalog as m
 from daemon.service import Service
 from daemon.settings import load_settings
-from jobs.contract import GpuSummary, Losses, Method, Outcome, RunSummary
+from jobs.contract import GpuSummary, Losses, Outcome, RunSummary
 from jobs.store.ledger import Ledger
 from tests.conftest import toml_config
 
@@ -25,10 +25,11 @@ def full_summary(**over) -> RunSummary:
         phase_seconds={"pull": 3.0, "plan": 0.1, "load": 5.0, "train": 60.0, "evaluate": 4.0, "publish": 1.0},
         gpu=GpuSummary(mean_power_watts=410.0, energy_joules=24_600.0, peak_allocated_bytes=30 * 10**9,
                        peak_reserved_bytes=35 * 10**9, total_memory_bytes=80 * 10**9, name="NVIDIA H100 80GB HBM3"),
-        metrics={f"{data}_{stage}": {"loss": 2.0, "exact_match": 0.5, "token_accuracy": 0.75}  # the gate's figures
-                 for data in ("heldout", "regression") for stage in ("before", "after", "reference", "base")},
-        method=Method.qlora,  # nightshift_last_run_info{method,backend}
-        started_at=T - 100, ended_at=T, deadline=T - 30)
+        metrics={"heldout_before": {"loss": 2.0, "exact_match": 0.2, "token_accuracy": 0.5, "samples": 8.0},
+                 "heldout_after": {"loss": 1.8, "exact_match": 0.6, "token_accuracy": 0.7, "samples": 8.0},
+                 "regression_before": {"loss": 2.2, "exact_match": 0.9, "token_accuracy": 0.95, "samples": 40.0},
+                 "regression_after": {"loss": 2.1, "exact_match": 0.9, "token_accuracy": 0.95, "samples": 40.0}},
+        method="qlora", started_at=T - 100, ended_at=T, deadline=T - 30)
     return RunSummary(**{**base, **over})
 
 

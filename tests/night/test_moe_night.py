@@ -134,7 +134,7 @@ def test_a_night_whose_experts_get_no_gradient_fails_loudly_and_publishes_nothin
     led = Ledger(state / "ledger.sqlite")
     assert led.run(s["run_id"])["status"] == "failed" and led.night_done("2026-11-21")
     assert led.sample_counts() == {"pending": 120}
-    assert led.versions() == []  # a night that fails before it publishes gives its number back (issue 10)
+    assert led.versions() == []  # nothing was published: the reserved number is given back
 
 
 def test_nights_from_a_model_built_in_memory_continue_their_adapter(night_env, tmp_path):

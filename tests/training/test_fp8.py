@@ -172,7 +172,7 @@ def test_the_default_config_keeps_the_throughput_keys_measured_before_fp8(tmp_pa
     before = raw_key({
         "model": "f", "backend": "unsloth", "device": "H200", "rank": t.lora_rank,
         "targets": t.target_modules, "batch_size": t.batch_size, "max_tokens": t.max_tokens_per_batch,
-        "max_seq": t.max_seq_length, "grad_ckpt": t.gradient_checkpointing, "4bit": t.quantized_base,
+        "max_seq": t.max_seq_length, "grad_ckpt": t.gradient_checkpointing, "4bit": True,  # before methods
         "batching": t.batching, "tokens_per_step": t.tokens_per_step, "max_vram_gb": cfg.gpu.max_vram_gb})
     assert throughput_key(cfg, "f", "unsloth", "H200") == before
     fp8 = cfg.model_copy(update={"train": t.model_copy(update={"compute": "fp8"})})

@@ -1,6 +1,5 @@
-"""The architectures `jobs/training/architectures.py` builds, by name: each one's HF config, as published
-(the shapes are what matter: the weights are random). A table and nothing else: no torch, so the night's
-config can check an `in-memory:` name without importing the training stack."""
+"""The real architectures by name: the config values `jobs/training/architectures.py` builds from
+(as published in each model's config.json; the MoE ones at their full size and a small stand-in)."""
 
 from __future__ import annotations
 

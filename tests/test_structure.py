@@ -1,0 +1,77 @@
+"""The shape of the code, checked: small modules, no import cycles, `daemon -> jobs` only, the
+benchmark off the night's path, and a daemon that never imports torch."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+
+PACKAGES = ("daemon", "jobs")
+MAX_LINES = 400
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def top_level_imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """Project modules imported at module level (imports inside functions are deliberate: lazy)."""
+    found: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = [f"{node.module}.{a.name}" for a in node.names]  # `from pkg import module`: that module
+            targets = [s for s in subs if s in known] or [node.module]
+        else:
+            continue
+        found |= {t for t in targets if t in known and t != name}
+    return found
+
+
+def test_no_module_of_daemon_or_jobs_is_over_400_lines_except_the_benchmark():
+    long = {name: n for name, path in modules().items()
+            if not name.startswith("jobs.bench") and (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_no_import_cycles_and_the_layers_point_one_way():
+    mods = modules()
+    graph = {name: top_level_imports(path, name, set(mods)) for name, path in mods.items()}
+    assert not [(a, b) for a, deps in graph.items() if a.startswith("jobs") for b in deps
+                if b.startswith("daemon")], "jobs must never import daemon"
+    off_path = [(a, b) for a, deps in graph.items() if not a.startswith("jobs.bench") for b in deps
+                if b.startswith("jobs.bench")]
+    assert not off_path, f"the benchmark is imported by the product: {off_path}"
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycle = [*stack[stack.index(dep):], dep]
+                raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+            if dep not in state:
+                visit(dep, [*stack, dep])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_the_daemon_and_the_contract_import_no_training_stack():
+    code = ("import sys, daemon.cli, daemon.service, jobs.contract; "
+            "print(sorted(m for m in ('torch', 'transformers', 'peft', 'unsloth') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]"
