@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import importlib.util
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ from jobs.bench.measure import smi_log
 from jobs.bench.model import in_memory_model, resolve_model
 from jobs.bench.report import gpu_info, numerics_table, read_rows, summarise, table, write_result
 from jobs.bench.settings import PEAK_BF16, STACKS, BenchSettings
+from jobs.bench.spawn import spawn
 from jobs.training.synthetic import CAP, PROFILES
 
 MODES = ("bench", "faststart", "budget", "moe", "workloads", "scaling")
@@ -115,18 +115,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--t-launch", type=float, default=0.0, help=hidden)
     p.add_argument("--settings", help=hidden)  # a file: torchrun's workers share one stdin
     return p
-
-
-def spawn(stack: str, s: BenchSettings, model: Path, rows: Path, timeout: float | None) -> int:
-    """One worker process for `stack`; its exit code (124: timed out)."""
-    argv = [sys.executable, "-m", "jobs.bench", "worker", "--stack", stack, "--model", str(model),
-            "--rows", str(rows), "--t-launch", repr(time.time())]
-    print(f"--- {stack}: {' '.join(argv[3:])}", flush=True)
-    try:
-        return subprocess.run(argv, input=s.model_dump_json(), text=True, timeout=timeout, check=False).returncode
-    except subprocess.TimeoutExpired:
-        print(f"--- {stack}: timed out after {timeout:.0f} s", flush=True)
-        return 124
 
 
 def bench(s: BenchSettings) -> int:

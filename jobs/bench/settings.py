@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jobs.bench.stacks import WORKERS
+from jobs.bench.workload_table import WORKLOADS
 from jobs.training.synthetic import PROFILES
 
 PEAK_BF16 = 790e12  # dense bf16 FLOP/s measured on these H100/H200 machines (ANCHORS.md)
@@ -111,8 +112,6 @@ class BenchSettings(BaseModel):
     @field_validator("workloads")
     @classmethod
     def _known_workloads(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        from jobs.bench.workloads import WORKLOADS
-
         unknown = [x for x in v if x not in WORKLOADS]
         if unknown:
             raise ValueError(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")

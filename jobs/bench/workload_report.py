@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from jobs.tables import markdown
 
 if TYPE_CHECKING:
-    from jobs.bench.workloads import Workload
+    from jobs.bench.workload_table import Workload
 
 PEAKS = {"mfu_790": 790e12, "mfu_989": 989e12}
 COLUMNS = ("side", "stack", "model", "data", "batch", "grad. ckpt", "real tok/s", "samples/h", "job s",
@@ -22,7 +22,7 @@ COLUMNS = ("side", "stack", "model", "data", "batch", "grad. ckpt", "real tok/s"
 
 def summarise(rows: list[dict[str, Any]], *, matmul: dict[str, int]) -> list[dict[str, Any]]:
     """Adds mfu_790, mfu_989 to every measured row and x_publication to ours' rows; returns the rows."""
-    from jobs.bench.workloads import WORKLOADS
+    from jobs.bench.workload_table import WORKLOADS
 
     for r in rows:
         tps, params = r.get("real_tok_s"), matmul.get(r.get("arch") or "")

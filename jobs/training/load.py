@@ -6,7 +6,6 @@ CPU) and a LoRA; full: every weight of the model in service (or the base, the fi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,20 +14,9 @@ import structlog
 from jobs.contract import Method, StepShape
 from jobs.training import moe
 from jobs.training.config import TrainConfig
-from jobs.training.optim import OptimizerChoice
+from jobs.training.loaded import Loaded, ensure_pad_token, load_tokenizer
 
 log = structlog.get_logger("nightshift.train")
-
-
-@dataclass
-class Loaded:
-    model: Any
-    tokenizer: Any
-    backend: str
-    device: str
-    info: dict[str, Any]
-    method: Method = Method.qlora
-    optim: OptimizerChoice | None = None  # None: torch AdamW (fused on CUDA)
 
 
 def resolve_backend(cfg: TrainConfig) -> str:
@@ -47,17 +35,6 @@ def device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
-def load_tokenizer(model_path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return ensure_pad_token(AutoTokenizer.from_pretrained(str(model_path), local_files_only=True))
-
-
-def ensure_pad_token(tok: Any) -> Any:
-    """Padded batches and evaluation need a pad id; models without one pad with end-of-sequence."""
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 def check_start(path: Path, method: Method) -> None:

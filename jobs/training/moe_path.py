@@ -25,7 +25,7 @@ import structlog
 from jobs.training import packed_attention
 from jobs.training.architectures import MARKER, matmul_params
 from jobs.training.experts_nf4 import route_lora
-from jobs.training.load import Loaded
+from jobs.training.loaded import Loaded, load_tokenizer
 from jobs.training.moe import expected_lora_parameters, lora_targets
 from jobs.training.unsloth_backend import parameter_counts  # imports no GPU stack
 
@@ -114,7 +114,6 @@ def write_in_memory_stub(arch: str, out_dir: Path) -> Path:
 def load_in_memory(model_path: Path, cfg: Any, *, adapter: Path | None, gradient_checkpointing: bool) -> Loaded:
     """The night's load for an in-memory base (jobs.training.load calls it): build, then LoRA."""
     from jobs.training.build_in_memory import build_random_in_memory
-    from jobs.training.load import load_tokenizer
 
     arch = in_memory_arch(model_path)
     if arch is None:

@@ -9,7 +9,8 @@ from jobs.bench.cli import build_parser, main
 from jobs.bench.settings import BenchSettings
 from jobs.bench.stacks import WORKERS
 from jobs.bench.workload_report import document, summarise
-from jobs.bench.workloads import WORKLOADS, _needs_ckpt, plan
+from jobs.bench.workload_table import WORKLOADS
+from jobs.bench.workloads import _needs_ckpt, plan
 
 B8 = 7_505_000_000
 

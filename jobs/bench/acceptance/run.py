@@ -302,22 +302,21 @@ class ChildWatch:
 def kill_mid_training(a: argparse.Namespace, k: int, work: Path, cfg: Path, d: Proc, ledger: Ledger, night: str,
                       info: dict[str, Any], env: dict[str, str], watch: ChildWatch) -> Proc:
     """SIGKILL the daemon and its child once the run has a checkpoint, then start the daemon again."""
-    def checkpoint() -> Path | None:
+    def checkpoint() -> dict[str, Any] | None:
+        """The latest checkpoint's state, read at once: the next checkpoint renames it away (every 0.25 s
+        on a CPU), and a CPU night trains for seconds, so the kill follows right after."""
         run = open_run(ledger, night)
         if run is None or run["status"] != "running":
             return None
-        f = work / "state" / "checkpoints" / run["id"] / "latest" / "state.json"
-        return f if f.exists() else None
+        return _read_json(work / "state" / "checkpoints" / run["id"] / "latest" / "state.json")
 
     try:
-        f = wait_for(checkpoint, a.window_minutes * 60, "a checkpoint of night 2's training", poll=0.1)
+        state = wait_for(checkpoint, a.window_minutes * 60, "a checkpoint of night 2's training", poll=0.05)
     except TimeoutError as e:
         info["kill"] = {"done": False, "why": str(e)}
         say(f"night {k}: no checkpoint to kill after ({e})")
         return d
-    time.sleep(0.5)
     children = [e["pid"] for e in d.events("child_started")]
-    state = json.loads(f.read_text())
     for pid in [*children, d.pid]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -422,8 +421,9 @@ def main(argv: list[str] | None = None) -> int:
         n = night_size(a, cal, mode)
         after = None
         for k in range(1, a.nights + 1):
-            # the killed night gets half: its restart pays the wake again and must still finish in the window
-            m = n // 2 if gpu and k == a.kill_night else n
+            # the killed night: on a GPU half (its restart pays the wake again and must still finish in the
+            # window); on a CPU twice (its training lasts seconds: long enough to be killed mid-way)
+            m = (n // 2 if gpu else 2 * n) if k == a.kill_night else n
             write_jsonl(work / "inbox" / f"night-{k}.jsonl", records(mode, m, seed=k))
             say(f"night {k}: dropped {m} new records")
             info = run_night(a, k, work, model, url, env, after, ledger, gpu)
@@ -451,3 +451,11 @@ def main(argv: list[str] | None = None) -> int:
     say(f"wrote {out}/acceptance.json and acceptance.md")
     print((out / "acceptance.md").read_text())
     return 0 if result["passed"] else 1
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """The file's JSON, or None while it is being replaced (a checkpoint's rotation renames it away)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
