@@ -108,13 +108,12 @@ def eval_metrics(model: Any, samples: Sequence[TokenizedSample], *, pad_id: int,
                                    max_tokens_per_batch=max_tokens_per_batch).values())
 
 
-def load_regression_set(path: Path, tokenizer: Any, *, max_seq_length: int, limit: int,
-                        cache_dir: Path) -> list[TokenizedSample]:
+def load_regression_set(path: Path, tokenizer: Any, *, max_seq_length: int, limit: int) -> list[TokenizedSample]:
     """A fixed file of records; invalid ones are an operator error, reported with file and line."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"[eval] regression_set: {path} does not exist")
     out: list[TokenizedSample] = []
-    for raw in read_records(Path(path), cache_dir):
+    for raw in read_records(Path(path)):
         try:
             if raw.error:
                 raise raw.error

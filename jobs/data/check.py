@@ -79,6 +79,6 @@ def checked_records(path: Path, src: SourceConfig, tokenizer: Any, *, max_seq_le
                     overlong: OverlongPolicy, special_tokens: SpecialTokens = "escape",
                     excerpt_bytes: int = 16384) -> Iterator[Checked]:
     """Every record of a file the user names (`nightshift validate`), with the source's limits."""
-    for raw in read_records(path, limits=src.limits(excerpt_bytes)):
+    for raw in read_records(path, src.limits(excerpt_bytes)):
         yield check_record(raw, src, tokenizer, max_seq_length=max_seq_length, overlong=overlong,
                            special_tokens=special_tokens)

@@ -88,7 +88,7 @@ class _Pull:
 
 def pull(
     sources: list[SourceConfig], ledger: Ledger, tokenizer: Any, *, run_id: str, quarantine: Quarantine,
-    max_seq_length: int, overlong: OverlongPolicy, cache_dir: Path | None = None,
+    max_seq_length: int, overlong: OverlongPolicy,
     special_tokens: SpecialTokens = "escape", excerpt_bytes: int = 16384, token_cache: TokenCache | None = None,
 ) -> PullResult:
     """`token_cache`: where the ids of accepted samples are kept for the night's load."""

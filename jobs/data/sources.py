@@ -51,7 +51,7 @@ class SourceConfig(BaseModel):
         return Limits(max_record_bytes=self.max_record_bytes, excerpt_bytes=excerpt_bytes)
 
 
-def read_records(path: Path, cache_dir: Path | None = None, limits: Limits | None = None) -> Iterator[RawRecord]:
+def read_records(path: Path, limits: Limits | None = None) -> Iterator[RawRecord]:
     """A file the operator named (the regression set): every record, or why it is not one."""
     try:
         f = open(path, "rb")  # noqa: SIM115  (closed below; a generator)

@@ -56,8 +56,7 @@ def build_sets(ctx: RunContext, tokenizer: Any, heldout_ids: list[int], parent: 
                   for r in ledger.samples_by_id([sid for sid, _ in picked])]
     if cfg.eval.regression_set:
         extra = evaluate.load_regression_set(cfg.eval.regression_set, tokenizer, limit=cap,
-                                             max_seq_length=cfg.train.max_seq_length,
-                                             cache_dir=ctx.state / "cache" / "datasets")
+                                             max_seq_length=cfg.train.max_seq_length)
         regression += extra
         slices.update({s.sample_id: FILE_SLICE for s in extra})
     ref = learning.reference_version(ledger)

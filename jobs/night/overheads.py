@@ -34,8 +34,7 @@ def measure_overheads(loaded: Loaded, cfg: NightConfig, *, load_seconds: float, 
     if cfg.eval.regression_set is not None and Path(cfg.eval.regression_set).is_file():
         sets.append(evaluate.load_regression_set(cfg.eval.regression_set, loaded.tokenizer,
                                                  limit=cfg.eval.max_eval_samples,
-                                                 max_seq_length=cfg.train.max_seq_length,
-                                                 cache_dir=Path(cfg.state_dir) / "cache" / "datasets"))
+                                                 max_seq_length=cfg.train.max_seq_length))
     kw = {"pad_id": loaded.tokenizer.pad_token_id or 0, "device": loaded.device,
           "max_tokens_per_batch": cfg.eval.max_tokens_per_batch}
     t0 = time.perf_counter()

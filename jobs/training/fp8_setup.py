@@ -154,8 +154,7 @@ def _self_test(units: list[Any], unsloth: bool) -> dict[tuple[Any, ...], str | N
     return test_units(units, swiglu=swiglu)
 
 
-def sample_tokens(tokenizer: Any, files: list[Path], *, n: int = CAPTURE_TOKENS,
-                  cache_dir: Path) -> tuple[list[int], str]:
+def sample_tokens(tokenizer: Any, files: list[Path], *, n: int = CAPTURE_TOKENS) -> tuple[list[int], str]:
     """One row of real sample tokens for the capture forward, and where they came from; random token
     ids when there is no data or the tokenizer does not cover it (a random-initialised bench model)."""
     import random
@@ -165,7 +164,7 @@ def sample_tokens(tokenizer: Any, files: list[Path], *, n: int = CAPTURE_TOKENS,
 
     for f in files:
         try:
-            samples = load_regression_set(f, tokenizer, max_seq_length=4096, limit=256, cache_dir=cache_dir)
+            samples = load_regression_set(f, tokenizer, max_seq_length=4096, limit=256)
         except Exception as e:
             log.info("fp8_sample_file_skipped", file=str(f), error=str(e)[:200])
             continue
@@ -191,10 +190,7 @@ def data_files(regression_set: Path | None, inboxes: list[Path]) -> list[Path]:
 def enable_for_run(model: Any, tokenizer: Any, cfg: Any, *, unsloth: bool, device: str) -> dict[str, Any]:
     """The night's FP8 (StepShape.compute == "fp8", decided from the config and calibration): per-layer
     check on the shipped sample data, no loss comparison (calibrate did it); the load info's "fp8"."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="nightshift-fp8-") as tmp:
-        ids, label = sample_tokens(tokenizer, data_files(None, []), cache_dir=Path(tmp))
+    ids, label = sample_tokens(tokenizer, data_files(None, []))
     out = enable_fp8(model, device=device, tokens=ids, activations=label, unsloth=unsloth,
                      keep_transposed=cfg.fp8_keep_transposed)
     info = out.info()
@@ -214,7 +210,7 @@ def calibrate_fp8(loaded: Any, cfg: Any, model_path: Path, learnable: Learnable 
         log.info("fp8_refused", reason=why)
         return decide_calibration(cfg.train.compute, False, why, None, None), None
     files = data_files(cfg.eval.regression_set, [Path(s.inbox) for s in cfg.sources])
-    ids, label = sample_tokens(loaded.tokenizer, files, cache_dir=Path(cfg.state_dir) / "cache" / "datasets")
+    ids, label = sample_tokens(loaded.tokenizer, files)
     out = enable_fp8(loaded.model, device=loaded.device, tokens=ids, activations=label,
                      unsloth=loaded.backend == "unsloth", keep_transposed=cfg.train.fp8_keep_transposed,
                      source_dir=model_path, learnable=learnable or Learnable(), vocab=len(loaded.tokenizer))

@@ -314,7 +314,7 @@ def test_the_regression_set_reader_is_the_same_guarded_reader(tmp_path, tokenize
 
     p = tmp_path / "reg.jsonl"
     p.write_bytes(b"\xef\xbb\xbf" + json.dumps(alpaca(1)).encode() + b"\n")
-    assert len(load_regression_set(p, tokenizer, max_seq_length=64, limit=10, cache_dir=tmp_path)) == 1
+    assert len(load_regression_set(p, tokenizer, max_seq_length=64, limit=10)) == 1
 
 
 @pytest.mark.parametrize("pattern", ["../*.jsonl", "/etc/*.jsonl"])

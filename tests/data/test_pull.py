@@ -21,7 +21,7 @@ def env(tmp_path, tokenizer):
     def do_pull(run_id="r1", **src):
         cfg = SourceConfig(name="s", inbox=inbox, settle_seconds=0, **src)
         return pull([cfg], ledger, tokenizer, run_id=run_id, quarantine=Quarantine(qfile), max_seq_length=64,
-                    overlong="reject", cache_dir=tmp_path / "cache")
+                    overlong="reject")
 
     def quarantined():
         return [json.loads(x) for x in qfile.read_text().splitlines()] if qfile.exists() else []
@@ -95,5 +95,5 @@ def test_files_still_being_written_wait_for_the_next_pull(env, tmp_path, tokeniz
     write_jsonl(inbox / "new.jsonl", [alpaca(1)])
     cfg = SourceConfig(name="s", inbox=inbox, settle_seconds=3600)
     res = pull([cfg], ledger, tokenizer, run_id="r", quarantine=Quarantine(tmp_path / "q.jsonl"),
-               max_seq_length=64, overlong="reject", cache_dir=tmp_path / "c")
+               max_seq_length=64, overlong="reject")
     assert res.files == 0

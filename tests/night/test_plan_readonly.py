@@ -30,7 +30,7 @@ def test_plan_reads_pending_and_the_inbox_and_writes_nothing(night_env, tokenize
     write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(10)])
     led = Ledger(state / "ledger.sqlite")
     pull(cfg.sources, led, tokenizer, run_id="r0", quarantine=Quarantine(state / "q0.jsonl"), max_seq_length=128,
-         overlong="reject", cache_dir=state / "cache")  # 10 pending, a.jsonl moved to processed/
+         overlong="reject")  # 10 pending, a.jsonl moved to processed/
     assert led.sample_counts() == {"pending": 10} and (inbox / "processed" / "a.jsonl").exists()
     led.close()
     write_jsonl(inbox / "b.jsonl", [*(alpaca(i, " b") for i in range(8)), alpaca(3), "{broken", {"instruction": 1}])

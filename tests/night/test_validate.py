@@ -26,7 +26,7 @@ def test_check_files_reads_as_the_inbox_would(night_env, tokenizer, tmp_path):
     write_jsonl(inbox / "old.jsonl", [alpaca(i) for i in range(3)])
     led = Ledger(state / "ledger.sqlite")
     pull(cfg.sources[:1], led, tokenizer, run_id="r0", quarantine=Quarantine(state / "q.jsonl"), max_seq_length=48,
-         overlong="reject", cache_dir=state / "cache")
+         overlong="reject")
     led.close()
     new = write_jsonl(tmp_path / "new.jsonl", [
         alpaca(1), alpaca(10), alpaca(10), "{not json", {"instruction": "no output"},

@@ -40,7 +40,7 @@ def test_every_frozen_projection_converts_measured_and_the_model_still_trains_an
 
     loaded = _load(tiny_model)
     keys = set(get_peft_model_state_dict(loaded.model))
-    ids, source = sample_tokens(loaded.tokenizer, data_files(None, []), cache_dir=tmp_path / "c")
+    ids, source = sample_tokens(loaded.tokenizer, data_files(None, []))
     assert "alpaca" in source  # real sample data, tokenised by the model's tokenizer
     out = enable_fp8(loaded.model, device="cpu", tokens=ids, activations=source, unsloth=False,
                      source_dir=tiny_model)

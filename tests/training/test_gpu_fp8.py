@@ -65,7 +65,7 @@ def test_an_unsloth_model_runs_fp8_patched_checked_and_trains(small_model, tmp_p
 
     model, tok, _info = load_unsloth(small_model, lora=LoraSpec(r=16, alpha=16), max_seq_length=4096,
                                      gradient_checkpointing=False, cache_dir=tmp_path)
-    ids, source = sample_tokens(tok, data_files(None, []), cache_dir=tmp_path / "c")
+    ids, source = sample_tokens(tok, data_files(None, []))
     out = enable_fp8(model, device="cuda", tokens=ids, activations=source, unsloth=True, source_dir=small_model,
                      learnable=Learnable(steps=10, tokens_per_step=1024), vocab=len(tok))
     assert out.error is None, out.error

@@ -68,12 +68,9 @@ def run(s: BenchSettings, job: Job) -> None:
 def setup_fp8(model: Any, tok: Any, s: BenchSettings, job: Job) -> dict[str, Any]:
     """The frozen base to FP8 with the numerics check (issue 16): a "numerics" row (JSON, and the table
     under the main one), every projection's errors in fp8-layers-<variant>.json; returns the outcome."""
-    import tempfile
-
     from jobs.training.fp8_setup import Learnable, data_files, enable_fp8, sample_tokens
 
-    with tempfile.TemporaryDirectory(prefix="nightshift-fp8-") as tmp:
-        ids, source = sample_tokens(tok, data_files(None, []), cache_dir=Path(tmp))
+    ids, source = sample_tokens(tok, data_files(None, []))
     out = enable_fp8(model, device="cuda", tokens=ids, activations=source, unsloth=True,
                      keep_transposed=s.ours_compute == "fp8t", source_dir=job.model,
                      learnable=Learnable(steps=s.fp8_learnable_steps) if s.fp8_learnable_steps else None,
