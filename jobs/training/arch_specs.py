@@ -1,5 +1,5 @@
-"""The real architectures by name: the config values `jobs/training/architectures.py` builds from
-(as published in each model's config.json; the MoE ones at their full size and a small stand-in)."""
+"""The architectures by name: the config values `jobs/training/architectures.py` builds random-initialised
+models from (the real models' shapes, and small stand-ins for the tests)."""
 
 from __future__ import annotations
 
