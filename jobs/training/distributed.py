@@ -123,10 +123,6 @@ class _Share:
     split: bool = False
 
 
-class _Halve(Exception):
-    pass
-
-
 class Group(Solo):
     """One rank of several. `is_owner` (global rank 0) owns the night's state; the others train their
     share of each step and report nothing (jobs/night/ranks.py)."""
@@ -211,17 +207,20 @@ class Group(Solo):
         row = rows[self.rank] if self.rank < len(rows) else None
         share = _Share()
         if row is not None:
-            try:
-                if halve and is_packed(row) and len(row.sample_ids) > 1:
-                    raise _Halve
-                self._contribute(model, row, device, share)
-            except (torch.OutOfMemoryError, _Halve) as e:
-                if not is_packed(row) or len(row.sample_ids) < 2:
-                    raise
+            splittable = is_packed(row) and len(row.sample_ids) > 1
+            split, oom = halve and splittable, False
+            if not split:
+                try:
+                    self._contribute(model, row, device, share)
+                except torch.OutOfMemoryError:
+                    if not splittable:
+                        raise
+                    split = oom = True
+            if split:  # outside the handler, which keeps the failed attempt's activations (see step.train_step)
                 optimizer.zero_grad(set_to_none=True)
                 share = _Share(split=True)
                 halves = split_in_two(row)
-                if isinstance(e, torch.OutOfMemoryError):
+                if oom:
                     torch.cuda.empty_cache()
                     on_event(OomSplitEvent(tokens=row.real_tokens, halves=[h.real_tokens for h in halves]))
                 for h in halves:

@@ -38,18 +38,17 @@ def model_inputs(batch: Batch, device: Any, *, unsloth: bool = False) -> dict[st
         v = torch.tensor(x, dtype=torch.long)
         return v.pin_memory().to(device, non_blocking=True) if cuda else v.to(device)
 
-    out: dict[str, Any] = {"input_ids": t(batch.input_ids), "labels": t(batch.labels), "use_cache": False}
+    out: dict[str, Any] = {}
+    if unsloth and is_packed(batch):
+        # On the host, and first: Unsloth's full fine-tuning takes its autocast device from the last tensor
+        # argument, and a host tensor there turns CUDA autocast off (fp32 norms then meet bf16 weights).
+        out["packed_seq_lengths"] = torch.tensor(segment_lengths(batch.position_ids[0]), dtype=torch.int32)
+    out.update(input_ids=t(batch.input_ids), labels=t(batch.labels), use_cache=False)
     if batch.attention_mask is not None:
         out["attention_mask"] = t(batch.attention_mask)
     if batch.position_ids is not None:
         out["position_ids"] = t(batch.position_ids)
-    if unsloth and is_packed(batch):
-        out["packed_seq_lengths"] = torch.tensor(segment_lengths(batch.position_ids[0]), dtype=torch.int32)
     return out
-
-
-class _Halve(Exception):
-    """Asked to run the step as two halves (the run already hit an out-of-memory)."""
 
 
 @dataclass
@@ -84,20 +83,23 @@ def train_step(
     unsloth = is_unsloth(model)
     cuda = str(device).startswith("cuda")
     t0 = time.perf_counter()
-    split = False
-    try:
-        if halve and is_packed(batch) and len(batch.sample_ids) > 1:
-            raise _Halve
-        loss = _one(model, batch, device, unsloth, 1.0)
-    except (torch.OutOfMemoryError, _Halve) as e:
-        if not is_packed(batch) or len(batch.sample_ids) < 2:
-            raise
+    splittable = is_packed(batch) and len(batch.sample_ids) > 1
+    split, oom = halve and splittable, False
+    if not split:
+        try:
+            loss = _one(model, batch, device, unsloth, 1.0)
+        except torch.OutOfMemoryError:
+            if not splittable:
+                raise
+            split = oom = True
+    # The halves run outside the handler: the exception's traceback holds the failed attempt's frames, and
+    # with them its activations, until the handler is left; inside it the halves would find no more room.
+    if split:
         optimizer.zero_grad(set_to_none=True)
         halves = split_in_two(batch)
-        if isinstance(e, torch.OutOfMemoryError):
+        if oom:
             torch.cuda.empty_cache()
             on_event(OomSplitEvent(tokens=batch.real_tokens, halves=[h.real_tokens for h in halves]))
-        split = True
         loss = 0.0
         for h in halves:  # token-weighted, so the step equals the whole batch's step
             w = h.real_tokens / batch.real_tokens

@@ -199,6 +199,9 @@ def load_unsloth(
     if method == "full":
         return _load_full(model_path, parent_adapter, max_seq_length, gc_arg, info, t0)
     quantized = method == "qlora"
+    # Unsloth's FastModel sets this flag for a full fine-tuning load and only its own loads clear it; left
+    # at "1" by an earlier full load in this process, get_peft_model returns the model without LoRA.
+    os.environ["UNSLOTH_ENABLE_FULL_FINETUNING"] = "0"
     if not quantized and is_prequantized(model_path):
         raise ValueError(f'[train] method = "{method}" trains on a 16-bit base, but {model_path} is quantised '
                          "(quantization_config in config.json): point [model] path at the bf16 checkpoint")

@@ -50,7 +50,7 @@ def test_memory_taken_mid_night_is_survived_by_halving(tmp_path):
     from jobs.training.step import make_optimizer
 
     path = build_random_model("small-llama", tmp_path / "small-llama")
-    cfg = TrainConfig(backend="hf", load_in_4bit=False, batching="packed", tokens_per_step=TOKENS,
+    cfg = TrainConfig(backend="hf", method="lora", batching="packed", tokens_per_step=TOKENS,
                       max_seq_length=512, gradient_checkpointing=False, warmup_steps=0, lora_rank=16)
     shape = StepShape(tokens_per_step=TOKENS, gradient_checkpointing=False, basis="test")
     loaded = load_for_training(path, cfg, adapter=None, shape=shape)
@@ -77,8 +77,12 @@ def test_memory_taken_mid_night_is_survived_by_halving(tmp_path):
             blocker.append(torch.empty(max(0, free - keep), dtype=torch.uint8, device="cuda"))
             torch.cuda.empty_cache()
 
-    res = train(loaded, data, cfg, ckpt_root=tmp_path / "ckpt", deadline=time.time() + 600, stop=threading.Event(),
-                shape=shape, emit=emit)
+    try:
+        res = train(loaded, data, cfg, ckpt_root=tmp_path / "ckpt", deadline=time.time() + 600,
+                    stop=threading.Event(), shape=shape, emit=emit)
+    finally:  # the card goes back to the tests after this one, whatever happened
+        blocker.clear()
+        torch.cuda.empty_cache()
     assert blocker, "the memory was never taken"
     assert [e.event for e in events].count("oom_split") == 1  # one real OOM, then halves up front
     assert res.detail["halved"] and res.stopped is None

@@ -89,12 +89,12 @@ def test_packed_equals_alone_through_unsloth(loaded):
 
 def test_steps_and_parent_adapter_roundtrip(loaded, small_model, tmp_path):
     from jobs.training.packing import packed_batches
-    from jobs.training.step import make_optimizer, train_steps
+    from jobs.training.step import make_optimizer, train_step
     from jobs.training.unsloth_backend import LoraSpec, load_unsloth
 
     model, _, _, state = loaded
     opt = make_optimizer(model, lr=1e-3)
-    stats = train_steps(model, list(packed_batches(_samples(120, 32000), tokens_per_step=4096))[:3], opt)
+    stats = [train_step(model, b, opt) for b in list(packed_batches(_samples(120, 32000), tokens_per_step=4096))[:3]]
     assert len(stats) == 3 and all(s.loss == s.loss for s in stats)
     model.save_pretrained(str(tmp_path / "adapter"))
     saved = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
