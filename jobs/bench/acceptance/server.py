@@ -198,11 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hold-fraction", type=float, default=0.0, help="share of the card's memory to hold")
     ap.add_argument("--device", default="auto")
     a = ap.parse_args(argv)
-    # an inference server needs no torchao; an older one installed beside Unsloth makes PEFT refuse every
-    # LoRA load ("only versions above 0.16.0 are supported"), so this process does not see it
-    if "torchao" not in sys.modules:
-        sys.modules["torchao"] = None  # type: ignore[assignment]
     import torch
+
+    from jobs.training.load import hide_torchao_peft_refuses
+
+    hide_torchao_peft_refuses()  # an older torchao beside Unsloth makes PEFT refuse every LoRA load
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     srv = Server(a.model, device=device, hold_fraction=a.hold_fraction)
