@@ -19,7 +19,7 @@ from jobs.data.batching import TokenizedSample
 from jobs.night import lineage
 from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun, token_cache
-from jobs.night.measure import EvalSets, build_sets, kept_before, measure_all
+from jobs.night.measure import EvalSets, build_sets, kept_before, measure_all, score_cache
 from jobs.store.integrity import verified
 from jobs.training.checkpoints import latest_checkpoint
 from jobs.training.load import Loaded, load_for_training
@@ -69,7 +69,8 @@ def load_model_and_data(ctx: RunContext, planned: PlannedRun) -> Prepared:
             loaded=loaded, shape=shape,
             train_set=train_set,
             replay_ids={sid for sid, role in planned.roles if role == "replay"},
-            heldout_ids=heldout_ids, sets=build_sets(ctx, tok, heldout_ids, planned.parent), resume=resume)
+            heldout_ids=heldout_ids, resume=resume,
+            sets=build_sets(ctx, tok, heldout_ids, planned.parent, score_cache(ctx, loaded, shape.compute)))
     ctx.summary.load_info, ctx.summary.step_shape = loaded.info, shape
     return prepared
 

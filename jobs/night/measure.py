@@ -9,7 +9,8 @@ Models (the stage names of the metrics "<data>_<stage>"): `before` (the adapter 
 `base` (its adapter disabled), `reference` (the best promoted version so far: its weights loaded
 into the adapter for the measurement, then the service's put back; the base while there is none),
 then `after` (the candidate). Everything measured before training is kept next to the checkpoints,
-so a resumed night is judged against what it started from.
+so a resumed night is judged against what it started from. Per-sample scores of the base and of
+published versions are kept across nights (jobs/night/scores.py): a model is scored once on a sample.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from jobs import evaluate
 from jobs.data.batching import TokenizedSample
 from jobs.data.render import tokenize_record
 from jobs.night.context import RunContext
+from jobs.night.scores import BASE_MODEL, LoadIdentity, ScoreCache, version_model
 from jobs.store import learning
 from jobs.store.files import PRIVATE_DIR, PRIVATE_FILE, make_dir
+from jobs.store.registry import parse_version
 
 log = structlog.get_logger("nightshift.night")
 Measured = dict[str, dict[str, float] | None]
@@ -42,9 +45,19 @@ class EvalSets:
     reference: int | None = None  # the reference version (None: the base model)
     reference_path: Path | None = None
     service: int | None = None  # the version in service the candidate was trained from
+    cache: ScoreCache | None = None  # kept scores of the base and the published versions
+    after: dict[int, evaluate.SampleScore] = field(default_factory=dict)  # the candidate's, kept once published
 
 
-def build_sets(ctx: RunContext, tokenizer: Any, heldout_ids: list[int], parent: int | None) -> EvalSets:
+def score_cache(ctx: RunContext, loaded: Any, compute: str) -> ScoreCache:
+    t = ctx.cfg.train
+    ident = LoadIdentity(base=str(ctx.model_path), method=str(loaded.method), compute=compute, backend=loaded.backend,
+                         max_seq_length=t.max_seq_length, special_tokens=str(t.special_tokens))
+    return ScoreCache(ctx.state / "cache" / "scores", ident)
+
+
+def build_sets(ctx: RunContext, tokenizer: Any, heldout_ids: list[int], parent: int | None,
+               cache: ScoreCache | None = None) -> EvalSets:
     cfg, ledger = ctx.cfg, ctx.ledger
     tk = {"max_seq_length": cfg.train.max_seq_length, "overlong": "truncate",
           "special_tokens": cfg.train.special_tokens}
@@ -64,7 +77,7 @@ def build_sets(ctx: RunContext, tokenizer: Any, heldout_ids: list[int], parent: 
     if ref_path is not None and not (ref_path / "adapter_model.safetensors").is_file():
         log.warning("reference_not_on_disk", version=ref, note="the base model serves as the reference")
         ref, ref_path = None, None
-    return EvalSets(heldout, regression, slices, ref, ref_path, parent)
+    return EvalSets(heldout, regression, slices, ref, ref_path, parent, cache)
 
 
 def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
@@ -80,9 +93,14 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
     measured: Measured = {}
     slices: dict[str, dict[str, Any]] = {}
 
-    def run(stage: str) -> None:
+    def run(stage: str, model_key: str | None = None) -> None:
         for data, samples in sized.items():
-            scores = _scores(ctx, loaded, samples)
+            if sets.cache is not None:
+                scores = sets.cache.scored(model_key, samples, lambda ss: _scores(ctx, loaded, ss))
+            else:
+                scores = _scores(ctx, loaded, samples)
+            if stage == "after":
+                sets.after.update(scores)
             measured[f"{data}_{stage}"] = evaluate.summarize(scores.values()) if samples else None
             if data == "regression":
                 for name, m in _by_slice(scores, sets.slices).items():
@@ -91,7 +109,7 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
     if when == "after":
         run("after")
         return measured, slices
-    run("before")
+    run("before", version_model(sets.service) if sets.service is not None else None)
     if not hasattr(model, "disable_adapter"):  # full fine-tuning: the model is whole, no adapter to switch off
         why = "full fine-tuning: the base and the reference are whole models, not measured in the night"
         for data in sized:
@@ -103,7 +121,7 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
                            "not_evaluated": ctx.summary.not_evaluated})
         return measured, slices
     with model.disable_adapter():
-        run("base")
+        run("base", BASE_MODEL)
     if sets.reference is None or sets.reference == sets.service:
         for data in sized:
             measured[f"{data}_reference"] = measured[f"{data}_{'base' if sets.reference is None else 'before'}"]
@@ -116,13 +134,23 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
                 measured[f"{data}_reference"] = measured[f"{data}_base"]
         else:
             try:
-                run("reference")
+                run("reference", version_model(sets.reference))
             finally:
                 _restore(model, service)
     if when == "before":
         _keep_before(ctx, {"metrics": measured, "slices": slices, "reference": sets.reference,
                            "not_evaluated": ctx.summary.not_evaluated})
     return measured, slices
+
+
+def keep_candidate_scores(ctx: RunContext, sets: EvalSets, version: int) -> None:
+    """The promoted candidate's scores, as the version it now is: tomorrow's "before" and "reference"."""
+    if sets.cache is None:
+        return
+    samples = [s for s in sets.heldout + sets.regression if s.sample_id in sets.after]
+    sets.cache.add(version_model(version), samples, sets.after)
+    on_disk = {v for p in ctx.registry.adapters.iterdir() if (v := parse_version(p.name)) is not None}
+    sets.cache.forget_versions_except(on_disk)
 
 
 def kept_before(ctx: RunContext) -> dict[str, Any] | None:
