@@ -16,7 +16,6 @@ published versions are kept across nights (jobs/night/scores.py): a model is sco
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -29,7 +28,7 @@ from jobs.data.render import tokenize_record
 from jobs.night.context import RunContext
 from jobs.night.scores import BASE_MODEL, LoadIdentity, ScoreCache, version_model
 from jobs.store import learning
-from jobs.store.files import PRIVATE_DIR, PRIVATE_FILE, make_dir
+from jobs.store.files import write_private_json
 from jobs.store.registry import parse_version
 
 log = structlog.get_logger("nightshift.night")
@@ -165,13 +164,7 @@ def kept_before(ctx: RunContext) -> dict[str, Any] | None:
 
 def _keep_before(ctx: RunContext, saved: dict[str, Any]) -> None:
     """Written atomically and private, like the checkpoints beside it."""
-    kept = ctx.checkpoints / "before.json"
-    make_dir(kept.parent.parent, PRIVATE_DIR)
-    make_dir(kept.parent, PRIVATE_DIR)
-    tmp = kept.with_suffix(".tmp")
-    tmp.write_text(json.dumps(saved))
-    os.chmod(tmp, PRIVATE_FILE)
-    os.replace(tmp, kept)
+    write_private_json(ctx.checkpoints / "before.json", saved)
 
 
 def _sized(ctx: RunContext, sets: dict[str, list[TokenizedSample]]) -> dict[str, list[TokenizedSample]]:

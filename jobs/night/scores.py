@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ import structlog
 
 from jobs.data.batching import TokenizedSample
 from jobs.evaluate import SampleScore
-from jobs.store.files import PRIVATE_DIR, PRIVATE_FILE, make_dir
+from jobs.store.files import write_private_json
 
 log = structlog.get_logger("nightshift.night")
 BASE_MODEL = "base"
@@ -74,14 +73,8 @@ class ScoreCache:
             return
         kept = self.read(model)
         kept.update({sample_key(s): scores[s.sample_id] for s in samples if s.sample_id in scores})
-        path = self._path(model)
         try:
-            make_dir(self.root.parent, PRIVATE_DIR)
-            make_dir(self.root, PRIVATE_DIR)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps({k: list(astuple(v)) for k, v in kept.items()}))
-            os.chmod(tmp, PRIVATE_FILE)
-            os.replace(tmp, path)
+            write_private_json(self._path(model), {k: list(astuple(v)) for k, v in kept.items()})
         except OSError as e:
             log.warning("score_cache_not_written", model=model, error=str(e))
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 
 def sha256_file(path: Path) -> str:
@@ -71,3 +73,19 @@ def seal_tree(root: Path, *, dir_mode: int = SHARED_DIR, file_mode: int = SHARED
             continue
         os.chmod(p, dir_mode if p.is_dir() else file_mode)
     os.chmod(root, dir_mode)
+
+
+def write_private_json(path: Path, obj: Any) -> None:
+    """`path` replaced atomically by `obj` as JSON, readable by the owner only; its directory (and the one
+    above) made private too. State the next attempt or night reads back, never half written."""
+    path = Path(path)
+    make_dir(path.parent.parent, PRIVATE_DIR)
+    make_dir(path.parent, PRIVATE_DIR)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(obj))
+        os.chmod(tmp, PRIVATE_FILE)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
