@@ -81,8 +81,8 @@ class ScoreCache:
     def scored(self, model: str | None, samples: list[TokenizedSample], score: Scorer) -> dict[int, SampleScore]:
         """`samples`' scores under `model`: those kept, and the rest scored now (and kept). `model` None:
         a model with no lasting identity (a fresh adapter): everything is scored, nothing kept."""
-        if model is None:
-            return score(samples)
+        if model is None or not samples:
+            return score(samples) if samples else {}
         kept = self.read(model)
         out = {s.sample_id: kept[sample_key(s)] for s in samples if sample_key(s) in kept}
         missing = [s for s in samples if s.sample_id not in out]
