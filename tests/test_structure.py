@@ -1,5 +1,5 @@
-"""The shape of the code, checked: small modules, no import cycles (lazy imports included), `daemon -> jobs`
-only, the benchmark off the night's path, and a daemon that never imports torch."""
+"""The shape of the code, checked: small modules, no import cycles (lazy and type-checking imports
+included), `daemon -> jobs` only, the benchmark off the night's path, and a daemon that never imports torch."""
 
 import ast
 import subprocess
@@ -23,25 +23,17 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def runtime_imports(tree: ast.AST) -> list[ast.stmt]:
-    """Every import that runs, at module level or inside a function (a lazy import still closes a cycle);
-    not those under `if TYPE_CHECKING:`, which never run."""
-    out: list[ast.stmt] = []
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            out += [x for n in node.orelse for x in runtime_imports(ast.Module(body=[n], type_ignores=[]))]
-            continue
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            out.append(node)
-        out += runtime_imports(node)
-    return out
+def every_import(tree: ast.AST) -> list[ast.stmt]:
+    """Every import, at module level or inside a function (a lazy import still closes a cycle), and those
+    under `if TYPE_CHECKING:` too: a type named across a cycle ties the two modules together all the same."""
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
 
 
 def imports(path: Path, name: str, known: set[str], *, top_level_only: bool = False) -> set[str]:
     """The project's modules that `name` imports (all that run, or only those at module level)."""
     found: set[str] = set()
     tree = ast.parse(path.read_text())
-    for node in (tree.body if top_level_only else runtime_imports(tree)):
+    for node in (tree.body if top_level_only else every_import(tree)):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -103,7 +95,7 @@ def test_every_name_a_test_imports_from_the_project_exists():
 
     missing = []
     for path in sorted((REPO / "tests").rglob("*.py")):
-        for node in runtime_imports(ast.parse(path.read_text())):
+        for node in every_import(ast.parse(path.read_text())):
             if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith(PACKAGES):
                 continue
             module = importlib.import_module(node.module)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jobs.bench.stacks import WORKERS
+from jobs.bench.worker_table import WORKERS
 from jobs.bench.workload_table import WORKLOADS
 from jobs.training.synthetic import PROFILES
 

@@ -7,7 +7,7 @@ import pytest
 
 from jobs.bench.cli import build_parser, main
 from jobs.bench.settings import BenchSettings
-from jobs.bench.stacks import WORKERS
+from jobs.bench.worker_table import WORKERS
 from jobs.bench.workload_report import document, summarise
 from jobs.bench.workload_table import WORKLOADS
 from jobs.bench.workloads import _needs_ckpt, plan
