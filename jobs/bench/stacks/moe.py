@@ -18,7 +18,6 @@ Stages, each named in the log and in an error row if it fails (a GPU lease gives
 from __future__ import annotations
 
 import contextlib
-import tempfile
 import time
 import traceback
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from typing import Any
 from jobs.bench.measure import Window, append_row, peak_gb
 from jobs.bench.settings import BenchSettings
 from jobs.bench.stacks.common import Job
+from jobs.bench.stacks.wcommon import sft_window
 from jobs.training.synthetic import CAP, make_samples
 
 LABEL = "nightshift MoE (NF4 experts, grouped GEMM, packed varlen + sinks)"
@@ -221,46 +221,6 @@ def _recipe(s: BenchSettings, job: Job, model: Any, tok: Any, prof: str, vocab: 
 
 
 def _sft(s: BenchSettings, model: Any, tok: Any, prof: str, bs: int, vocab: int, win: Window) -> None:
-    import torch
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import SFTConfig, SFTTrainer
-
     samples = make_samples(prof, max(s.data_tokens, bs * 2048), vocab=vocab, seed=s.seed + 2)
-    ds = Dataset.from_dict({"input_ids": [x.input_ids for x in samples]})
-    counts: list[tuple[int, int]] = []
-
-    class Timer(TrainerCallback):
-        last = 0.0
-
-        def on_train_begin(self, args, state, control, **k):  # type: ignore[no-untyped-def]
-            torch.cuda.synchronize()
-            self.last = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **k):  # type: ignore[no-untyped-def]
-            torch.cuda.synchronize()
-            now = time.perf_counter()
-            i = state.global_step - 1
-            toks, n = counts[i] if i < len(counts) else (0, 0)
-            if win.step_done(now - self.last, toks, n):
-                control.should_training_stop = True
-            self.last = now
-
-    cfg = SFTConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-moe-"), per_device_train_batch_size=bs, gradient_accumulation_steps=1,
-        max_steps=s.warmup + s.max_steps + 2, learning_rate=2e-4, lr_scheduler_type="constant", warmup_steps=0,
-        logging_steps=10**6, save_strategy="no", report_to="none", bf16=False, optim="adamw_torch_fused",
-        seed=s.seed, dataloader_num_workers=0, dataset_num_proc=1, completion_only_loss=False,
-        gradient_checkpointing=False, max_length=CAP, packing=False, padding_free=False)
-    trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok)
-    inner = trainer.data_collator
-
-    def counting(features):  # type: ignore[no-untyped-def]
-        b = inner(features)
-        toks = int(b["attention_mask"].sum()) if "attention_mask" in b else int(b["input_ids"].numel())
-        counts.append((toks, int(b["input_ids"].shape[0])))
-        return b
-
-    trainer.data_collator = counting
-    trainer.add_callback(Timer())
-    trainer.train()
+    sft_window(model, tok, samples, win, batch=bs, seed=s.seed, bf16=False, optim="adamw_torch_fused",
+               max_length=CAP, packing=False, padding_free=False)

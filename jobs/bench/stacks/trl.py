@@ -6,14 +6,13 @@ and samples. An out-of-memory or an API change in a peer stack is a result row, 
 
 from __future__ import annotations
 
-import tempfile
-import time
 from typing import Any
 
 from jobs.bench.measure import Window, append_row, peak_gb
 from jobs.bench.model import vocab_size
 from jobs.bench.settings import BenchSettings
 from jobs.bench.stacks.common import Job, load_ours
+from jobs.bench.stacks.wcommon import sft_window
 from jobs.training.synthetic import CAP, make_samples
 
 
@@ -66,62 +65,5 @@ def run(s: BenchSettings, job: Job) -> None:
 def _train(s: BenchSettings, job: Job, model: Any, tok: Any, prof: str, bs: int, kw: dict[str, Any],
            win: Window) -> None:
     """SFTTrainer over random samples of `prof` until the window is complete."""
-    import torch
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import SFTConfig, SFTTrainer
-
     samples = make_samples(prof, s.data_tokens * 2, vocab=vocab_size(job.model), seed=s.seed)
-    ds = Dataset.from_dict({"input_ids": [x.input_ids for x in samples]})
-    counts: list[tuple[int, int]] = []  # (real tokens, samples) per batch, as the collator built them
-
-    class Timer(TrainerCallback):
-        last = 0.0
-
-        def on_train_begin(self, args, state, control, **k):
-            torch.cuda.synchronize()
-            self.last = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **k):
-            torch.cuda.synchronize()
-            now = time.perf_counter()
-            i = state.global_step - 1
-            toks, n = counts[i] if i < len(counts) else (0, 0)
-            if win.step_done(now - self.last, toks, n):
-                control.should_training_stop = True
-            self.last = now
-
-    cfg = SFTConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-"),
-        per_device_train_batch_size=bs,
-        gradient_accumulation_steps=1,
-        max_steps=s.warmup + s.max_steps + 2,
-        learning_rate=2e-4,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        logging_steps=10**6,
-        save_strategy="no",
-        report_to="none",
-        bf16=True,
-        optim="adamw_torch_fused",
-        seed=s.seed,
-        dataloader_num_workers=0,
-        dataset_num_proc=1,
-        completion_only_loss=False,
-        gradient_checkpointing=False,
-        **kw,
-    )
-    trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok)
-    inner = trainer.data_collator
-
-    def counting(features):
-        b = inner(features)
-        ids = b["input_ids"]
-        toks = int(b["attention_mask"].sum()) if "attention_mask" in b else int(ids.numel())
-        n = int((b["position_ids"] == 0).sum()) if "position_ids" in b else int(ids.shape[0])
-        counts.append((toks, n))
-        return b
-
-    trainer.data_collator = counting
-    trainer.add_callback(Timer())
-    trainer.train()
+    sft_window(model, tok, samples, win, batch=bs, seed=s.seed, optim="adamw_torch_fused", **kw)

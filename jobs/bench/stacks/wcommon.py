@@ -170,11 +170,12 @@ def sft_window(model: Any, tok: Any, samples: Sequence[TokenizedSample], win: Wi
     from trl import SFTConfig, SFTTrainer
 
     counts: list[tuple[int, int]] = []
-    cfg = SFTConfig(
+    base = dict(
         output_dir=tempfile.mkdtemp(prefix="trl-"), per_device_train_batch_size=batch, gradient_accumulation_steps=1,
         max_steps=win.warmup + win.max_steps + 2, learning_rate=2e-4, lr_scheduler_type="constant", warmup_steps=0,
         logging_steps=10**6, save_strategy="no", report_to="none", bf16=True, seed=seed, dataloader_num_workers=0,
-        dataset_num_proc=1, completion_only_loss=False, gradient_checkpointing=False, **config)
+        dataset_num_proc=1, completion_only_loss=False, gradient_checkpointing=False)
+    cfg = SFTConfig(**{**base, **config})  # `config` overrides (bf16, optim, max_length, packing, ...)
     trainer = SFTTrainer(model=model, args=cfg, train_dataset=Dataset.from_dict(
         {"input_ids": [x.input_ids for x in samples]}), processing_class=tok)
     inner = trainer.data_collator
