@@ -5,6 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+
+def _llama3_rope(factor: float) -> dict[str, Any]:
+    """Llama 3.x's RoPE scaling (3.1: factor 8, 3.2: factor 32)."""
+    return {"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "llama3.1-8b": {
         "model_type": "llama",
@@ -18,14 +25,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072,
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False,
-        "rope_parameters": {
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        "rope_parameters": _llama3_rope(8.0),
         "bos_token_id": 128000,
         "eos_token_id": 128001,
     },
@@ -42,14 +42,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072,
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": True,
-        "rope_parameters": {
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        "rope_parameters": _llama3_rope(32.0),
         "bos_token_id": 128000,
         "eos_token_id": 128001,
     },
@@ -65,14 +58,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072,
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": True,
-        "rope_parameters": {
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        "rope_parameters": _llama3_rope(32.0),
         "bos_token_id": 128000,
         "eos_token_id": 128001,
     },
