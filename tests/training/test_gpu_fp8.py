@@ -48,12 +48,6 @@ def test_functions_on_the_card_match_fp32_and_the_emulation(kind, shapes):
     assert abs(emu["dx"] - err["dx"]) < 0.01 and abs(emu["out0"] - err["out0"]) < 0.01
 
 
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory):
-    from jobs.training.architectures import build_random_model
-
-    return build_random_model("small-llama", tmp_path_factory.mktemp("models") / "small-llama")
-
 
 def test_an_unsloth_model_runs_fp8_patched_checked_and_trains(small_model, tmp_path):
     from jobs.training.fp8 import STATS, FP8Base

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 import shutil
 import threading
 import time
@@ -15,6 +14,8 @@ import time
 import pytest
 
 torch = pytest.importorskip("torch")
+from tests.training.conftest import random_samples  # noqa: E402
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
@@ -22,23 +23,6 @@ pytestmark = [
     ),
 ]
 
-
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory):
-    from jobs.training.architectures import build_random_model
-
-    return build_random_model("small-llama", tmp_path_factory.mktemp("models") / "small-llama")
-
-
-def samples(n, vocab, seed=0):
-    from jobs.data.batching import TokenizedSample
-
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        ids = [rng.randrange(10, vocab - 10) for _ in range(rng.randint(20, 300))]
-        out.append(TokenizedSample(i, ids, list(ids)))
-    return out
 
 
 def test_full_packed_rows_equal_their_samples_and_every_weight_trains(small_model, tmp_path):
@@ -57,7 +41,7 @@ def test_full_packed_rows_equal_their_samples_and_every_weight_trains(small_mode
     print("full load:", json.dumps({k: info[k] for k in ("packed_attention", "trainable_parameters",
                                                           "total_parameters", "load_seconds")}))
     assert info["trainable_parameters"] == info["total_parameters"]
-    rows = samples(12, 32000, seed=1)
+    rows = random_samples(12, 32000, seed=1)
     counts = [sum(1 for x in s.labels[1:] if x != IGNORE_INDEX) for s in rows]
     with torch.no_grad():
         alone = sum(float(model(input_ids=torch.tensor([s.input_ids], device="cuda"),
@@ -68,7 +52,7 @@ def test_full_packed_rows_equal_their_samples_and_every_weight_trains(small_mode
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = build_optimizer(model, TrainConfig(method="full", learning_rate=1e-4),
                           OptimizerChoice("adamw_8bit", True, "test"), device="cuda")
-    for b in list(packed_batches(samples(200, 32000, seed=2), tokens_per_step=4096))[:3]:
+    for b in list(packed_batches(random_samples(200, 32000, seed=2), tokens_per_step=4096))[:3]:
         st = train_step(model, b, opt)
         assert st.loss == st.loss
     moved = sum(1 for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n]))

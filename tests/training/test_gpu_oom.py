@@ -6,27 +6,17 @@ python -m pytest tests/training/test_gpu_oom.py -q -m gpu
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 
 import pytest
 
 torch = pytest.importorskip("torch")
+from tests.training.conftest import random_samples  # noqa: E402
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 TOKENS = 16384
-
-
-def samples(n: int, vocab: int, seed: int = 0):
-    from jobs.data.batching import TokenizedSample
-
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        ids = [rng.randrange(10, vocab - 10) for _ in range(rng.randint(200, 400))]
-        out.append(TokenizedSample(i, ids, list(ids)))
-    return out
 
 
 def extra_peak(model, batch, optimizer) -> int:
@@ -54,7 +44,7 @@ def test_memory_taken_mid_night_is_survived_by_halving(tmp_path):
                       max_seq_length=512, gradient_checkpointing=False, warmup_steps=0, lora_rank=16)
     shape = StepShape(tokens_per_step=TOKENS, gradient_checkpointing=False, basis="test")
     loaded = load_for_training(path, cfg, adapter=None, shape=shape)
-    data = samples(260, vocab=32000)
+    data = random_samples(260, vocab=32000, lengths=(200, 400))
     batches = plan_batches(data, cfg, loaded.tokenizer.pad_token_id, TOKENS)
     assert len(batches) >= 4 and len(batches[1].sample_ids) > 1
     # what a full step and a half step need on this card (measured, not guessed)

@@ -24,12 +24,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory):
-    from jobs.training.architectures import build_random_model
-
-    return build_random_model("small-llama", tmp_path_factory.mktemp("models") / "small-llama")
-
 
 def config(tmp_path, model, gpus=2):
     inbox = tmp_path / "inbox"

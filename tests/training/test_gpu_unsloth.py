@@ -6,11 +6,12 @@ python -m pytest tests/training/test_gpu_unsloth.py -q -m gpu
 from __future__ import annotations
 
 import importlib.util
-import random
 
 import pytest
 
 torch = pytest.importorskip("torch")
+from tests.training.conftest import random_samples  # noqa: E402
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
@@ -18,12 +19,6 @@ pytestmark = [
     ),
 ]
 
-
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory):
-    from jobs.training.architectures import build_random_model
-
-    return build_random_model("small-llama", tmp_path_factory.mktemp("models") / "small-llama")
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +30,6 @@ def loaded(small_model, tmp_path_factory):
         small_model, lora=LoraSpec(r=16, alpha=16), max_seq_length=8192, gradient_checkpointing=False, cache_dir=state
     )
     return model, tok, info, state
-
-
-def _samples(n, vocab, seed=0):
-    from jobs.data.batching import TokenizedSample
-
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        ids = [rng.randrange(10, vocab - 10) for _ in range(rng.randint(20, 300))]
-        out.append(TokenizedSample(i, ids, list(ids)))
-    return out
 
 
 def test_trainable_parameters_recorded(loaded):
@@ -65,7 +49,7 @@ def test_packed_equals_alone_through_unsloth(loaded):
     from jobs.training.step import model_inputs
 
     model, _, _, _ = loaded
-    samples = _samples(12, 32000, seed=1)
+    samples = random_samples(12, 32000, seed=1)
     counts = [sum(1 for x in s.labels[1:] if x != IGNORE_INDEX) for s in samples]
     total = sum(counts)
     b = pack(samples)
@@ -94,7 +78,8 @@ def test_steps_and_parent_adapter_roundtrip(loaded, small_model, tmp_path):
 
     model, _, _, state = loaded
     opt = make_optimizer(model, lr=1e-3)
-    stats = [train_step(model, b, opt) for b in list(packed_batches(_samples(120, 32000), tokens_per_step=4096))[:3]]
+    batches = list(packed_batches(random_samples(120, 32000), tokens_per_step=4096))[:3]
+    stats = [train_step(model, b, opt) for b in batches]
     assert len(stats) == 3 and all(s.loss == s.loss for s in stats)
     model.save_pretrained(str(tmp_path / "adapter"))
     saved = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}

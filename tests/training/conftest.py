@@ -1,0 +1,26 @@
+"""What the training tests on the GPU share: the small random Llama they train, and random samples."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    from jobs.training.architectures import build_random_model
+
+    return build_random_model("small-llama", tmp_path_factory.mktemp("models") / "small-llama")
+
+
+def random_samples(n: int, vocab: int, seed: int = 0, lengths: tuple[int, int] = (20, 300)):
+    """`n` samples of random ids (labels = ids), lengths uniform in `lengths`."""
+    from jobs.data.batching import TokenizedSample
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        ids = [rng.randrange(10, vocab - 10) for _ in range(rng.randint(*lengths))]
+        out.append(TokenizedSample(i, ids, list(ids)))
+    return out
