@@ -84,7 +84,8 @@ class ScoreCache:
         if model is None or not samples:
             return score(samples) if samples else {}
         kept = self.read(model)
-        out = {s.sample_id: kept[sample_key(s)] for s in samples if sample_key(s) in kept}
+        keys = {s.sample_id: sample_key(s) for s in samples}
+        out = {sid: kept[k] for sid, k in keys.items() if k in kept}
         missing = [s for s in samples if s.sample_id not in out]
         if missing:
             fresh = score(missing)
