@@ -40,11 +40,11 @@ FILE_SLICE = "file"
 class EvalSets:
     heldout: list[TokenizedSample]
     regression: list[TokenizedSample]
+    cache: ScoreCache  # kept scores of the base and the published versions
     slices: dict[int, str] = field(default_factory=dict)  # regression sample id -> "<night>/<source>" | "file"
     reference: int | None = None  # the reference version (None: the base model)
     reference_path: Path | None = None
     service: int | None = None  # the version in service the candidate was trained from
-    cache: ScoreCache | None = None  # kept scores of the base and the published versions
     after: dict[int, evaluate.SampleScore] = field(default_factory=dict)  # the candidate's, kept once published
 
 
@@ -56,7 +56,7 @@ def score_cache(ctx: RunContext, loaded: Any, compute: str) -> ScoreCache:
 
 
 def build_sets(ctx: RunContext, tokenizer: Any, heldout_ids: list[int], parent: int | None,
-               cache: ScoreCache | None = None) -> EvalSets:
+               cache: ScoreCache) -> EvalSets:
     cfg, ledger = ctx.cfg, ctx.ledger
     tk = {"max_seq_length": cfg.train.max_seq_length, "overlong": "truncate",
           "special_tokens": cfg.train.special_tokens}
@@ -76,7 +76,7 @@ def build_sets(ctx: RunContext, tokenizer: Any, heldout_ids: list[int], parent: 
     if ref_path is not None and not (ref_path / "adapter_model.safetensors").is_file():
         log.warning("reference_not_on_disk", version=ref, note="the base model serves as the reference")
         ref, ref_path = None, None
-    return EvalSets(heldout, regression, slices, ref, ref_path, parent, cache)
+    return EvalSets(heldout, regression, cache, slices, ref, ref_path, parent)
 
 
 def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
@@ -94,10 +94,7 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
 
     def run(stage: str, model_key: str | None = None) -> None:
         for data, samples in sized.items():
-            if sets.cache is not None:
-                scores = sets.cache.scored(model_key, samples, lambda ss: _scores(ctx, loaded, ss))
-            else:
-                scores = _scores(ctx, loaded, samples)
+            scores = sets.cache.scored(model_key, samples, lambda ss: _scores(ctx, loaded, ss))
             if stage == "after":
                 sets.after.update(scores)
             measured[f"{data}_{stage}"] = evaluate.summarize(scores.values()) if samples else None
@@ -144,8 +141,6 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
 
 def keep_candidate_scores(ctx: RunContext, sets: EvalSets, version: int) -> None:
     """The promoted candidate's scores, as the version it now is: tomorrow's "before" and "reference"."""
-    if sets.cache is None:
-        return
     samples = [s for s in sets.heldout + sets.regression if s.sample_id in sets.after]
     sets.cache.add(version_model(version), samples, sets.after)
     on_disk = {v for p in ctx.registry.adapters.iterdir() if (v := parse_version(p.name)) is not None}

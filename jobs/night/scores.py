@@ -2,8 +2,8 @@
 
 Why: every night measures the adapter in service, the base and the reference on the regression set, and
 that set is made of earlier nights' held-out samples, which those same models were already scored on (the
-service adapter as the candidate it was, the base every night). Re-scoring them was most of the wake's
-evaluation. A model's score of a sample depends on its weights and on how they were loaded, so the key
+service adapter as the candidate it was, the base every night): re-scoring them repeated work already done,
+every night. A model's score of a sample depends on its weights and on how they were loaded, so the key
 is the model ("base", or a published version "v<n>", whose files never change) together with the base's
 path, the method, the compute, the backend and the tokenisation; a sample is keyed by its id and a hash of
 its tokens, so a changed rendering is scored again. One JSON file per key under `state/cache/scores/`,
