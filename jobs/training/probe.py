@@ -114,29 +114,51 @@ class Throughput:
 
 
 def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step: int, optimizer: Any, *,
-                warmup: int = 3, max_steps: int = 30, seconds: float = 30.0, group: Any = None) -> Throughput:
-    """Packed steps at the budget: `warmup` untimed, then up to `max_steps` or `seconds`.
+                warmup: int = 3, max_steps: int = 30, seconds: float = 30.0, group: Any = None,
+                max_warmup: int = 12) -> Throughput:
+    """Packed steps at the budget: at least `warmup` untimed, more (up to `max_warmup`) until two steps
+    in a row take the same time per token within SETTLED, then up to `max_steps` or `seconds` timed.
+
+    A new step size recompiles, autotunes and grows the allocator for several steps; three fixed
+    warm-up steps once left that in the first profile's figure (H200, 1B: 64k tok/s calibrated against
+    83k in the nights after it), and every night was planned from it.
 
     [distributed] `group` (jobs.training.distributed): each step is one row per rank, the end of the
-    window is decided together, and the tokens are the global step's: tokens/s for this count of cards."""
+    warm-up and of the window is decided together, and the tokens are the global step's: tokens/s for
+    this count of cards."""
     import torch
 
     world = group.world if group is not None else 1
     rows = list(packed_batches(samples, tokens_per_step=tokens_per_step))
-    tokens = steps = 0
+    tokens = steps = warm = 0
     started = None
-    for i, k in enumerate(range(0, len(rows) - world + 1, world)):
-        if i == warmup:
-            torch.cuda.synchronize()
-            started = time.perf_counter()
+    last = None  # seconds per token of the previous warm-up step
+    for k in range(0, len(rows) - world + 1, world):
         step = rows[k: k + world]
         st = group.step(model, step, optimizer) if group is not None else train_step(model, step[0], optimizer)
-        if started is not None:
-            tokens, steps = tokens + st.tokens, steps + 1
-            done = steps >= max_steps or time.perf_counter() - started >= seconds
-            if (group.agree(done)[0] if group is not None else done):  # every rank ends at the same step
-                break
+        if started is None:
+            warm += 1
+            per_token = st.seconds / max(1, st.tokens)
+            settled = last is not None and abs(per_token - last) <= SETTLED * last
+            last = per_token
+            done = warm >= max_warmup or (warm >= warmup and settled)
+            if group.agree(done)[0] if group is not None else done:
+                _synchronize(torch)
+                started = time.perf_counter()
+            continue
+        tokens, steps = tokens + st.tokens, steps + 1
+        done = steps >= max_steps or time.perf_counter() - started >= seconds
+        if (group.agree(done)[0] if group is not None else done):  # every rank ends at the same step
+            break
     return Throughput(tokens, time.perf_counter() - started if started else 0.0, steps)
+
+
+SETTLED = 0.05  # two warm-up steps this close in seconds per token: compiled, tuned, allocator grown
+
+
+def _synchronize(torch: Any) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def calibration_record(probe: ProbeResult, rates: dict[str, Throughput], *, gradient_checkpointing: bool,

@@ -1,0 +1,42 @@
+"""Calibrate's timed window starts only once steps take a settled time per token (CPU, a fake step)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs.training import probe
+from jobs.training.step import StepStat
+from jobs.training.synthetic import make_samples
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, per_token: list[float], **kw) -> tuple[probe.Throughput, list[int]]:
+    calls: list[int] = []
+
+    def fake_step(model, batch, optimizer):  # noqa: ARG001
+        i = len(calls)
+        calls.append(batch.real_tokens)
+        return StepStat(tokens=batch.real_tokens, seconds=per_token[min(i, len(per_token) - 1)] * batch.real_tokens,
+                        loss=1.0)
+
+    monkeypatch.setattr(probe, "train_step", fake_step)
+    samples = make_samples("alpaca", 40 * 1024, vocab=1000, seed=1)
+    return probe.timed_steps(None, samples, 1024, None, seconds=60.0, max_steps=5, **kw), calls
+
+
+def test_warm_up_lasts_until_steps_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    slow = [5.0, 3.0, 2.0, 1.5, 1.2, 1.0, 1.0, 1.0]  # compiling, autotuning: steps 1-6 still speeding up
+    got, calls = _run(monkeypatch, slow)
+    assert got.steps == 5
+    assert len(calls) == 7 + 5  # 7 warm-up steps: the 7th is the first within 5 % of the one before
+    assert got.tokens == sum(calls[7:])
+
+
+def test_steady_steps_warm_up_the_minimum(monkeypatch: pytest.MonkeyPatch) -> None:
+    got, calls = _run(monkeypatch, [1.0])
+    assert len(calls) == 3 + 5 and got.steps == 5
+
+
+def test_warm_up_never_outlasts_its_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    never = [1.0 / (i + 1) for i in range(40)]  # always 2x faster than the step before
+    _, calls = _run(monkeypatch, never, max_warmup=6)
+    assert len(calls) == 6 + 5
