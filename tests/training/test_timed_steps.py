@@ -12,7 +12,7 @@ from jobs.training.synthetic import make_samples
 def _run(monkeypatch: pytest.MonkeyPatch, per_token: list[float], **kw) -> tuple[probe.Throughput, list[int]]:
     calls: list[int] = []
 
-    def fake_step(model, batch, optimizer):  # noqa: ARG001
+    def fake_step(model, batch, optimizer):
         i = len(calls)
         calls.append(batch.real_tokens)
         return StepStat(tokens=batch.real_tokens, seconds=per_token[min(i, len(per_token) - 1)] * batch.real_tokens,
