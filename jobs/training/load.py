@@ -6,7 +6,6 @@ CPU) and a LoRA; full: every weight of the model in service (or the base, the fi
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from jobs.contract import Method, StepShape
 from jobs.training import moe
 from jobs.training.config import TrainConfig
 from jobs.training.loaded import Loaded, ensure_pad_token, load_tokenizer
+from jobs.training.peft_env import hide_torchao_peft_refuses
 
 log = structlog.get_logger("nightshift.train")
 
@@ -87,26 +87,6 @@ def _load_unsloth(model_path: Path, cfg: TrainConfig, adapter: Path | None, shap
         parent_adapter=adapter, cache_dir=cache_dir, method=cfg.method.value)
     ensure_pad_token(tok)
     return Loaded(model, tok, "unsloth", "cuda", info, cfg.method)
-
-
-def hide_torchao_peft_refuses() -> bool:
-    """PEFT refuses every LoRA on a 16-bit layer when the torchao installed is older than it supports (Unsloth
-    accepts 0.13 and up, PEFT 0.21 wants 0.16): a process that uses no torchao and has not imported it yet
-    stops seeing it. True when hidden."""
-    try:
-        from peft.import_utils import is_torchao_available
-    except ImportError:
-        return False
-    try:
-        is_torchao_available()
-        return False
-    except ImportError:
-        if "torchao" in sys.modules:  # imported already (Unsloth): PEFT's own error stands
-            return False
-        sys.modules["torchao"] = None  # type: ignore[assignment]
-        is_torchao_available.cache_clear()
-        log.info("torchao_hidden", reason="older than PEFT supports; the transformers path does not use it")
-        return True
 
 
 def _load_hf(model_path: Path, cfg: TrainConfig, adapter: Path | None, shape: StepShape) -> Loaded:

@@ -39,6 +39,10 @@ def prepare_moe_for_training(model: Any, tokenizer: Any, *, r: int = 16, alpha: 
     """LoRA (a new adapter, or `adapter` continued) + packed attention + optional checkpointing on an
     in-memory model."""
     import torch
+
+    from jobs.training.peft_env import hide_torchao_peft_refuses
+
+    hide_torchao_peft_refuses()  # an older torchao beside Unsloth makes PEFT refuse every LoRA
     from peft import LoraConfig, PeftModel, get_peft_model
 
     t0 = time.perf_counter()

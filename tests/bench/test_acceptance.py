@@ -46,3 +46,15 @@ def test_the_acceptance_run_passes_on_the_cpu(tmp_path):
     assert [s["version"] for s in result["served"]] == ["acc-v0001", "acc-v0002"]
     assert all(s["recomputed_digest"] in s["digest"] for s in result["served"])  # PEFT agrees with the server
     assert "| night |" in (out / "acceptance.md").read_text()
+
+
+def test_a_window_too_short_for_the_cards_overheads_stops_before_any_night():
+    from jobs.bench.acceptance.run import build_parser, too_short
+
+    a = build_parser().parse_args(["--window-minutes", "1.75", "--save-margin-minutes", "0.4"])
+    h100 = {"record": {"overhead_seconds": 46.44, "tokens_per_second": {"alpaca": 46359.0}}}
+    why = too_short(a, h100)  # 105 s - 24 s margin - 46 s overheads - 25 s wake: 10 s of training
+    assert why and "leaves 10 s" in why and "--window-minutes 2 or more" in why
+    wide = build_parser().parse_args(["--window-minutes", "2.5", "--save-margin-minutes", "0.4"])
+    assert too_short(wide, h100) is None
+    assert too_short(a, {"skipped": "no GPU"}) is None  # nothing calibrated (the CPU run): the sizes are fixed

@@ -109,7 +109,7 @@ def test_a_torchao_peft_refuses_is_hidden_from_the_transformers_path(monkeypatch
 
     import peft.import_utils as pi
 
-    from jobs.training.load import hide_torchao_peft_refuses
+    from jobs.training.peft_env import hide_torchao_peft_refuses
 
     def refuses():
         if sys.modules.get("torchao", 0) is None:

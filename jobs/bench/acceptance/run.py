@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import math
 import os
 import random
 import shutil
@@ -370,6 +371,26 @@ def calibrate(a: argparse.Namespace, work: Path, cfg: Path, env: dict[str, str])
     return out
 
 
+MIN_TRAIN_SECONDS = 20.0  # a window that leaves less trains nothing worth checking: every night would skip
+
+
+def training_seconds(a: argparse.Namespace, rec: dict[str, Any]) -> float:
+    """What a window leaves for training after the save margin, the calibrated overheads and the wake."""
+    return a.window_minutes * 60 - a.save_margin_minutes * 60 - (rec.get("overhead_seconds") or 30) - 25
+
+
+def too_short(a: argparse.Namespace, cal: dict[str, Any]) -> str | None:
+    """Why the windows cannot train on this card (None: they can). An H100 run of 1.75-minute windows once
+    skipped every night: its calibrated overheads (load 43 s) left nothing before the training deadline."""
+    rec = cal.get("record")
+    if not rec or training_seconds(a, rec) >= MIN_TRAIN_SECONDS:
+        return None
+    need = (MIN_TRAIN_SECONDS - training_seconds(a, rec)) / 60 + a.window_minutes
+    return (f"--window-minutes {a.window_minutes:g} leaves {training_seconds(a, rec):.0f} s of training on this card "
+            f"(save margin {a.save_margin_minutes * 60:.0f} s, calibrated overheads {rec.get('overhead_seconds')} s, "
+            f"25 s to wake): every night would skip; use --window-minutes {math.ceil(need * 4) / 4:g} or more")
+
+
 def night_size(a: argparse.Namespace, cal: dict[str, Any], mode: str) -> int:
     if a.samples_per_night:
         return a.samples_per_night
@@ -377,7 +398,7 @@ def night_size(a: argparse.Namespace, cal: dict[str, Any], mode: str) -> int:
     if not rec:
         return 400
     tps = min(rec["tokens_per_second"].values())
-    train_s = a.window_minutes * 60 - a.save_margin_minutes * 60 - (rec.get("overhead_seconds") or 30) - 25
+    train_s = training_seconds(a, rec)
     per_record = 75 if mode == "words" else 30  # tokens, template included
     return max(50, int(a.fill * max(10.0, train_s) * tps / per_record / max(1, a.epochs)))
 
@@ -418,6 +439,10 @@ def main(argv: list[str] | None = None) -> int:
         cal = calibrate(a, work, probe_cfg, env)
         say(f"calibrate: exit {cal['exit']} in {cal['seconds']} s "
             f"{cal.get('skipped') or cal.get('error') or json.dumps(cal['record']['tokens_per_second'])}")
+        short = too_short(a, cal)
+        if short:
+            say(f"stopping: {short}")
+            return 2
         n = night_size(a, cal, mode)
         after = None
         for k in range(1, a.nights + 1):
