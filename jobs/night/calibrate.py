@@ -159,6 +159,9 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
                            tokens_per_second=rates[profiles[i - 1]].tokens_per_second if i else 0.0))
         data = make_samples(p, 40 * budget * group.world, vocab=vocab, cap=cap_len, seed=1)
         rates[p] = timed_steps(loaded.model, data, budget, optimizer, seconds=seconds, group=together)
+        if rates[p].stalls:  # a one-off (compile, autotune) inside the window: said, not counted in the rate
+            print(f"calibrate: {p}: {rates[p].stalls} of {rates[p].steps} timed steps stalled, "
+                  f"{rates[p].stall_seconds:.2f} s beyond the median rate, left out", file=sys.stderr, flush=True)
     emit(ProgressEvent(fraction=1.0, tokens_per_second=min(r.tokens_per_second for r in rates.values())))
     slow = min(rates, key=lambda p: rates[p].tokens_per_second)
     extra: list[ShapeRate] = []

@@ -105,12 +105,18 @@ def _fill(it: Iterable[TokenizedSample], size: int) -> Batch:
 @dataclass(frozen=True)
 class Throughput:
     tokens: int  # real tokens of the timed steps
-    seconds: float  # their wall time
+    seconds: float  # their wall time, less the excess of one-off stalls
     steps: int
+    stalls: int = 0  # timed steps that took more than STALL x the median time per token
+    stall_seconds: float = 0.0  # what those took beyond the median rate (left out of `seconds`)
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+STALL = 2.0  # a step this many times slower per token than the window's median: a one-off (compile, autotune)
+SETTLED = 0.05  # two warm-up steps this close in seconds per token: compiled, tuned, allocator grown
 
 
 def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step: int, optimizer: Any, *,
@@ -119,9 +125,11 @@ def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step:
     """Packed steps at the budget: at least `warmup` untimed, more (up to `max_warmup`) until two steps
     in a row take the same time per token within SETTLED, then up to `max_steps` or `seconds` timed.
 
-    A new step size recompiles, autotunes and grows the allocator for several steps; three fixed
-    warm-up steps once left that in the first profile's figure (H200, 1B: 64k tok/s calibrated against
-    83k in the nights after it), and every night was planned from it.
+    A timed step over STALL x the median time per token is a one-off (a recompile, an autotune) that a
+    night pays once, not per step: its excess is left out of the rate and counted in `stalls`. On an
+    H200 (1B, calibrate's first profile) one step in the window took 5x the others after three settled
+    ones; the profile read 64k tok/s against the 83k its nights then trained at, and every night was
+    planned from it.
 
     [distributed] `group` (jobs.training.distributed): each step is one row per rank, the end of the
     warm-up and of the window is decided together, and the tokens are the global step's: tokens/s for
@@ -130,7 +138,8 @@ def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step:
 
     world = group.world if group is not None else 1
     rows = list(packed_batches(samples, tokens_per_step=tokens_per_step))
-    tokens = steps = warm = 0
+    timed: list[tuple[int, float]] = []  # (tokens, seconds) of each timed step
+    warm = 0
     started = None
     last = None  # seconds per token of the previous warm-up step
     for k in range(0, len(rows) - world + 1, world):
@@ -146,14 +155,23 @@ def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step:
                 _synchronize(torch)
                 started = time.perf_counter()
             continue
-        tokens, steps = tokens + st.tokens, steps + 1
-        done = steps >= max_steps or time.perf_counter() - started >= seconds
+        timed.append((st.tokens, st.seconds))
+        done = len(timed) >= max_steps or time.perf_counter() - started >= seconds
         if (group.agree(done)[0] if group is not None else done):  # every rank ends at the same step
             break
-    return Throughput(tokens, time.perf_counter() - started if started else 0.0, steps)
+    wall = time.perf_counter() - started if started else 0.0
+    excess = _stall_excess(timed)
+    return Throughput(sum(n for n, _ in timed), max(wall - sum(excess), 0.0), len(timed), stalls=len(excess),
+                      stall_seconds=round(sum(excess), 3))
 
 
-SETTLED = 0.05  # two warm-up steps this close in seconds per token: compiled, tuned, allocator grown
+def _stall_excess(timed: Sequence[tuple[int, float]]) -> list[float]:
+    """Seconds beyond the median rate of each stalled step (at least three steps to judge by)."""
+    if len(timed) < 3:
+        return []
+    per_token = sorted(s / max(1, n) for n, s in timed)
+    median = per_token[len(per_token) // 2]
+    return [s - n * median for n, s in timed if s > STALL * n * median]
 
 
 def _synchronize(torch: Any) -> None:

@@ -9,14 +9,17 @@ from jobs.training.step import StepStat
 from jobs.training.synthetic import make_samples
 
 
-def _run(monkeypatch: pytest.MonkeyPatch, per_token: list[float], **kw) -> tuple[probe.Throughput, list[int]]:
+def _run(monkeypatch: pytest.MonkeyPatch, per_token: list[float], clock=None,
+         **kw) -> tuple[probe.Throughput, list[int]]:
     calls: list[int] = []
 
     def fake_step(model, batch, optimizer):
         i = len(calls)
         calls.append(batch.real_tokens)
-        return StepStat(tokens=batch.real_tokens, seconds=per_token[min(i, len(per_token) - 1)] * batch.real_tokens,
-                        loss=1.0)
+        seconds = per_token[min(i, len(per_token) - 1)] * batch.real_tokens
+        if clock is not None:
+            clock.now += seconds
+        return StepStat(tokens=batch.real_tokens, seconds=seconds, loss=1.0)
 
     monkeypatch.setattr(probe, "train_step", fake_step)
     samples = make_samples("alpaca", 40 * 1024, vocab=1000, seed=1)
@@ -40,3 +43,30 @@ def test_warm_up_never_outlasts_its_cap(monkeypatch: pytest.MonkeyPatch) -> None
     never = [1.0 / (i + 1) for i in range(40)]  # always 2x faster than the step before
     _, calls = _run(monkeypatch, never, max_warmup=6)
     assert len(calls) == 6 + 5
+
+
+def test_a_one_off_stall_in_the_window_is_left_out_of_the_rate_and_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the H200 calibrate run: settled at once, then one step 5x slower (results/h200-2026-11-23/calibrate-steps)
+    monkeypatch.setattr(probe.time, "perf_counter", _clock := _FakeClock())
+    per_token = [0.001, 0.001, 0.001, 0.001, 0.005, 0.001, 0.001, 0.001, 0.001]  # 1 ms per token
+    got, calls = _run(monkeypatch, per_token, clock=_clock)
+    assert got.steps == 5 and got.stalls == 1
+    assert got.stall_seconds == pytest.approx(0.004 * calls[4], abs=1e-3)
+    assert got.tokens_per_second == pytest.approx(1000.0, rel=1e-3)  # the steady rate, not 1000 x 5/9
+
+
+def test_steady_variation_is_not_a_stall(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(probe.time, "perf_counter", _clock := _FakeClock())
+    got, _ = _run(monkeypatch, [0.001, 0.001, 0.001, 0.001, 0.0015, 0.0009, 0.0011, 0.0016, 0.001],
+                  clock=_clock)
+    assert got.stalls == 0 and got.stall_seconds == 0.0
+
+
+class _FakeClock:
+    """perf_counter advanced by the fake steps' seconds: the window's wall time is theirs."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
