@@ -33,10 +33,9 @@ from typing import Any
 
 import structlog
 
-from jobs.contract import Emit, OomSplitEvent
+from jobs.contract import Emit
 from jobs.data.batching import IGNORE_INDEX, Batch
 from jobs.training import step as one_step
-from jobs.training.packing import is_packed, split_in_two
 from jobs.training.step import StepStat, is_unsloth, model_inputs
 from jobs.training.topology import DistributedConfig
 
@@ -207,22 +206,10 @@ class Group(Solo):
         row = rows[self.rank] if self.rank < len(rows) else None
         share = _Share()
         if row is not None:
-            splittable = is_packed(row) and len(row.sample_ids) > 1
-            split, oom = halve and splittable, False
-            if not split:
-                try:
-                    self._contribute(model, row, device, share)
-                except torch.OutOfMemoryError:
-                    if not splittable:
-                        raise
-                    split = oom = True
-            if split:  # outside the handler, which keeps the failed attempt's activations (see step.train_step)
-                optimizer.zero_grad(set_to_none=True)
+            halves = one_step.whole_or_halves(row, lambda: self._contribute(model, row, device, share), optimizer,
+                                              halve=halve, on_event=on_event)
+            if halves:
                 share = _Share(split=True)
-                halves = split_in_two(row)
-                if oom:
-                    torch.cuda.empty_cache()
-                    on_event(OomSplitEvent(tokens=row.real_tokens, halves=[h.real_tokens for h in halves]))
                 for h in halves:
                     self._contribute(model, h, device, share)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]

@@ -14,6 +14,7 @@ The night's loop (jobs/training/loop.py), calibration's probe and the benchmark 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,27 +84,16 @@ def train_step(
     unsloth = is_unsloth(model)
     cuda = str(device).startswith("cuda")
     t0 = time.perf_counter()
-    splittable = is_packed(batch) and len(batch.sample_ids) > 1
-    split, oom = halve and splittable, False
-    if not split:
-        try:
-            loss = _one(model, batch, device, unsloth, 1.0)
-        except torch.OutOfMemoryError:
-            if not splittable:
-                raise
-            split = oom = True
-    # The halves run outside the handler: the exception's traceback holds the failed attempt's frames, and
-    # with them its activations, until the handler is left; inside it the halves would find no more room.
-    if split:
-        optimizer.zero_grad(set_to_none=True)
-        halves = split_in_two(batch)
-        if oom:
-            torch.cuda.empty_cache()
-            on_event(OomSplitEvent(tokens=batch.real_tokens, halves=[h.real_tokens for h in halves]))
-        loss = 0.0
-        for h in halves:  # token-weighted, so the step equals the whole batch's step
-            w = h.real_tokens / batch.real_tokens
-            loss += w * _one(model, h, device, unsloth, w)
+    loss = 0.0
+
+    def whole() -> None:
+        nonlocal loss
+        loss = _one(model, batch, device, unsloth, 1.0)
+
+    halves = whole_or_halves(batch, whole, optimizer, halve=halve, on_event=on_event)
+    for h in halves:  # token-weighted, so the step equals the whole batch's step
+        w = h.real_tokens / batch.real_tokens
+        loss += w * _one(model, h, device, unsloth, w)
     if max_grad_norm:
         ps = params if params is not None else [p for p in model.parameters() if p.requires_grad]
         torch.nn.utils.clip_grad_norm_(ps, max_grad_norm)
@@ -113,7 +103,35 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     if cuda:
         torch.cuda.synchronize()
-    return StepStat(batch.real_tokens, time.perf_counter() - t0, loss, split)
+    return StepStat(batch.real_tokens, time.perf_counter() - t0, loss, bool(halves))
+
+
+def whole_or_halves(batch: Batch, attempt: Callable[[], None], optimizer: Any, *, halve: bool,
+                    on_event: Emit) -> list[Batch]:
+    """Run `attempt` (the whole batch's forward and backward); the two halves to run instead when asked to
+    (`halve`: the run already hit an out-of-memory) or when it runs out of memory (gradients zeroed, the
+    event emitted). [] when the whole batch ran. The caller runs the halves after this returns: inside the
+    handler the exception's traceback still holds the failed attempt's frames, and with them its
+    activations, and the halves would find no more room than the whole did."""
+    import torch
+
+    splittable = is_packed(batch) and len(batch.sample_ids) > 1
+    oom = False
+    if not (halve and splittable):
+        try:
+            attempt()
+        except torch.OutOfMemoryError:
+            if not splittable:
+                raise
+            oom = True
+        else:
+            return []
+    optimizer.zero_grad(set_to_none=True)
+    halves = split_in_two(batch)
+    if oom:
+        torch.cuda.empty_cache()
+        on_event(OomSplitEvent(tokens=batch.real_tokens, halves=[h.real_tokens for h in halves]))
+    return halves
 
 
 def make_optimizer(model: Any, *, lr: float = 2e-4, weight_decay: float = 0.0) -> Any:
