@@ -46,22 +46,6 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "bos_token_id": 128000,
         "eos_token_id": 128001,
     },
-    "llama3.2-3b": {
-        "model_type": "llama",
-        "vocab_size": 128256,
-        "hidden_size": 3072,
-        "intermediate_size": 8192,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 24,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": True,
-        "rope_parameters": _llama3_rope(32.0),
-        "bos_token_id": 128000,
-        "eos_token_id": 128001,
-    },
     "qwen3-8b": {
         "model_type": "qwen3",
         "vocab_size": 151936,
@@ -69,22 +53,6 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "intermediate_size": 12288,
         "num_hidden_layers": 36,
         "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "max_position_embeddings": 40960,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-    },
-    "qwen3-32b": {
-        "model_type": "qwen3",
-        "vocab_size": 151936,
-        "hidden_size": 5120,
-        "intermediate_size": 25600,
-        "num_hidden_layers": 64,
-        "num_attention_heads": 64,
         "num_key_value_heads": 8,
         "head_dim": 128,
         "max_position_embeddings": 40960,
@@ -157,6 +125,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "eos_token_id": 2,
     },
 }
+# the same families at other sizes: only what differs
+ARCHITECTURES["llama3.2-3b"] = {**ARCHITECTURES["llama3.2-1b"], "hidden_size": 3072, "num_hidden_layers": 28,
+                                "num_attention_heads": 24, "head_dim": 128}
+ARCHITECTURES["qwen3-32b"] = {**ARCHITECTURES["qwen3-8b"], "hidden_size": 5120, "intermediate_size": 25600,
+                              "num_hidden_layers": 64, "num_attention_heads": 64}
 # GPT-OSS-120B (issue 15): GPT-OSS-20B's widths, 36 layers, 128 experts (top-4): 116.8 B parameters, ~5.1 B
 # active per token. Its NF4 weights (~61 GB) outgrow a 64 GB disk: jobs/training/build_in_memory.py builds it
 # on the GPU. tiny-gpt-oss: the same architecture at test size (CPU tests).

@@ -383,10 +383,11 @@ def too_short(a: argparse.Namespace, cal: dict[str, Any]) -> str | None:
     """Why the windows cannot train on this card (None: they can). An H100 run of 1.75-minute windows once
     skipped every night: its calibrated overheads (load 43 s) left nothing before the training deadline."""
     rec = cal.get("record")
-    if not rec or training_seconds(a, rec) >= MIN_TRAIN_SECONDS:
+    left = training_seconds(a, rec) if rec else MIN_TRAIN_SECONDS
+    if left >= MIN_TRAIN_SECONDS:
         return None
-    need = (MIN_TRAIN_SECONDS - training_seconds(a, rec)) / 60 + a.window_minutes
-    return (f"--window-minutes {a.window_minutes:g} leaves {training_seconds(a, rec):.0f} s of training on this card "
+    need = (MIN_TRAIN_SECONDS - left) / 60 + a.window_minutes
+    return (f"--window-minutes {a.window_minutes:g} leaves {left:.0f} s of training on this card "
             f"(save margin {a.save_margin_minutes * 60:.0f} s, calibrated overheads {rec.get('overhead_seconds')} s, "
             f"25 s to wake): every night would skip; use --window-minutes {math.ceil(need * 4) / 4:g} or more")
 
