@@ -125,11 +125,11 @@ def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step:
     """Packed steps at the budget: at least `warmup` untimed, more (up to `max_warmup`) until two steps
     in a row take the same time per token within SETTLED, then up to `max_steps` or `seconds` timed.
 
-    A timed step over STALL x the median time per token is a one-off (a recompile, an autotune) that a
-    night pays once, not per step: its excess is left out of the rate and counted in `stalls`. On an
-    H200 (1B, calibrate's first profile) one step in the window took 5x the others after three settled
-    ones; the profile read 64k tok/s against the 83k its nights then trained at, and every night was
-    planned from it.
+    A timed step over STALL x the median time per token is taken for a one-off, not the rate: its excess
+    is left out and counted in `stalls`. On an H200 (1B, calibrate's first profile) one step took 5x the
+    others after three settled ones (results/h200-2026-11-23/calibrate-steps); in a 6-second window that
+    is a third of the time, and calibrate's figure for that profile (64k tok/s against the 81-83k its
+    nights trained at) planned every night.
 
     [distributed] `group` (jobs.training.distributed): each step is one row per rank, the end of the
     warm-up and of the window is decided together, and the tokens are the global step's: tokens/s for
