@@ -100,6 +100,20 @@ def estimate(history: list[Any], cfg: PlanConfig) -> tuple[float, float, str, bo
     return tps, overhead, f"measured: median of {len(rows)} ({origins}): {tps:,.0f} tok/s", True
 
 
+def expected_warmup(rows: list[Any]) -> float:
+    """Median seconds of the runs' warm-up steps (a compile, the probes): the rate leaves them out and
+    the overhead holds them, so the predicted training time adds them back. 0 before any run."""
+    seen = []
+    for r in rows:
+        try:
+            w = json.loads(r["detail"] or "{}").get("warmup_seconds")
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue
+        if isinstance(w, int | float) and w >= 0:
+            seen.append(float(w))
+    return statistics.median(seen) if seen else 0.0
+
+
 def quantile(sorted_values: list[float], q: float) -> float:
     """Linear interpolation between the closest ranks (numpy's default)."""
     pos = q * (len(sorted_values) - 1)
@@ -114,6 +128,7 @@ def make_plan(pending: list[SampleRow], *, now: float, deadline: float, history:
     """`replay_pool`: samples trained on earlier nights (jobs.store.learning.replay_pool); `seed`: the
     night; `min_heldout`: held-out samples a night under a backlog takes at least (when there are)."""
     tps, overhead, basis, measured = estimate(history, cfg)
+    warmup = expected_warmup(history[: cfg.history_runs])
     available = max(0.0, deadline - now - overhead)
     total_capacity = available * tps * cfg.safety_factor / max(1, epochs)  # real tokens we may plan
     share = cfg.replay_share if replay_pool else 0.0
@@ -145,6 +160,6 @@ def make_plan(pending: list[SampleRow], *, now: float, deadline: float, history:
         key=key, train_ids=train, heldout_ids=[s.id for s in heldout], train_tokens=total,
         deferred_samples=len(rest), deferred_tokens=sum(s.n_tokens for s in rest),
         tokens_per_second=tps, overhead_seconds=overhead, available_seconds=available,
-        predicted_train_seconds=total * max(1, epochs) / tps, epochs=max(1, epochs),
+        predicted_train_seconds=total * max(1, epochs) / tps + (warmup if total else 0.0), epochs=max(1, epochs),
         basis=basis, measured=measured, replay_ids=[s.id for s in replay], replay_tokens=replay_tokens,
     )

@@ -201,12 +201,18 @@ def close_run(ctx: RunContext, planned: PlannedRun, result: TrainResult, publish
     """Record the measured throughput for the next plans, close the run, drop its checkpoints."""
     s = ctx.summary
     overhead = sum(s.phase_seconds.get(p.value, 0.0) for p in (Phase.load, Phase.evaluate, Phase.publish))
-    ctx.ledger.record_throughput(key=planned.key, run_id=ctx.run_id, origin="run", tokens=result.tokens,
-                                 seconds=result.seconds, overhead_seconds=overhead,
+    tokens, seconds = result.tokens, result.seconds
+    if tokens > result.warmup_tokens and seconds > result.warmup_seconds:  # the steady rate; warm-up is overhead
+        tokens, seconds = tokens - result.warmup_tokens, seconds - result.warmup_seconds
+        overhead += result.warmup_seconds
+    ctx.ledger.record_throughput(key=planned.key, run_id=ctx.run_id, origin="run", tokens=tokens,
+                                 seconds=seconds, overhead_seconds=overhead,
                                  detail={"steps": result.steps, "backend": planned.plan.backend,
                                          "device": planned.plan.device,
                                          "tokens_per_step": result.detail.get("tokens_per_step"),
-                                         "gradient_checkpointing": result.detail.get("gradient_checkpointing")})
+                                         "gradient_checkpointing": result.detail.get("gradient_checkpointing"),
+                                         "warmup_tokens": result.warmup_tokens,
+                                         "warmup_seconds": round(result.warmup_seconds, 3)})
     ctx.finish("succeeded" if published.promoted else "rejected")
     remove_checkpoints(ctx)
 

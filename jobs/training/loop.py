@@ -59,6 +59,9 @@ class TrainResult:
     partial_ids: list[int] = field(default_factory=list)  # stopped before their last epoch: not trained
     loss_curve: list[tuple[int, float]] = field(default_factory=list)  # (optimizer step, loss)
     first_step_at: float | None = None  # clock() when this attempt's first step ended
+    # each attempt's first step (and the probes): compiles and autotunes, not the steady rate
+    warmup_tokens: int = 0
+    warmup_seconds: float = 0.0
 
 
 PROBE_TOKENS = 256
@@ -89,9 +92,8 @@ def _plan(samples: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: int, tok
     gone: set[int] = set()
     for at, ids in cuts:
         gone |= set(ids)
-        done = {sid for b in first[:at] for sid in b.sample_ids}
-        first = first[:at] + _batches([s for s in samples if s.sample_id not in done | gone], cfg, pad_id,
-                                      tokens_per_step)
+        skip = gone | {sid for b in first[:at] for sid in b.sample_ids}  # once: per sample it was quadratic
+        first = first[:at] + _batches([s for s in samples if s.sample_id not in skip], cfg, pad_id, tokens_per_step)
     kept = [s for s in samples if s.sample_id not in gone]
     out = list(first)
     for epoch in range(1, cfg.epochs):
@@ -187,7 +189,8 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
     state: dict[str, Any] = {"next_batch": 0, "steps": 0, "tokens": 0, "seconds": 0.0, "loss_sum": 0.0,
                              "loss_n": 0, "halved": False, "tokens_per_step": shape.tokens_per_step, "cuts": [],
-                             "loss_curve": [], "probe_samples": []}
+                             "loss_curve": [], "probe_samples": [], "warmup_tokens": 0, "warmup_seconds": 0.0,
+                             "slow_steps": []}
 
     def step_event(ev: OomSplitEvent) -> None:  # from now on every step runs as two halves (also after a resume)
         state["halved"] = True
@@ -196,7 +199,8 @@ def train(
 
     probing = probe_first and resume is None
     if resume is not None:
-        state = {"cuts": [], "loss_curve": [], "probe_samples": [], **json.loads((resume / "state.json").read_text())}
+        state = {"cuts": [], "loss_curve": [], "probe_samples": [], "warmup_tokens": 0, "warmup_seconds": 0.0,
+                 "slow_steps": [], **json.loads((resume / "state.json").read_text())}
         opt = torch.load(resume / "optimizer.pt", map_location=device, weights_only=False)
         optimizer.load_state_dict(opt["optimizer"])
         scheduler.load_state_dict(opt["scheduler"])
@@ -229,7 +233,9 @@ def train(
     last_progress = 0.0
     first_step_at: float | None = None
     total_tokens = sum(b.real_tokens for b in batches)
-    measured_from, since, tokens_here = max(resumed_from, n_probes), started, 0  # this attempt's throughput
+    # this attempt's throughput, for the cut: from after its first step (a compile) and the probes
+    measured_from, since, tokens_here = max(resumed_from + group.world, n_probes), started, 0
+    steady: list[float] = []  # seconds per token of this attempt's steps after warm-up
     i = resumed_from
     while i < len(batches):
         rows = batches[i: i + group.world]  # [distributed] one row per rank (one row: one process)
@@ -263,7 +269,7 @@ def train(
             state["halved"] = True
         loss, dt = st.loss, st.seconds
         step_rate = dt / max(1, _tokens(rows))  # seconds per token of the global step
-        per_token = step_rate if per_token is None or i < n_probes else 0.8 * per_token + 0.2 * step_rate
+        per_token = step_rate if per_token is None or i <= measured_from else 0.8 * per_token + 0.2 * step_rate
         first_step_at = first_step_at or clock()
         done = i + len(rows)  # rows consumed: the global position
         state["next_batch"] = done
@@ -274,8 +280,11 @@ def train(
         state["loss_curve"].append([state["steps"], loss])
         if i >= measured_from:
             tokens_here += _tokens(rows)
+            _note_slow(state, steady, step_rate, dt=dt, tokens=_tokens(rows), step=state["steps"])
         else:
             since = clock()
+            state["warmup_tokens"] += _tokens(rows)
+            state["warmup_seconds"] += dt
         state["seconds"] = seconds_before + (clock() - started)
         if probing and i < n_probes <= done:  # after the timed probe, the rest of the steps are sized from it
             fit = (_fit(shape, left=deadline - clock() - save_seconds, per_token=step_rate, world=group.world)
@@ -313,13 +322,32 @@ def train(
         tokens=int(state["tokens"]), seconds=float(state["seconds"]),
         steps=int(state["steps"]), mean_loss=state["loss_sum"] / state["loss_n"] if state["loss_n"] else None,
         stopped=stopped, resumed_from_step=resumed_from, first_step_at=first_step_at,
+        warmup_tokens=int(state["warmup_tokens"]), warmup_seconds=float(state["warmup_seconds"]),
         detail={"batches": len(batches), "batches_done": done, "halved": state["halved"],
                 "tokens_per_step": tokens_per_step, "gradient_checkpointing": shape.gradient_checkpointing,
                 "step_shape_basis": basis, "batching": cfg.batching, "cuts": state["cuts"],
                 "probe_samples": list(state["probe_samples"]), "world_size": group.world,
+                "slow_steps": list(state["slow_steps"]),
                 "step_shape": shape.model_copy(update={"tokens_per_step": tokens_per_step,
                                                        "basis": basis}).model_dump(mode="json")},
     )
+
+
+SLOW_STEP = 3.0  # a step this many times the median time per token of the attempt's steps so far
+MAX_SLOW_NOTED = 20
+
+
+def _note_slow(state: dict[str, Any], steady: list[float], rate: float, *, dt: float, tokens: int, step: int) -> None:
+    """Log (and keep, up to MAX_SLOW_NOTED) a step far slower per token than this attempt's others: a
+    recompile, a stall or a neighbour on the card shows where the night's time went."""
+    import statistics
+
+    if len(steady) >= 3 and rate > SLOW_STEP * statistics.median(steady):
+        typical = statistics.median(steady) * tokens
+        log.warning("slow_step", step=step, seconds=round(dt, 3), tokens=tokens, typical_seconds=round(typical, 3))
+        if len(state["slow_steps"]) < MAX_SLOW_NOTED:
+            state["slow_steps"].append([step, round(dt, 3), round(typical, 3)])
+    steady.append(rate)
 
 
 def _fit(shape: StepShape, *, left: float, per_token: float, world: int) -> int:

@@ -79,3 +79,16 @@ def test_heldout_comes_from_the_whole_backlog_so_every_night_has_some():
     assert sorted(taken) == sorted(candidates) and len(set(taken)) == len(taken)
     small = make_plan(rows(1000), now=0, deadline=5, history=[], cfg=cfg, epochs=1, key="k", min_heldout=3)
     assert len(small.train_ids) == 5 and len(small.heldout_ids) == 3  # at least min_heldout
+
+
+def test_the_runs_warm_up_is_added_to_the_predicted_training_time():
+    """A run records its steady rate and its warm-up steps (the compile) apart: the plan predicts both."""
+    import json
+
+    cfg = PlanConfig(heldout_share=0, safety_factor=1)
+    history = [{**hist(200, 100), "detail": json.dumps({"warmup_seconds": w})} for w in (4.0, 6.0, 5.0)]
+    history.append({**hist(200, 100, origin="calibrate"), "detail": json.dumps({"overhead_seconds": 100})})
+    p = make_plan(rows(100), now=0, deadline=600, history=history, cfg=cfg, epochs=1, key="k")
+    assert p.predicted_train_seconds == 10_000 / 200 + 5.0  # the median warm-up of the runs that had one
+    nothing = make_plan(rows(100), now=0, deadline=100, history=history, cfg=cfg, epochs=1, key="k")
+    assert nothing.train_ids == [] and nothing.predicted_train_seconds == 0.0

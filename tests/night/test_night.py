@@ -47,6 +47,9 @@ def test_two_nights_quarantine_publish_continue_and_load(night_env, tiny_model):
     assert led.sample_counts().get("pending", 0) == 0
     assert len(led.throughput_history(led.throughput_history.__self__.db.execute(
         "SELECT key FROM throughput LIMIT 1").fetchone()[0])) == 2
+    for tokens, overhead, detail in led.db.execute("SELECT tokens, overhead_seconds, detail FROM throughput"):
+        d = json.loads(detail)  # the steady rate without the first step (a compile); the overhead holds it
+        assert d["warmup_tokens"] > 0 and tokens > 0 and overhead >= d["warmup_seconds"] > 0
     assert json.loads((current / "manifest.json").read_text())["plan"]["basis"].startswith("measured")
 
     # a real consumer: peft loads the adapter behind `current` onto the base model and generates

@@ -101,3 +101,41 @@ def test_a_cut_keeps_the_batches_already_trained():
     counts = Counter(sid for b in cut for sid in b.sample_ids)
     assert all(counts[i] == 3 for i in range(35)) and not any(counts[i] for i in range(35, 40))
     assert plan_batches(data, CFG, 0, 4096, cuts=[]) == whole
+
+
+class WarmClock(StepClock):
+    """One second per step, except the attempt's first step (a compile): `first` seconds; and `slow` at
+    step index `slow_at`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, first: float, slow_at: int | None = None,
+                 slow: float = 0.0) -> None:
+        self.t, self.n = 1000.0, 0
+        real = step_module.train_step
+
+        def timed(*args, **kwargs):
+            st = real(*args, **kwargs)
+            dt = first if self.n == 0 else slow if self.n == slow_at else 1.0
+            self.n += 1
+            self.t += dt
+            st.seconds = dt
+            return st
+
+        monkeypatch.setattr(step_module, "train_step", timed)
+
+
+def test_the_first_step_of_an_attempt_is_warm_up_not_the_rate_a_cut_is_sized_by(monkeypatch, tmp_path: Path):
+    """30 one-second steps and a 10-second compile in the first fit a 42-second deadline: nothing may be
+    cut (counting the compile in the rate would have cut a third of the samples)."""
+    clock = WarmClock(monkeypatch, first=10.0)
+    res = train(tiny(), samples(40), CFG, ckpt_root=tmp_path, deadline=clock.t + 42, stop=threading.Event(),
+                shape=SHAPE, clock=clock, save_seconds=0)
+    assert not res.cut_ids and res.stopped is None and res.steps == 30
+    assert res.warmup_seconds == 10.0 and res.warmup_tokens == 40  # the first batch: 4 samples x 10 tokens
+    assert res.tokens == 1200 and res.seconds == pytest.approx(39.0)
+
+
+def test_a_step_far_slower_than_the_others_is_noted_with_its_typical_time(monkeypatch, tmp_path: Path):
+    clock = WarmClock(monkeypatch, first=1.0, slow_at=6, slow=9.0)
+    res = train(tiny(), samples(40), CFG, ckpt_root=tmp_path, deadline=clock.t + 1e6, stop=threading.Event(),
+                shape=SHAPE, clock=clock, save_seconds=0)
+    assert res.detail["slow_steps"] == [[7, 9.0, 1.0]]  # optimizer step 7 took 9 s where 1 s was typical
