@@ -32,6 +32,37 @@ def busy_time(intervals: Sequence[tuple[float, float]]) -> float:
     return total
 
 
+# (category, name fragments), checked in this order: the first match wins (FP8 GEMMs before GEMMs, the
+# quantisation's amax kernels before the element-wise ones)
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("fp8 gemm", ("e4m3", "f8f8", "qqtst", "_scaled_mm", "fp8")),
+    ("nf4 dequant", ("kdequantize", "dequantize", "nf4")),
+    ("attention", ("flash", "fmha", "attn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "ampere_")),
+    ("quantise (amax)", ("amax",)),
+    ("cross entropy", ("cross_entropy", "logsumexp")),
+    ("optimizer", ("adam", "multi_tensor", "_foreach")),
+    ("norm/rope/activation", ("rms", "layernorm", "rope", "swiglu", "_fg_kernel", "silu", "gelu")),
+    ("copy/cast", ("copy", "cat", "transpose")),
+)
+
+
+def kernel_category(name: str) -> str:
+    """Which part of a step a CUDA kernel belongs to, from its name (CATEGORIES' order); else "other"."""
+    low = name.lower()
+    return next((cat for cat, parts in CATEGORIES if any(p in low for p in parts)), "other")
+
+
+def by_category(kernels: Sequence[tuple[str, float]]) -> list[dict[str, Any]]:
+    """[(kernel name, device time)] -> [{category, ms, share}], largest first (times in microseconds)."""
+    sums: dict[str, float] = {}
+    for name, us in kernels:
+        sums[kernel_category(name)] = sums.get(kernel_category(name), 0.0) + us
+    total = sum(sums.values()) or 1.0
+    return [{"category": c, "ms": round(us / 1e3, 2), "share": round(us / total, 4)}
+            for c, us in sorted(sums.items(), key=lambda kv: kv[1], reverse=True)]
+
+
 def profile_steps(model: Any, batches: Sequence[Any], optimizer: Any, *, path: Path | None, title: str,
                   top: int = 25) -> dict[str, Any]:
     """One warm-up step, then `batches[1:]` under the profiler. Writes a text report to `path`."""
@@ -64,6 +95,7 @@ def profile_steps(model: Any, batches: Sequence[Any], optimizer: Any, *, path: P
         "gpu_span_ms": round(span / 1e3, 1), "gpu_busy_ms": round(busy / 1e3, 1),
         "gpu_idle_share": round(1 - busy / span, 4) if span else None,
         "kernels_per_step": round(len(gpu) / steps), "launches_per_step": round(launches / steps),
+        "categories": by_category([(k.key, k.self_device_time_total) for k in kernels]),
         "top_kernels": [{"name": k.key[:120], "calls": k.count, "ms": round(k.self_device_time_total / 1e3, 2),
                          "share": round(k.self_device_time_total / total_dev, 4)} for k in kernels[:top]],
     }
@@ -72,6 +104,8 @@ def profile_steps(model: Any, batches: Sequence[Any], optimizer: Any, *, path: P
                 f"{summary['gpu_span_ms']} ms, busy {summary['gpu_busy_ms']} ms, idle share "
                 f"{summary['gpu_idle_share']}; {summary['kernels_per_step']} kernels and "
                 f"{summary['launches_per_step']} launch calls per step")
+        cats = "\n".join(f"  {c['share']:6.1%}  {c['ms']:10.1f} ms  {c['category']}" for c in summary["categories"])
+        head += "\n\ntime by category (kernel names):\n" + cats
         path.write_text(head + "\n\n" + ka.table(sort_by="self_device_time_total", row_limit=top,
                                                   max_name_column_width=90))
     return summary

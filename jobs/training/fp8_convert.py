@@ -18,9 +18,11 @@ fails); otherwise each one is freed as soon as its projection is converted.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +35,19 @@ from jobs.training.fp8 import FP8Base, FP8Group, shape_supported
 from jobs.training.fp8_unsloth import route
 
 log = structlog.get_logger("nightshift.train")
+
+@contextlib.contextmanager
+def timed(into: dict[str, float], phase: str) -> Iterator[None]:
+    """Add the block's seconds to `into[phase]`; on CUDA the GPU work queued in it is waited for, so that
+    each phase is charged its own kernels (where the minutes before a first FP8 step go)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        into[phase] = round(into.get(phase, 0.0) + time.perf_counter() - t0, 3)
+
 
 ROLES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "mlp": ("gate_proj", "up_proj", "down_proj")}
 # (layer name, dense weight as the bf16 path computes with, its FP8 replacement) -> per-layer numerics
@@ -116,6 +131,7 @@ class Conversion:
     converted: int = 0
     layers: list[LayerNumerics] = field(default_factory=list)
     fallbacks: Counter[str] = field(default_factory=Counter)
+    seconds: dict[str, float] = field(default_factory=dict)  # dequantise / quantise / check, over all units
     _swapped: list[tuple[Any, Any]] = field(default_factory=list)  # (LoRA layer, original base or None)
     _attached: list[tuple[Any, str]] = field(default_factory=list)  # (parent, attribute)
 
@@ -153,7 +169,8 @@ class Conversion:
         for role, (name, proj) in u.projs.items():
             base = proj.base_layer
             bias = getattr(base, "bias", None)
-            w, from_nf4, why = dense_weight(base)
+            with timed(self.seconds, "dequantise"):
+                w, from_nf4, why = dense_weight(base)
             if w is None:
                 failed.append((name, why))
                 continue
@@ -163,8 +180,10 @@ class Conversion:
             if u.route == "fused" and bias is not None:
                 failed.append((name, "base bias in a fused layer"))
                 continue
-            fp8 = FP8Base.from_weight(w, bias).to(w.device)
-            num = self.check(name, w, fp8, from_nf4) if self.check else None
+            with timed(self.seconds, "quantise"):
+                fp8 = FP8Base.from_weight(w, bias).to(w.device)
+            with timed(self.seconds, "check"):
+                num = self.check(name, w, fp8, from_nf4) if self.check else None
             del w
             if num is not None:
                 done[name] = num

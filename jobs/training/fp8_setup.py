@@ -65,22 +65,25 @@ def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, 
     import torch
 
     from jobs.training import fp8_unsloth, numerics
-    from jobs.training.fp8_convert import Conversion, base_bytes, find_units
+    from jobs.training.fp8_convert import Conversion, base_bytes, find_units, timed
 
     t0 = time.perf_counter()
+    phases: dict[str, float] = {}
     out = Fp8Outcome("bf16", None)
     conv: Conversion | None = None
     cuda = str(device).startswith("cuda")
     alloc0 = torch.cuda.memory_allocated() if cuda else 0
     try:
-        patch = fp8_unsloth.install(model) if unsloth else fp8_unsloth.PatchReport(
-            "native", "PEFT's forwards call the FP8 base modules")
+        with timed(phases, "patch"):
+            patch = fp8_unsloth.install(model) if unsloth else fp8_unsloth.PatchReport(
+                "native", "PEFT's forwards call the FP8 base modules")
         out.patch = patch.as_dict()
         from jobs.training.fp8 import fast_accum_forward
 
         out.conversion["fast_accum_forward"] = fast_accum_forward()
         units = find_units(model)
-        tested = _self_test(units, unsloth) if cuda else {}
+        with timed(phases, "self_test"):
+            tested = _self_test(units, unsloth) if cuda else {}
         out.conversion["self_test"] = {f"{k[0]} {list(k[2])}": v or "ok" for k, v in tested.items()}
         bad = {k: v for k, v in tested.items() if v}
         from jobs.training.fp8_selftest import signature
@@ -91,7 +94,8 @@ def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, 
                 u.route, u.why = "blocked", f"self-test: {bad[sig]}"
         capture = numerics.Capture(model, CAPTURE_ROWS)
         try:
-            capture.run(model, tokens, device)
+            with timed(phases, "capture"):
+                capture.run(model, tokens, device)
         except Exception as e:
             activations = f"none (capture failed: {type(e).__name__}: {e})"[:300]
             capture.x.clear()
@@ -103,26 +107,33 @@ def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, 
                                                  seed=learnable.seed)
             snap = numerics.lora_snapshot(model)
             torch.manual_seed(learnable.seed)
-            bf16_curve = numerics.loss_curve(model, sample_set, steps=learnable.steps,
-                                             tokens_per_step=learnable.tokens_per_step, lr=learnable.lr, device=device)
+            with timed(phases, "learnable_bf16"):
+                bf16_curve = numerics.loss_curve(model, sample_set, steps=learnable.steps,
+                                                 tokens_per_step=learnable.tokens_per_step, lr=learnable.lr,
+                                                 device=device)
             numerics.lora_restore(model, snap)
         source = numerics.SourceWeights(source_dir) if source_dir is not None else None
         conv = Conversion(keep_transposed=keep_transposed, keep_originals=learnable is not None,
-                          check=numerics.layer_check(capture, source)).run(units)
+                          check=numerics.layer_check(capture, source))
+        with timed(phases, "convert"):
+            conv.run(units)
         capture.x.clear()
         out.layers = conv.layers
         if learnable is not None:
             torch.manual_seed(learnable.seed)
-            fp8_curve = numerics.loss_curve(model, sample_set, steps=learnable.steps,
-                                            tokens_per_step=learnable.tokens_per_step, lr=learnable.lr, device=device)
+            with timed(phases, "learnable_fp8"):
+                fp8_curve = numerics.loss_curve(model, sample_set, steps=learnable.steps,
+                                                tokens_per_step=learnable.tokens_per_step, lr=learnable.lr,
+                                                device=device)
             numerics.lora_restore(model, snap)
             losses = (bf16_curve, fp8_curve)
         out.numerics = numerics.summarise(conv.layers, conv.fallbacks, converted=conv.converted,
                                           activations=activations, losses=losses, seconds=time.perf_counter() - t0)
-        if learnable is not None and not out.numerics.passed:
-            conv.revert()
-        else:
-            conv.commit()
+        with timed(phases, "commit_or_revert"):
+            if learnable is not None and not out.numerics.passed:
+                conv.revert()
+            else:
+                conv.commit()
         out.compute = "fp8" if conv.converted else "bf16"
     except Exception as e:  # never fail the load for FP8: what converted is consistent per unit
         out.error = f"{type(e).__name__}: {e}"[:400]
@@ -136,6 +147,7 @@ def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, 
     out.conversion.update(converted=0 if conv is None else conv.converted,
                           fallbacks={} if conv is None else dict(conv.fallbacks),
                           keep_transposed=keep_transposed, seconds=round(time.perf_counter() - t0, 2),
+                          phase_seconds=phases, convert_seconds={} if conv is None else dict(conv.seconds),
                           **base_bytes(model))
     if cuda:
         out.conversion["allocated_gb_change"] = round((torch.cuda.memory_allocated() - alloc0) / 1e9, 3)

@@ -52,6 +52,10 @@ def test_every_frozen_projection_converts_measured_and_the_model_still_trains_an
     assert set(n.by_projection) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert all(x.fp8_dgrad is not None and x.fp8_dgrad < 0.08 for x in out.layers)
     assert out.conversion["fp8_gb"] > 0 and out.conversion["other_gb"] == 0 and out.patch["status"] == "native"
+    # where the time before the first FP8 step goes: each phase reached, and the conversion's own parts
+    assert set(out.conversion["phase_seconds"]) == {"patch", "self_test", "capture", "convert", "commit_or_revert"}
+    assert set(out.conversion["convert_seconds"]) == {"dequantise", "quantise", "check"}
+    assert all(v >= 0 for v in [*out.conversion["phase_seconds"].values(), *out.conversion["convert_seconds"].values()])
 
     opt = make_optimizer(loaded.model, lr=1e-3)
     batch = next(packed_batches(bigram_samples(len(loaded.tokenizer), 300), tokens_per_step=256))
