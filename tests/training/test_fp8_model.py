@@ -321,3 +321,23 @@ def test_install_replaces_unsloths_fused_functions_per_instance_or_reports_why_n
     _fake_unsloth_package(monkeypatch, version="2027.1.1")
     rep = fp8_unsloth.install(model2)
     assert rep.status == "unavailable" and "written against Unsloth 2026.10.9, found 2027.1.1" in rep.detail
+
+
+def test_the_capture_forward_runs_eagerly_even_through_compiled_blocks(tiny_model):
+    """On the H200 the capture forward through Unsloth's compiled blocks, hooked, recompiled for 241 s."""
+    import torch
+
+    from jobs.training.numerics import Capture
+
+    loaded = _load(tiny_model)
+    compiles = []
+
+    def counting(gm, _inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    layer = loaded.model.base_model.model.model.layers[0]
+    layer.forward = torch.compile(layer.forward, backend=counting)
+    cap = Capture(loaded.model, rows=8).run(loaded.model, list(range(5, 37)), "cpu")
+    assert compiles == [] and cap.x  # nothing compiled, every projection's input kept
+    torch._dynamo.reset()

@@ -145,26 +145,12 @@ def run_ours(
 
 
 def profile_steps(model: Any, s: BenchSettings, model_path: Path, prof: str, budget: int, path: Path) -> None:
-    """Where the time goes: 3 steps under torch.profiler, kernels grouped, top by CUDA time."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
+    """Where the time goes: 3 steps of the budget under torch.profiler (jobs.bench.profiling)."""
+    from jobs.bench import profiling
     from jobs.training.packing import packed_batches
-    from jobs.training.step import make_optimizer, train_step
+    from jobs.training.step import make_optimizer
 
-    opt = make_optimizer(model)
     samples = make_samples(prof, budget * 5, vocab=vocab_size(model_path), seed=s.seed + 1)
     batches = list(packed_batches(samples, tokens_per_step=budget))[:4]
-    train_step(model, batches[0], opt)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-        for b in batches[1:]:
-            train_step(model, b, opt)
-    torch.cuda.synchronize()
-    ka = p.key_averages()
-    total_cuda = sum(getattr(e, "self_device_time_total", 0) for e in ka)
-    lines = [
-        f"profile {prof}: {len(batches) - 1} steps of <= {budget} tokens; total self CUDA time "
-        f"{total_cuda / 1e3:.1f} ms",
-        ka.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90),
-    ]
-    path.write_text("\n".join(lines))
+    profiling.profile_steps(model, batches, make_optimizer(model), path=path,
+                            title=f"profile {prof}, <= {budget} tokens", top=40)
