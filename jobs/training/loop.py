@@ -24,8 +24,10 @@ and every decision that stops the loop or changes the sequence is the same on ev
 from __future__ import annotations
 
 import json
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,7 +237,7 @@ def train(
     total_tokens = sum(b.real_tokens for b in batches)
     # this attempt's throughput, for the cut: from after its first step (a compile) and the probes
     measured_from, since, tokens_here = max(resumed_from + group.world, n_probes), started, 0
-    steady: list[float] = []  # seconds per token of this attempt's steps after warm-up
+    steady: deque[float] = deque(maxlen=SLOW_WINDOW)  # seconds per token of the attempt's recent steady steps
     i = resumed_from
     while i < len(batches):
         rows = batches[i: i + group.world]  # [distributed] one row per rank (one row: one process)
@@ -333,15 +335,15 @@ def train(
     )
 
 
-SLOW_STEP = 3.0  # a step this many times the median time per token of the attempt's steps so far
+SLOW_STEP = 3.0  # a step this many times the median time per token of the attempt's recent steps
+SLOW_WINDOW = 64  # recent steps the median is taken over: bounded work per step, and it follows a drift
 MAX_SLOW_NOTED = 20
 
 
-def _note_slow(state: dict[str, Any], steady: list[float], rate: float, *, dt: float, tokens: int, step: int) -> None:
+def _note_slow(state: dict[str, Any], steady: deque[float], rate: float, *, dt: float, tokens: int,
+               step: int) -> None:
     """Log (and keep, up to MAX_SLOW_NOTED) a step far slower per token than this attempt's others: a
     recompile, a stall or a neighbour on the card shows where the night's time went."""
-    import statistics
-
     if len(steady) >= 3 and rate > SLOW_STEP * statistics.median(steady):
         typical = statistics.median(steady) * tokens
         log.warning("slow_step", step=step, seconds=round(dt, 3), tokens=tokens, typical_seconds=round(typical, 3))

@@ -107,7 +107,7 @@ class Capture:
     def run(self, model: Any, ids: list[int], device: Any) -> Capture:
         from jobs.training.fp8_unsloth import capturing
 
-        # eager: under hooks, the compiled blocks recompiled for minutes (240.9 s of an 8B's 270 s on the H200)
+        # eager: under hooks, the compiled blocks recompiled for minutes (240.9 s of an 8B's 269 s on the H200)
         eager = torch.compiler.set_stance("force_eager")
         try:
             with torch.no_grad(), capturing(), eager:
