@@ -236,6 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from jobs.bench.acceptance.run import main as acceptance
 
         return acceptance(args[1:])
+    if args[:1] == ["fp8-quant"]:  # a kernel micro-benchmark, no worker processes
+        from jobs.bench.fp8_quant import main as fp8_quant
+
+        return fp8_quant(args[1:])
     parser = build_parser()
     a = parser.parse_args(args)
     if a.mode == "worker":

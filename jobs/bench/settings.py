@@ -18,7 +18,7 @@ from jobs.training.synthetic import PROFILES
 PEAK_BF16 = 790e12  # dense bf16 FLOP/s measured on these H100/H200 machines (ANCHORS.md)
 # MFU against each number format's own peak (issue 16). bf16: 790 measured, 989.4 datasheet dense.
 # FP8 e4m3: 1978.9 datasheet dense (H100/H200 SXM); "measured" = the best row-wise FP8 GEMM measured on
-# these H100/H200 (1,353-1,406 TFLOP/s with fast accumulation, notes/fp8.md §5): 1,400.
+# these H100/H200 (1,353-1,406 TFLOP/s with fast accumulation, measured): 1,400.
 PEAKS = {"bf16": {"measured": 790e12, "datasheet": 989.4e12}, "fp8": {"measured": 1400e12, "datasheet": 1978.9e12}}
 COMPUTES = ("bf16", "fp8", "fp8t")  # ours: bf16 base; FP8 base; FP8 base with a kept transposed copy
 STACKS = ("ours", "baseline", "unsloth", "trl")  # `bench`'s default: the published comparison

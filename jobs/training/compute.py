@@ -26,12 +26,12 @@ MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell 
 
 # The numerics gate (jobs/training/numerics.py), stated once:
 # - e4m3 with per-row scales on both operands gives ~3.75 % relative output error on Gaussian data
-#   (2.65 % per operand, sqrt(2) of it for two; measured, notes/fp8.md §4), NF4 weights alone 9-10 %.
+#   (2.65 % per operand, sqrt(2) of it for two; measured on the H100), NF4 weights alone 9-10 %.
 #   A projection above MAX_LAYER_ERROR (twice the expected figure) is broken or badly scaled: it is
 #   kept in bf16 (per-layer fallback) and the check fails if any layer had to.
 MAX_LAYER_ERROR = 0.08
 # - the loss of a learnable task, FP8 against bf16 from the same LoRA initialisation and batches:
-#   every 5-step window's mean loss within LOSS_TOLERANCE (relative) of bf16's.
+#   every 5-step window's mean loss within LOSS_TOLERANCE of bf16's, as a share of bf16's starting loss.
 LOSS_TOLERANCE = 0.03
 LOSS_WINDOW = 5
 

@@ -1,5 +1,5 @@
 """FP8 (e4m3) matmuls for frozen base projections: quantisation, the scaled matmul, the weight module
-and the autograd Function (issue 16; the measured facts behind each choice are in notes/fp8.md).
+and the autograd Function (issue 16).
 
 y = x W^T with W frozen, [N, K]:
 - W is quantised once, at load, per output channel: Wq [N, K] e4m3 and s_w [N] fp32 dequant scales
@@ -21,8 +21,8 @@ gradients are ONE GEMM over the concatenated contraction, dx = [dy_q s_q | dy_k 
 `torch._scaled_mm` is CUDA-only. Off CUDA (and in tests) the same code runs an emulated scaled matmul
 (dequantise both fp8 operands, fp32 matmul) that enforces the CUDA kernel's operand rules (row-major
 mat1, column-major mat2, dims divisible by 16, fp32 scales shaped (M, 1) and (1, N)), so a layout or
-scale mistake fails on the CPU as it would on the GPU. The quantisation kernels are torch.compiled on
-CUDA (eager they cost ~10x: notes/fp8.md §5) and run eagerly if compiling fails (counted).
+scale mistake fails on the CPU as it would on the GPU. The quantisation is one Triton kernel on CUDA
+(jobs/training/fp8_quant_kernel.py; eager it costs ~10x) and runs eagerly if that fails (counted).
 """
 
 from __future__ import annotations
@@ -37,14 +37,10 @@ from typing import Any
 import structlog
 import torch
 
+from jobs.training.fp8_format import ALIGN, E4M3, FMAX, MIN_AMAX
+
 log = structlog.get_logger("nightshift.train")
 
-E4M3 = torch.float8_e4m3fn
-FMAX = 448.0  # largest finite e4m3fn
-# An all-zero row (padding) gets this instead of a zero scale. Far below any real row, so that tiny
-# rows (dy * s_w in the backward: gradients times weight scales of ~1e-4) keep their own scale.
-MIN_AMAX = 1e-30
-ALIGN = 16  # the FP8 GEMM needs K and N divisible by 16 (M is free)
 
 
 @dataclass
@@ -93,23 +89,6 @@ def quant_rows_ref(t: torch.Tensor, col_scale: torch.Tensor | None = None) -> tu
     return (x / s).clamp(-FMAX, FMAX).to(E4M3), s
 
 
-def _q1(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quant_rows_ref(t)
-
-
-def _q1s(t: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quant_rows_ref(t, s)
-
-
-def _q2s(t1: torch.Tensor, s1: torch.Tensor, t2: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quant_rows_ref(torch.cat([t1.float() * s1, t2.float() * s2], dim=1))
-
-
-def _q3s(t1: torch.Tensor, s1: torch.Tensor, t2: torch.Tensor, s2: torch.Tensor, t3: torch.Tensor,
-         s3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quant_rows_ref(torch.cat([t1.float() * s1, t2.float() * s2, t3.float() * s3], dim=1))
-
-
 def _transpose_cat(*ws: torch.Tensor) -> torch.Tensor:
     """[N_i, K] e4m3 weights -> [K, sum N_i] row-major (bytes moved as uint8: no fp8 arithmetic)."""
     u = [w.view(torch.uint8) for w in ws]
@@ -145,25 +124,53 @@ class _Kernel:
             return self.fn(*args)
 
 
-_QUANT = {1: _Kernel("quant_rows", _q1)}
-_QUANT_SCALED = {1: _Kernel("quant_rows_scaled", _q1s), 2: _Kernel("quant_rows_scaled_2", _q2s),
-                 3: _Kernel("quant_rows_scaled_3", _q3s)}
 _TRANSPOSE = _Kernel("transpose_cat", _transpose_cat)
+
+
+class _QuantKernel:
+    """The per-row quantisation: one Triton kernel on CUDA (jobs/training/fp8_quant_kernel.py), the
+    reference off CUDA, under emulation, with NIGHTSHIFT_FP8_EAGER=1, or when the kernel fails (counted)."""
+
+    name = "quant_rows"
+
+    def __init__(self) -> None:
+        self.failed: str | None = None
+
+    def __call__(self, ts: Sequence[torch.Tensor], scales: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor,
+                                                                                                   torch.Tensor]:
+        if _emulating(ts[0]) or self.failed is not None or os.environ.get("NIGHTSHIFT_FP8_EAGER") == "1":
+            return _quant_eager(ts, scales)
+        try:
+            from jobs.training.fp8_quant_kernel import quant_rows
+
+            return quant_rows(ts, scales)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # no Triton, or its compile failed: the reference computes the same thing
+            self.failed = f"{type(e).__name__}: {e}"[:400]
+            STATS.compile_fallbacks[self.name] = self.failed
+            log.warning("fp8_kernel_not_compiled", kernel=self.name, error=self.failed)
+            return _quant_eager(ts, scales)
+
+
+def _quant_eager(ts: Sequence[torch.Tensor], scales: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+    if scales is None:
+        return quant_rows_ref(ts[0] if len(ts) == 1 else torch.cat(list(ts), dim=1))
+    return quant_rows_ref(torch.cat([t.float() * s for t, s in zip(ts, scales, strict=True)], dim=1))
+
+
+_QUANT = _QuantKernel()
 
 
 def quant_x(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token quantisation of an activation [M, K]: (e4m3 [M, K], fp32 [M, 1])."""
-    return _QUANT[1](x2d.contiguous())  # contiguous in, row-major out (Inductor mirrors input strides)
+    return _QUANT((x2d,), None)
 
 
 def quant_scaled(ts: Sequence[torch.Tensor], scales: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """cat(t_i * s_i, dim=1) quantised per row: the dgrad operand with the weight scales folded in."""
-    args: list[torch.Tensor] = []
-    for t, s in zip(ts, scales, strict=True):
-        args += [t.contiguous(), s]
-    if len(ts) in _QUANT_SCALED:
-        return _QUANT_SCALED[len(ts)](*args)
-    return quant_rows_ref(torch.cat([t.float() * s for t, s in zip(ts, scales, strict=True)], dim=1))
+    return _QUANT(ts, scales)
 
 
 def transpose_cat(ws: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -174,7 +181,8 @@ def transpose_cat(ws: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def check_operands(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> None:
-    """The row-wise `_scaled_mm` rules on sm90 (torch 2.11, notes/fp8.md §1), checked on every backend."""
+    """The row-wise `_scaled_mm` rules on sm90 (torch 2.11, measured on the H100): the emulation refuses what
+    the CUDA kernel refuses."""
     m, k = a.shape
     k2, n = b.shape
     bad = []
@@ -198,9 +206,10 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, *, out_dtype: torch.dtype,
               fast_accum: bool) -> torch.Tensor:
-    """(a * sa) @ (b * sb) in out_dtype: torch._scaled_mm on CUDA, emulated elsewhere."""
-    check_operands(a, b, sa, sb)
+    """(a * sa) @ (b * sb) in out_dtype: torch._scaled_mm on CUDA (which refuses bad operands itself; the
+    Python check cost ~40 us a call on the H100 host, ~14 ms an 8B step), emulated and checked elsewhere."""
     if _emulating(a):
+        check_operands(a, b, sa, sb)
         return ((a.float() * sa) @ (b.float() * sb)).to(out_dtype)
     return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
@@ -286,7 +295,7 @@ class FP8Group:
 
 def fast_accum_forward() -> bool:
     """Forward GEMMs with Hopper's fast accumulation: 1375 vs 1200 TFLOP/s, same 3.75 % error at K=4096
-    (notes/fp8.md §4-5); NIGHTSHIFT_FP8_FAST_ACCUM=0 turns it off (the input gradient never uses it)."""
+    (measured on the H100/H200); NIGHTSHIFT_FP8_FAST_ACCUM=0 turns it off (the input gradient never uses it)."""
     return _FAST_ACCUM
 
 
@@ -297,7 +306,6 @@ def fp8_forward(xq: torch.Tensor, sx: torch.Tensor, base: FP8Base, out_dtype: to
 
 def fp8_dgrad(dys: Sequence[torch.Tensor], group: FP8Group, out_dtype: torch.dtype) -> torch.Tensor:
     """sum_i dy_i W_i as one FP8 GEMM: dy_i [M, N_i] in the group's order -> dx [M, K]."""
-    dys = [d.contiguous() for d in dys]
     dq, sd = quant_scaled(dys, [b.scale_row() for b in group.bases])
     wt = group.transposed()
     return scaled_mm(dq, wt.t(), sd, ones_row(group.in_features, dq.device), out_dtype=out_dtype, fast_accum=False)

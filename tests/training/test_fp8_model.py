@@ -250,6 +250,26 @@ def test_the_loss_comparison_catches_a_broken_fp8_path():
     worst, ok, _, why = compare_losses(bf16, [7.6] * 10)  # FP8 that does not learn
     assert not ok and "loss differs from bf16 by" in why
     assert compare_losses(bf16, [float("nan")] * 10)[3] == "FP8 loss is not finite"
+    assert not compare_losses(bf16, [bf16[0]] + [bf16[i // 2] for i in range(1, 10)])[1]  # FP8 learning at half speed
+
+
+# The learnable task on the H100 (2026-11-25, random-initialised Llama-3.1-8B, 30 steps of 1,024 tokens):
+# FP8's curve follows bf16's from 12.6 down to ~0.1; the last window is 8 % apart as a share of its own loss.
+H100_BF16 = [12.64218, 12.12565, 11.5111, 10.7405, 7.598, 7.19269, 8.39078, 5.92086, 4.13464, 3.452, 2.29966,
+             1.6545, 1.60806, 0.94264, 1.10019, 0.68324, 0.64309, 0.4764, 0.3783, 0.75528, 0.23146, 0.1041,
+             0.24363, 0.18468, 0.21489, 0.13279, 0.14182, 0.11828, 0.07688, 0.12475]
+H100_FP8 = [12.60689, 12.17316, 11.64451, 10.80012, 7.93067, 7.25271, 8.41282, 6.12762, 4.24923, 3.5729, 2.50098,
+            1.77332, 1.69829, 1.00223, 1.13049, 0.72157, 0.67725, 0.51195, 0.36892, 0.7799, 0.23771, 0.12023,
+            0.25312, 0.20498, 0.23513, 0.13113, 0.12026, 0.10167, 0.06925, 0.12391]
+
+
+def test_a_curve_learned_down_to_noise_is_judged_against_the_starting_loss():
+    from jobs.training.numerics import compare_losses
+
+    worst, ok, learned, why = compare_losses(H100_BF16, H100_FP8)
+    assert ok and learned and why is None and worst == pytest.approx(0.0101, abs=5e-4)
+    lagging = [H100_BF16[max(0, i - 3)] for i in range(30)]  # the same curve three steps late
+    assert not compare_losses(H100_BF16, lagging)[1]
 
 
 def test_nf4_emulation_gives_nf4s_known_error():
@@ -258,7 +278,7 @@ def test_nf4_emulation_gives_nf4s_known_error():
 
     w = torch.randn(256, 512) * 0.02
     back = nf4_roundtrip(w)
-    assert 0.08 < rel_error(back, w) < 0.11  # 9.2 % measured with torchao's NF4 (notes/fp8.md §4)
+    assert 0.08 < rel_error(back, w) < 0.11  # 9.2 % measured with torchao's NF4 on the H100
     blocks = back.view(-1, 64)
     codes = (blocks / blocks.abs().amax(1, keepdim=True)).unique().tolist()
     assert all(min(abs(v - c) for c in NF4_CODE) < 1e-5 for v in codes)  # every value on the 16-value code
