@@ -75,7 +75,8 @@ class FP8Numerics(Frozen):
     worst: list[LayerNumerics] = Field(default_factory=list)
     loss_bf16: list[float] = Field(default_factory=list)
     loss_fp8: list[float] = Field(default_factory=list)
-    loss_max_rel_diff: float | None = Field(None, description="max over 5-step windows of |fp8 - bf16| / bf16")
+    loss_max_rel_diff: float | None = Field(None, description="max over 5-step windows of |fp8 - bf16| / bf16's "
+                                            "first window (its starting loss)")
     loss_tolerance: float | None = None
     loss_learned: bool | None = Field(None, description="the bf16 curve fell: the task was learnable")
     seconds: float = 0.0

@@ -14,6 +14,17 @@ def small_model(tmp_path_factory):
     return build_random_model("small-llama", tmp_path_factory.mktemp("models") / "small-llama")
 
 
+def fp8_card() -> bool:
+    """CUDA with FP8 tensor cores (what the FP8 GPU tests need besides their libraries)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    from jobs.training.compute import assess_card, card_info
+
+    return assess_card(card_info())[0]
+
+
 def random_samples(n: int, vocab: int, seed: int = 0, lengths: tuple[int, int] = (20, 300)):
     """`n` samples of random ids (labels = ids), lengths uniform in `lengths`."""
     from jobs.data.batching import TokenizedSample

@@ -9,21 +9,15 @@ import importlib.util
 
 import pytest
 
+from tests.training.conftest import fp8_card
+
 torch = pytest.importorskip("torch")
-
-
-def _fp8_card() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    from jobs.training.compute import assess_card, card_info
-
-    return assess_card(card_info())[0]
 
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("unsloth") is None
-                       or not _fp8_card(), reason="needs CUDA with FP8 tensor cores and unsloth"),
+                       or not fp8_card(), reason="needs CUDA with FP8 tensor cores and unsloth"),
 ]
 
 
