@@ -15,7 +15,9 @@ Records without such text are tokenised exactly as before.
 from __future__ import annotations
 
 import re
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any, Literal
 
 from jobs.data.batching import IGNORE_INDEX, TokenizedSample
@@ -192,13 +194,10 @@ def _labelled(tokenizer: Any, sample_id: int, record: dict[str, Any], text: str,
               ids: list[int], offsets: Sequence[tuple[int, int]], max_seq_length: int,
               overlong: OverlongPolicy) -> TokenizedSample:
     """A token is trained on when its characters lie inside one of the trained spans."""
-    labels = [
-        tok if any(a <= start and end <= b and end > start for a, b in spans) else IGNORE_INDEX
-        for tok, (start, end) in zip(ids, offsets, strict=True)
-    ]
-    replies = reply_char_spans(tokenizer, record, text, spans)
+    inside = token_flags(offsets, spans, "inside")
+    labels = [tok if keep else IGNORE_INDEX for tok, keep in zip(ids, inside, strict=True)]
     # a token that overlaps the reply's text is part of the reply (BPE may merge its edge with a marker)
-    reply = [any(start < b and end > a for a, b in replies) for start, end in offsets]
+    reply = token_flags(offsets, reply_char_spans(tokenizer, record, text, spans), "overlaps")
     if len(ids) > max_seq_length:
         if overlong == "reject":
             raise RecordError("too_long", f"{len(ids)} tokens > max_seq_length {max_seq_length}")
@@ -210,3 +209,44 @@ def _labelled(tokenizer: Any, sample_id: int, record: dict[str, Any], text: str,
         raise RecordError("too_long", "no trainable token left within max_seq_length")
     mask = [r and lab != IGNORE_INDEX for r, lab in zip(reply, labels, strict=True)]
     return TokenizedSample(sample_id=sample_id, input_ids=ids, labels=labels, reply_mask=mask)
+
+
+def token_flags(offsets: Sequence[tuple[int, int]], spans: list[tuple[int, int]],
+                test: Literal["inside", "overlaps"]) -> list[bool]:
+    """Per token: are its characters [start, end) non-empty and inside one span ("inside"), or do they share
+    a character with one ("overlaps")? Offsets in text order and sorted, disjoint spans (what tokenizers and
+    the templates give) make each span a range of tokens, found by binary search; anything else is
+    answered token by token. (A scan of every span per token cost 1.1 of the 5.5 s that ingesting 23k
+    records took on a 2-core machine.)"""
+    if not offsets:
+        return []
+    starts, ends = (list(x) for x in zip(*offsets, strict=True))
+    ordered = (starts == sorted(starts) and ends == sorted(ends) and all(a <= b for a, b in spans)
+               and all(b <= a2 for (_, b), (a2, _) in pairwise(spans)))
+    if not ordered:
+        scan = _AnySpans(spans)
+        ask = scan.contains if test == "inside" else scan.overlaps
+        return [ask(start, end) for start, end in offsets]
+    flags = [False] * len(offsets)
+    for a, b in spans:
+        lo, hi = ((bisect_left(starts, a), bisect_right(ends, b)) if test == "inside"
+                  else (bisect_right(ends, a), bisect_left(starts, b)))
+        if lo < hi:
+            flags[lo:hi] = [True] * (hi - lo)
+    if test == "inside":  # an empty token lies inside nothing
+        for k in (k for k, (start, end) in enumerate(offsets) if end <= start):
+            flags[k] = False
+    return flags
+
+
+class _AnySpans:
+    """The questions asked of every span in turn (offsets or spans out of order)."""
+
+    def __init__(self, spans: list[tuple[int, int]]) -> None:
+        self.spans = spans
+
+    def contains(self, start: int, end: int) -> bool:
+        return any(a <= start and end <= b and end > start for a, b in self.spans)
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return any(start < b and end > a for a, b in self.spans)

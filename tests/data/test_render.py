@@ -50,3 +50,27 @@ def test_the_reply_mask_marks_the_replies_own_tokens_not_the_templates_markers(t
     assert all(lab != IGNORE_INDEX for lab, r in zip(s.labels, s.reply_mask, strict=True) if r)
     text = tokenize_record(tokenizer, 1, {"text": "hello world"}, max_seq_length=256)
     assert text.reply_mask[1:] == [True] * (text.n_tokens - 2) + [False]  # the appended end-of-sequence is not
+
+
+def test_token_flags_answer_as_a_scan_of_every_span():
+    """Labels and reply masks ask, per token, whether its characters lie inside (or touch) a trained span; the
+    ranges found by binary search must answer exactly as the scan they replaced: empty tokens, empty and
+    touching spans, tokens out of text order, spans out of order."""
+    import random
+
+    from jobs.data.render import _AnySpans, token_flags
+
+    rng = random.Random(0)
+    for trial in range(3000):
+        cuts = sorted(rng.randint(0, 60) for _ in range(2 * rng.randint(0, 4)))
+        spans = list(zip(cuts[0::2], cuts[1::2], strict=True))
+        if trial % 10 == 0:
+            rng.shuffle(spans)
+        pos, offsets = 0, []
+        for _ in range(rng.randint(0, 25)):
+            start = pos + rng.choice([0, 0, 1, 3])
+            offsets.append((start, start + rng.choice([0, 1, 2, 4, 9])))
+            pos = offsets[-1][1] if rng.random() < 0.9 else max(0, start - 3)  # now and then out of order
+        scan = _AnySpans(spans)
+        assert token_flags(offsets, spans, "inside") == [scan.contains(s, e) for s, e in offsets], (spans, offsets)
+        assert token_flags(offsets, spans, "overlaps") == [scan.overlaps(s, e) for s, e in offsets], (spans, offsets)
