@@ -18,20 +18,34 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-# (call, input widths, column scales?) for a Llama-style layer of hidden H, intermediate I, kv width KV
+# (call, input widths, column scales?) for a Llama-style layer: hidden H, intermediate I, query width Q
+# (heads x head dim: H for Llama-3.1-8B and Qwen3-8B, 8,192 for Qwen3-32B), key/value width KV
 Shape = tuple[str, tuple[int, ...], bool]
 
 
-def layer_calls(hidden: int, intermediate: int, kv: int) -> list[Shape]:
+def layer_calls(hidden: int, intermediate: int, q: int, kv: int) -> list[Shape]:
     return [
-        ("fwd x (q,k,v)", (hidden,), False), ("fwd x (o)", (hidden,), False),
+        ("fwd x (q,k,v)", (hidden,), False), ("fwd x (o)", (q,), False),
         ("fwd x (gate,up)", (hidden,), False), ("fwd h (down)", (intermediate,), False),
-        ("dgrad q,k,v", (hidden, kv, kv), True), ("dgrad o", (hidden,), True),
+        ("dgrad q,k,v", (q, kv, kv), True), ("dgrad o", (hidden,), True),
         ("dgrad up,gate", (intermediate, intermediate), True), ("dgrad down", (hidden,), True),
     ]
 
 
-ARCHS = {"llama3.1-8b": (4096, 14336, 1024), "qwen3-8b": (4096, 12288, 1024), "qwen3-32b": (5120, 25600, 1024)}
+def arch_widths(arch: str) -> tuple[int, int, int, int]:
+    """(hidden, intermediate, query width, key/value width) of a dense architecture we build."""
+    from jobs.training.arch_specs import ARCHITECTURES
+
+    a = ARCHITECTURES[arch]
+    head = a.get("head_dim") or a["hidden_size"] // a["num_attention_heads"]
+    return a["hidden_size"], a["intermediate_size"], a["num_attention_heads"] * head, a["num_key_value_heads"] * head
+
+
+def dense_archs() -> list[str]:
+    from jobs.training.arch_specs import ARCHITECTURES
+
+    return sorted(n for n, a in ARCHITECTURES.items() if "intermediate_size" in a and "num_key_value_heads" in a
+                  and not any("expert" in k for k in a))
 
 
 def _time_us(fn: Callable[[], Any], reps: int) -> float:
@@ -112,7 +126,7 @@ def measure(arch: str, tokens: int, reps: int) -> dict[str, Any]:
     inductor = (torch.compile(inductor_fn, dynamic=True), torch.compile(quant_rows_ref, dynamic=True))
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = [_one_call(name, widths, scaled, tokens, reps, inductor, g)
-            for name, widths, scaled in layer_calls(*ARCHS[arch])]
+            for name, widths, scaled in layer_calls(*arch_widths(arch))]
     total_ours = sum(r["triton_us"] for r in rows)
     total_ind = sum(r["inductor_us"] for r in rows)
     return {"arch": arch, "tokens": tokens, "reps": reps, "gpu": torch.cuda.get_device_name(),
@@ -139,7 +153,7 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="nightshift bench fp8-quant", description=__doc__.splitlines()[0])
-    p.add_argument("--arch", choices=sorted(ARCHS), default="llama3.1-8b")
+    p.add_argument("--arch", choices=dense_archs(), default="llama3.1-8b")
     p.add_argument("--tokens", type=int, default=7168, help="tokens per step (the 8B's FP8 step under 40 GB: 7168)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", type=Path, help="write the result as JSON here")

@@ -58,3 +58,15 @@ def test_ours_runs_once_per_compute_and_each_row_is_measured_against_its_own_pea
     text = capsys.readouterr().out
     assert "bf16 57.0 % / 45.5 %" in text and "fp8 45.0 % / 31.9 %" in text
     assert "| fp8 | passed | 224/224 | 0.0370 | 0.0410 | 0.0920 | 0.0040 | 0.03 |" in text
+
+
+def test_the_quantisation_benchmark_times_each_layers_real_widths():
+    """`bench fp8-quant` times what one decoder layer quantises per step; the widths come from the architecture
+    (Qwen3-32B's queries are 64 x 128 = 8,192 wide, not its 5,120 hidden), and off CUDA it says so and stops."""
+    from jobs.bench.fp8_quant import arch_widths, layer_calls
+
+    calls = {name: widths for name, widths, _ in layer_calls(*arch_widths("qwen3-32b"))}
+    assert calls["fwd x (o)"] == (8192,) and calls["dgrad q,k,v"] == (8192, 1024, 1024)
+    assert calls["dgrad up,gate"] == (25600, 25600) and calls["fwd x (q,k,v)"] == (5120,)
+    with pytest.raises(SystemExit):
+        main(["fp8-quant", "--arch", "llama3.1-8b"])  # the CLI's mode; no CUDA here
