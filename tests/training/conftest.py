@@ -25,6 +25,14 @@ def fp8_card() -> bool:
     return assess_card(card_info())[0]
 
 
+def fp8_gpu_marks(library: str) -> list[pytest.MarkDecorator]:
+    """The marks of a module of FP8 GPU tests that also need `library`: gpu, and skipped where they cannot run."""
+    import importlib.util
+
+    ok = importlib.util.find_spec(library) is not None and fp8_card()
+    return [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=f"needs CUDA with FP8 tensor cores and {library}")]
+
+
 def random_samples(n: int, vocab: int, seed: int = 0, lengths: tuple[int, int] = (20, 300)):
     """`n` samples of random ids (labels = ids), lengths uniform in `lengths`."""
     from jobs.data.batching import TokenizedSample

@@ -6,20 +6,12 @@ python -m pytest tests/training/test_gpu_fp8_quant.py -q -m gpu
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from tests.training.conftest import fp8_card
+from tests.training.conftest import fp8_gpu_marks
 
 torch = pytest.importorskip("torch")
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None
-                       or not fp8_card(), reason="needs CUDA with FP8 tensor cores and triton"),
-]
+pytestmark = fp8_gpu_marks("triton")
 
 
 def _inputs(rows: int, widths: list[int], seed: int) -> list:
