@@ -75,10 +75,10 @@ def _one_call(name: str, widths: tuple[int, ...], scaled: bool, tokens: int, rep
     ss = [torch.rand(1, w, device="cuda", generator=g) * 1e-3 if scaled else torch.ones(1, w, device="cuda")
           for w in widths]
     args = [x for pair in zip(ts, ss, strict=True) for x in pair]
-    ref = quant_rows_ref(torch.cat([t.float() * s for t, s in zip(ts, ss, strict=True)], dim=1))
+    cat = torch.cat([t.float() * s for t, s in zip(ts, ss, strict=True)], dim=1)
+    ref = quant_rows_ref(cat)
     q, s = quant_rows(ts, ss if scaled else None)
     d = q.view(torch.uint8) != ref[0].view(torch.uint8)
-    cat = torch.cat([t.float() * s for t, s in zip(ts, ss, strict=True)], dim=1)
     exact = (cat.double() / ref[1].double())[d]  # where the codes differ: the exact quotient and the midpoint
     mid = (q.double()[d] + ref[0].double()[d]) / 2
     del cat

@@ -135,15 +135,18 @@ class _QuantKernel:
 
     def __init__(self) -> None:
         self.failed: str | None = None
+        self.kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # imported on first use
 
     def __call__(self, ts: Sequence[torch.Tensor], scales: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor,
                                                                                                    torch.Tensor]:
         if _emulating(ts[0]) or self.failed is not None or os.environ.get("NIGHTSHIFT_FP8_EAGER") == "1":
             return _quant_eager(ts, scales)
         try:
-            from jobs.training.fp8_quant_kernel import quant_rows
+            if self.kernel is None:
+                from jobs.training.fp8_quant_kernel import quant_rows
 
-            return quant_rows(ts, scales)
+                self.kernel = quant_rows
+            return self.kernel(ts, scales)
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # no Triton, or its compile failed: the reference computes the same thing
@@ -181,8 +184,8 @@ def transpose_cat(ws: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def check_operands(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> None:
-    """The row-wise `_scaled_mm` rules on sm90 (torch 2.11, measured on the H100): the emulation refuses what
-    the CUDA kernel refuses."""
+    """The row-wise `_scaled_mm` rules on sm90 (torch 2.11): the emulation refuses what the CUDA kernel
+    refuses."""
     m, k = a.shape
     k2, n = b.shape
     bad = []

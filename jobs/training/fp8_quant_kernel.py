@@ -34,9 +34,10 @@ INV_FMAX = struct.unpack("f", struct.pack("f", 1.0 / FMAX))[0]
 def _to_e4m3(v, s, fmax):
     """v / s clamped to +-fmax, rounded to the e4m3 grid in fp32 (nearest, ties to even), then cast.
 
-    Triton casts fp32 to e4m3 through fp16, which rounds twice (167.99998 -> 168 -> 176, where torch
-    gives 160); a value already on the e4m3 grid casts exactly. Normal e4m3 keeps 3 of fp32's 23
-    mantissa bits; below 2^-6 the grid is multiples of 2^-9 (rounded by adding 1.5 * 2^14)."""
+    Triton's own fp32 -> e4m3 cast rounds twice, as through fp16 (seen on the H100 with Triton 3.6:
+    167.99998 -> 176, where torch gives 160); a value already on the e4m3 grid casts exactly. Normal
+    e4m3 keeps 3 of fp32's 23 mantissa bits; below 2^-6 the grid is multiples of 2^-9 (rounded by
+    adding 1.5 * 2^14)."""
     x = tl.minimum(tl.maximum(tl.math.div_rn(v, s), -fmax), fmax)
     bits = x.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
@@ -47,14 +48,20 @@ def _to_e4m3(v, s, fmax):
 
 
 @triton.jit
+def _load_scaled(ptr, stride, n, sc_ptr, row, start, BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """Columns [start, start + BLOCK) of one row in fp32, times their column scales; 0 past the end."""
+    cols = start + tl.arange(0, BLOCK)
+    m = cols < n
+    v = tl.load(ptr + row * stride + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        v = v * tl.load(sc_ptr + cols, mask=m, other=0.0)
+    return v
+
+
+@triton.jit
 def _segment_amax(amax, ptr, stride, n, sc_ptr, row, BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr):
     for start in range(0, n, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        m = cols < n
-        v = tl.load(ptr + row * stride + cols, mask=m, other=0.0).to(tl.float32)
-        if HAS_SCALE:
-            v = v * tl.load(sc_ptr + cols, mask=m, other=0.0)
-        amax = tl.maximum(amax, tl.abs(v))
+        amax = tl.maximum(amax, tl.abs(_load_scaled(ptr, stride, n, sc_ptr, row, start, BLOCK, HAS_SCALE)))
     return amax
 
 
@@ -63,11 +70,8 @@ def _segment_cast(out_ptr, out_off, ptr, stride, n, sc_ptr, row, s, fmax, BLOCK:
                   HAS_SCALE: tl.constexpr):
     for start in range(0, n, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        m = cols < n
-        v = tl.load(ptr + row * stride + cols, mask=m, other=0.0).to(tl.float32)
-        if HAS_SCALE:
-            v = v * tl.load(sc_ptr + cols, mask=m, other=0.0)
-        tl.store(out_ptr + out_off + cols, _to_e4m3(v, s, fmax), mask=m)
+        v = _load_scaled(ptr, stride, n, sc_ptr, row, start, BLOCK, HAS_SCALE)
+        tl.store(out_ptr + out_off + cols, _to_e4m3(v, s, fmax), mask=cols < n)
 
 
 @triton.jit
@@ -82,13 +86,10 @@ def quant_rows_amax_scale_cast(out_ptr, out_stride, scale_ptr,
     out_row = row * out_stride
     if ONE_LOAD:  # one input that fits one block: read once, keep the row in registers
         cols = tl.arange(0, BLOCK)
-        m = cols < a_n
-        v = tl.load(a_ptr + row * a_stride + cols, mask=m, other=0.0).to(tl.float32)
-        if HAS_SCALE:
-            v = v * tl.load(a_sc + cols, mask=m, other=0.0)
+        v = _load_scaled(a_ptr, a_stride, a_n, a_sc, row, 0, BLOCK, HAS_SCALE)
         s = tl.maximum(tl.max(tl.abs(v), axis=0), min_amax) * inv_fmax
         tl.store(scale_ptr + row, s)
-        tl.store(out_ptr + out_row + cols, _to_e4m3(v, s, fmax), mask=m)
+        tl.store(out_ptr + out_row + cols, _to_e4m3(v, s, fmax), mask=cols < a_n)
     else:  # first the row's amax, then a second read (from L2) to scale and cast
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         amax = _segment_amax(amax, a_ptr, a_stride, a_n, a_sc, row, BLOCK, HAS_SCALE)
@@ -109,11 +110,11 @@ def quant_rows_amax_scale_cast(out_ptr, out_stride, scale_ptr,
 ONE_LOAD_MAX = 8192  # widest single input read once (measured on the H100: 4096 -> 49 us vs 75 us two-pass)
 
 
-def _launch_shape(widths: Sequence[int]) -> tuple[int, bool, int]:
-    """(BLOCK, ONE_LOAD, num_warps) for these input widths."""
+def _launch_shape(widths: Sequence[int]) -> tuple[int, bool]:
+    """(BLOCK, ONE_LOAD) for these input widths (8 warps either way)."""
     if len(widths) == 1 and widths[0] <= ONE_LOAD_MAX:
-        return max(16, triton.next_power_of_2(widths[0])), True, 8
-    return 4096, False, 8
+        return max(16, triton.next_power_of_2(widths[0])), True
+    return 4096, False
 
 
 def quant_rows(ts: Sequence[torch.Tensor], col_scales: Sequence[torch.Tensor] | None = None
@@ -136,8 +137,8 @@ def quant_rows(ts: Sequence[torch.Tensor], col_scales: Sequence[torch.Tensor] | 
     for i in range(MAX_INPUTS):
         j = i if i < n else 0  # unused slots: any valid pointer, width 0
         args += [ts[j], ts[j].stride(0), widths[j] if i < n else 0, scs[j]]
-    block, one_load, warps = _launch_shape(widths)
+    block, one_load = _launch_shape(widths)
     quant_rows_amax_scale_cast[(m,)](out, out.stride(0), scale, *args, MIN_AMAX, INV_FMAX, FMAX, NUM=n,
                                      HAS_SCALE=col_scales is not None, BLOCK=block, ONE_LOAD=one_load,
-                                     num_warps=warps)
+                                     num_warps=8)
     return out, scale
