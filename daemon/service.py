@@ -135,19 +135,22 @@ class Service:
             while not self.stop.is_set():
                 self.ping()
                 now = self.clock()
-                window = w.window_at(now)
-                nxt = w.next_window(now)
-                self.metrics.set_window(window is not None, nxt.start.timestamp(),
-                                        window.end.timestamp() if window else None)
+                window, nxt = self._show_window(now)
                 if window is not None and self._due(window, now):
                     self._night(window)
+                    continue
+                if window is None and self._prewarm_due(nxt, now):  # its process starts before the opening
+                    self._night(nxt, start_at=nxt.start)
                     continue
                 self.status(f"waiting for window {w.describe()}; next {nxt.start.astimezone(w.zone()):%a %H:%M}"
                             if window is None or self.ledger.night_done(window.night)
                             else self._waiting_status(window.night))
                 retry = self.retry_at.get(window.night) if window else None
                 until_retry = (retry - self.clock()).total_seconds() if retry else self.tick
-                self.wake.wait(max(0.05, min(self.tick, until_retry, self.ping_due_in())))
+                until_prewarm = (nxt.start - now).total_seconds() - w.prewarm_seconds
+                if until_prewarm <= 0:
+                    until_prewarm = self.tick
+                self.wake.wait(max(0.05, min(self.tick, until_retry, until_prewarm, self.ping_due_in())))
                 self.wake.clear()
         finally:
             sdnotify.stopping("stopping", environ=self.environ)
@@ -158,6 +161,18 @@ class Service:
             self.ledger.close()
         log.info("stopped")
         return 0
+
+    def _show_window(self, now: datetime) -> tuple[Window | None, Window]:
+        """The window open now (or None) and the next one, as the metrics show them."""
+        w = self.s.window
+        window, nxt = w.window_at(now), w.next_window(now)
+        self.metrics.set_window(window is not None, nxt.start.timestamp(), window.end.timestamp() if window else None)
+        return window, nxt
+
+    def _tick_in_night(self) -> None:
+        """While a night runs: the watchdog, and the window gauges (a prewarmed night starts before its opening)."""
+        self.ping()
+        self._show_window(self.clock())
 
     def _request_stop(self) -> None:
         self.stop.set()
@@ -185,6 +200,11 @@ class Service:
                     lock.__exit__(None, None, None)
             return False
         return True
+
+    def _prewarm_due(self, window: Window, now: datetime) -> bool:
+        """The next window opens within `[window] prewarm_seconds` and its night is due."""
+        lead = (window.start - now).total_seconds()
+        return 0 < lead <= self.s.window.prewarm_seconds and self._due(window, now)
 
     def _waiting_status(self, night: str) -> str:
         if night in self.waiting_reason:
@@ -215,7 +235,8 @@ class Service:
         self.notifier.night_closed(summary)
 
     # ---- one night ---------------------------------------------------------------------------
-    def _night(self, window: Window) -> None:
+    def _night(self, window: Window, start_at: datetime | None = None) -> None:
+        """`start_at`: the window's opening, still ahead: the child imports, then waits for it."""
         lock = self._try_night_lock(window)
         if lock is None:  # retried every few seconds until the latest start; then _due closes the night
             self.retry_at[window.night] = self.clock() + timedelta(seconds=LOCK_RETRY_SECONDS)
@@ -223,11 +244,11 @@ class Service:
             return
         try:
             self.waiting_reason.pop(window.night, None)
-            self._night_locked(window, lock)
+            self._night_locked(window, lock, start_at)
         finally:
             lock.__exit__(None, None, None)
 
-    def _night_locked(self, window: Window, lock: StateLock) -> None:
+    def _night_locked(self, window: Window, lock: StateLock, start_at: datetime | None) -> None:
         problem = self._preflight()
         if problem:
             self._close_night(window, "skipped", problem)
@@ -240,7 +261,8 @@ class Service:
             return
         deadline = window.deadline(self.s.window.save_margin)
         zone = self.s.window.zone()
-        self.status(f"night {window.night}: starting (deadline {deadline.astimezone(zone):%H:%M})")
+        self.status(f"night {window.night}: starting (deadline {deadline.astimezone(zone):%H:%M})" if start_at is None
+                    else f"night {window.night}: preparing (the window opens {start_at.astimezone(zone):%H:%M:%S})")
 
         def on_event(ev: ChildEvent) -> None:
             self.metrics.on_event(ev)
@@ -255,12 +277,14 @@ class Service:
             child = NightChild(self.s.night_config().model_dump_json(), night=window.night,
                                deadline=deadline.timestamp(), on_event=on_event, lock_fd=lock.fd, run_id=run_id,
                                world=night_world(self.s.train), train=self.s.train,
-                               grace=self.s.daemon.stop_grace_seconds)
+                               grace=self.s.daemon.stop_grace_seconds,
+                               start_at=start_at.timestamp() if start_at else None)
             child.start()
             self.metrics.on_child_start()
             # a child still busy at the window's end is told to stop and save, and killed after the grace
-            out = wait_interruptibly(child, self.stop, grace=self.s.daemon.stop_grace_seconds, on_tick=self.ping,
-                                     stop_at=window.end.timestamp(), clock=lambda: self.clock().timestamp())
+            out = wait_interruptibly(child, self.stop, grace=self.s.daemon.stop_grace_seconds,
+                                     on_tick=self._tick_in_night, stop_at=window.end.timestamp(),
+                                     clock=lambda: self.clock().timestamp())
             self.metrics.on_child_exit()
             self._after(window, out)
             self._refresh_metrics()

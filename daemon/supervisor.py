@@ -84,8 +84,9 @@ class NightChild:
                  on_event: Callable[[ChildEvent], None] = lambda _: None, plan_only: bool = False,
                  log_stream: TextIO | None = None, tail_lines: int = 40, lock_fd: int | None = None,
                  run_id: str | None = None, world: World | None = None, train: TrainConfig | None = None,
-                 grace: float | None = None, join: bool = False) -> None:
-        """`run_id`: the id a new run gets (the caller logs under it; a run left open keeps its own)."""
+                 grace: float | None = None, join: bool = False, start_at: float | None = None) -> None:
+        """`run_id`: the id a new run gets (the caller logs under it; a run left open keeps its own).
+        `start_at` (unix seconds): the window's opening, ahead: the child imports its libraries, then waits."""
         self.lock_fd = lock_fd  # the night lock the child inherits: held while it lives, even if we die
         self.config_json = night_config_json
         # [distributed] one process unless `world` says more (a plan is always one process)
@@ -93,6 +94,7 @@ class NightChild:
         self.train, self.grace, self.join = train or TrainConfig(), grace, join
         self._config_file: str | None = None
         self.night, self.deadline, self.plan_only, self.run_id = night, deadline, plan_only, run_id
+        self.start_at = start_at
         self.on_event = on_event
         self.log_stream = log_stream or sys.stderr
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
@@ -106,6 +108,8 @@ class NightChild:
             args.append("--plan-only")
         if self.run_id and not self.join:
             args += ["--run-id", self.run_id]
+        if self.start_at is not None and not self.join:
+            args += ["--start-at", repr(self.start_at)]
         if self.world.launcher:  # every torchrun worker shares stdin: the config goes as a file (0600)
             fd, self._config_file = tempfile.mkstemp(prefix="nightshift-night-", suffix=".json")
             with os.fdopen(fd, "w") as f:

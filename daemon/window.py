@@ -27,7 +27,7 @@ from datetime import UTC, date, datetime, time, timedelta, tzinfo
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")  # index = date.weekday()
 _FULL_DAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")
@@ -61,6 +61,9 @@ class WindowConfig(BaseModel):
     days: list[str] | None = None  # weekdays the window may START on; None = every day
     save_margin_minutes: float = 15.0  # stop training this long before `end` to save
     min_run_minutes: float = 30.0  # a window with less time than this to train is not worth starting
+    # the night's process starts this long before the window opens: its imports (Unsloth's take ~30 s on an
+    # H100/H200 host) are done when the window opens, where its data is pulled and its first step follows
+    prewarm_seconds: float = Field(90.0, ge=0)
 
     @field_validator("start", "end", mode="before")
     @classmethod

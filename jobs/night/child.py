@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-id", help="the id of a new run (the supervisor logs under it); an open run keeps its own")
     ap.add_argument("--config", help="the night's config (JSON); default: stdin")
     ap.add_argument("--join", action="store_true", help="a host other than node 0: rank 0 says the night")
+    ap.add_argument("--start-at", type=float, help="unix seconds: the window's opening; import, then wait for it")
     args = ap.parse_args(argv)
     if not args.join and (args.night is None or args.deadline is None):
         ap.error("--night and --deadline are required (unless --join)")
@@ -79,6 +80,13 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = NightConfig.model_validate_json(raw)
     logs.route_transformers_logging()
+    woke = PROCESS_STARTED
+    if args.start_at is not None and not args.plan_only:
+        woke = _wait_for_opening(args.start_at, stop, args.run_id)
+        if stop.is_set() and time.time() < args.start_at:  # stopped before the window opened: nothing started
+            emit(ResultEvent(summary=RunSummary(night=args.night, outcome=Outcome.interrupted,
+                                                error="stopped before the window opened")))
+            return ExitCode.INTERRUPTED
     group = init_group(cfg.train.distributed)
     try:
         if not group.is_owner:
@@ -96,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 summary = run_night(cfg, night=args.night, deadline=args.deadline, emit=emit, stop=stop,
                                     plan_only=args.plan_only, run_id=args.run_id,
-                                    process_started=PROCESS_STARTED, group=group)
+                                    process_started=woke, group=group)
             except (DamagedState, OSError, sqlite3.Error) as e:  # before a run could open: the model, the ledger
                 summary = RunSummary(night=args.night, outcome=Outcome.failed, error=failure_text(e))
                 structlog.get_logger("nightshift.night").error("night_refused", error=summary.error)
@@ -107,6 +115,17 @@ def main(argv: list[str] | None = None) -> int:
             group.release()  # [distributed] rank 0 with nothing handed out frees the waiting ranks
         finally:
             group.close()
+
+
+def _wait_for_opening(start_at: float, stop: threading.Event, run_id: str | None) -> float:
+    """Wait, imports done, until the window opens; the night's wake is then the opening (its first step is
+    timed from there), not this process's start. `run_id`: the run the supervisor logs this night under."""
+    ready = time.time()
+    structlog.get_logger("nightshift.night").info("prewarmed", import_seconds=round(ready - PROCESS_STARTED, 1),
+                                                  waits_seconds=round(max(0.0, start_at - ready), 1),
+                                                  **({"run_id": run_id} if run_id else {}))
+    stop.wait(max(0.0, start_at - ready))
+    return max(start_at, ready)
 
 
 def _holds_night_lock(state_dir: str | Path) -> bool:
@@ -126,6 +145,9 @@ def _import_unsloth_first(cfg: dict[str, Any]) -> None:
         import torch
 
         if torch.cuda.is_available():
+            from jobs.training.unsloth_backend import setup_caches
+
+            setup_caches(Path(cfg["state_dir"]) / "models")  # Unsloth reads its cache locations when imported
             import unsloth  # noqa: F401
 
 

@@ -201,3 +201,37 @@ events = ["skipped", "failed"]
     body = json.loads(req["raw"])
     assert body["event"] == "skipped" and body["night"] == window.night and body["error"] == "too late to start"
     assert body["run_id"].startswith(f"{window.night}-skipped")
+
+
+# ---- the night's process starts before the window opens (its imports take ~30 s on a GPU host) -------
+
+def test_the_nights_process_starts_prewarm_seconds_before_the_window_and_waits_for_its_opening(make, monkeypatch):
+    monkeypatch.setattr(service_mod, "free_vram_gb", lambda device: 80.0)
+    started = []
+
+    class FakeChild:
+        def __init__(self, *a, **kw):
+            started.append(kw)
+
+        def start(self):
+            return 1
+
+    monkeypatch.setattr(service_mod, "NightChild", FakeChild)
+    monkeypatch.setattr(service_mod, "wait_interruptibly", lambda *a, **kw: ChildOutcome(0, None))
+    monkeypatch.setattr(Service, "_after", lambda self, window, out: None)
+    svc, clock = make(datetime(2026, 11, 21, 0, 58, tzinfo=UTC))  # the window opens at 01:00, prewarm 90 s
+    upcoming = svc.s.window.next_window(clock["now"])
+    assert svc.s.window.window_at(clock["now"]) is None and not svc._prewarm_due(upcoming, clock["now"])
+    clock["now"] = datetime(2026, 11, 21, 0, 58, 40, tzinfo=UTC)
+    assert svc._prewarm_due(upcoming, clock["now"])
+    svc._night(upcoming, start_at=upcoming.start)
+    assert started[0]["start_at"] == upcoming.start.timestamp() and started[0]["night"] == upcoming.night
+    assert "preparing (the window opens 01:00:00)" in svc._last_status
+    monkeypatch.setattr(svc.ledger, "night_done", lambda night: True)  # a night done is not prewarmed again
+    assert not svc._prewarm_due(upcoming, clock["now"])
+
+
+def test_prewarm_0_starts_the_night_at_the_opening(make):
+    svc, clock = make(datetime(2026, 11, 21, 0, 59, 59, tzinfo=UTC))
+    svc.s.window.prewarm_seconds = 0
+    assert not svc._prewarm_due(svc.s.window.next_window(clock["now"]), clock["now"])

@@ -1,0 +1,110 @@
+"""A night's process started before its window (`[window] prewarm_seconds`): it imports, waits for the
+opening, and only then opens its run; its wake -> first step counts from the opening."""
+
+import json
+import threading
+import time
+
+from daemon.settings import load_settings
+from daemon.supervisor import NightChild
+from jobs.contract import ExitCode, Outcome
+from jobs.store.ledger import Ledger
+from tests.conftest import alpaca, toml_config, write_jsonl
+
+
+def start_child(tmp_path, tiny_model, lead):
+    cfg, inbox = toml_config(tmp_path, tiny_model)
+    write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(12)])
+    settings = load_settings(cfg)
+    opening = time.time() + lead
+    lines: list[str] = []
+
+    class Log:
+        def write(self, s):
+            lines.append(s)
+
+        def flush(self):
+            pass
+
+        def isatty(self):
+            return False
+
+    child = NightChild(settings.night_config().model_dump_json(), night="2026-11-25", deadline=opening + 300,
+                       start_at=opening, log_stream=Log())
+    child.start()
+    return child, opening, lines, settings
+
+
+def test_the_child_waits_for_the_opening_and_times_its_first_step_from_there(tmp_path, tiny_model):
+    child, opening, lines, settings = start_child(tmp_path, tiny_model, lead=6)
+    out = child.wait(timeout=300)
+    assert out.returncode == ExitCode.OK and out.summary is not None, out.tail
+    assert out.summary.outcome == Outcome.succeeded
+    led = Ledger(settings.state_dir / "ledger.sqlite")
+    try:
+        [run] = led.db.execute("SELECT * FROM runs").fetchall()
+    finally:
+        led.close()
+    assert run["started_at"] >= opening - 0.01  # no run opened, nothing pulled, before the window
+    prewarmed = [json.loads(x) for x in lines if '"prewarmed"' in x]
+    assert len(prewarmed) == 1 and 0 < prewarmed[0]["waits_seconds"] <= 6
+    first_step_at = opening + out.summary.first_step_seconds
+    assert opening < first_step_at <= time.time()
+
+
+def test_a_child_stopped_before_the_opening_opens_no_run(tmp_path, tiny_model):
+    child, _, lines, settings = start_child(tmp_path, tiny_model, lead=120)
+    waiting = threading.Event()
+    deadline = time.time() + 120
+    while time.time() < deadline and not waiting.is_set():
+        if any('"prewarmed"' in x for x in lines):
+            waiting.set()
+        time.sleep(0.1)
+    assert waiting.is_set(), lines
+    out = child.stop(grace=30)
+    assert out.returncode == ExitCode.INTERRUPTED and out.summary.outcome == Outcome.interrupted
+    assert out.summary.error == "stopped before the window opened"
+    if (settings.state_dir / "ledger.sqlite").exists():
+        led = Ledger(settings.state_dir / "ledger.sqlite")
+        try:
+            assert not led.db.execute("SELECT * FROM runs").fetchall()
+        finally:
+            led.close()
+
+
+def test_unsloth_is_imported_with_its_cache_locations_already_set(tmp_path, monkeypatch):
+    """Unsloth reads UNSLOTH_COMPILE_LOCATION when imported (else it writes `unsloth_compiled_cache` into the
+    working directory, as the H200 host showed); the child imports it first thing, so the caches come first."""
+    import importlib.abc
+    import importlib.machinery
+    import os
+    import sys
+
+    import torch
+
+    from jobs.night import child
+
+    seen = {}
+
+    class Loader(importlib.abc.Loader):
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, module):
+            seen["compile_location"] = os.environ.get("UNSLOTH_COMPILE_LOCATION")
+            seen["offline"] = os.environ.get("HF_HUB_OFFLINE")
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            return importlib.machinery.ModuleSpec(name, Loader()) if name == "unsloth" else None
+
+    monkeypatch.delitem(sys.modules, "unsloth", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Finder(), *sys.meta_path])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for k in ("UNSLOTH_COMPILE_LOCATION", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "UNSLOTH_MEGA_CACHE_DIR",
+              "UNSLOTH_MEGA_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE",
+              "UNSLOTH_DISABLE_STATISTICS"):
+        monkeypatch.delenv(k, raising=False)
+    child._import_unsloth_first({"state_dir": str(tmp_path / "state"), "train": {"backend": "auto"}})
+    assert seen["compile_location"] == str(tmp_path / "state" / "models" / "compile" / "unsloth_compiled_cache")
+    assert seen["offline"] == "1"
