@@ -127,17 +127,34 @@ def estimate(history: list[Any], cfg: PlanConfig) -> tuple[float, float, str, bo
     return tps, overhead, f"measured: median of {len(rows)} ({origins}): {tps:,.0f} tok/s{left_out}", True
 
 
+def _details(rows: list[Any]) -> list[dict[str, Any]]:
+    out = []
+    for r in rows:
+        try:
+            d = json.loads(r["detail"] or "{}")
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue
+        if isinstance(d, dict):
+            out.append(d)
+    return out
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
+
+
 def expected_warmup(rows: list[Any]) -> float:
     """Median seconds of the runs' warm-up steps (a compile, the probes): the rate leaves them out and
     the overhead holds them, so the predicted training time adds them back. 0 before any run."""
-    seen = []
-    for r in rows:
-        try:
-            w = json.loads(r["detail"] or "{}").get("warmup_seconds")
-        except (KeyError, IndexError, TypeError, ValueError):
-            continue
-        if isinstance(w, int | float) and w >= 0:
-            seen.append(float(w))
+    seen = [float(d["warmup_seconds"]) for d in _details(rows) if _number(d.get("warmup_seconds"))]
+    return statistics.median(seen) if seen else 0.0
+
+
+def seconds_per_checkpoint(rows: list[Any]) -> float:
+    """Median seconds one periodic checkpoint save took in the runs that saved one: the rate leaves the
+    saves out, so the predicted training time adds one per `checkpoint_every_seconds`. 0 before any."""
+    seen = [d["checkpoint_seconds"] / d["checkpoints"] for d in _details(rows)
+            if _number(d.get("checkpoint_seconds")) and _number(d.get("checkpoints")) and d["checkpoints"] > 0]
     return statistics.median(seen) if seen else 0.0
 
 
@@ -151,13 +168,17 @@ def quantile(sorted_values: list[float], q: float) -> float:
 
 def make_plan(pending: list[SampleRow], *, now: float, deadline: float, history: list[Any], cfg: PlanConfig,
               epochs: int, key: str, replay_pool: Sequence[SampleRow] = (), seed: str = "",
-              min_heldout: int = 0) -> Plan:
+              min_heldout: int = 0, checkpoint_every_seconds: float | None = None) -> Plan:
     """`replay_pool`: samples trained on earlier nights (jobs.store.learning.replay_pool); `seed`: the
-    night; `min_heldout`: held-out samples a night under a backlog takes at least (when there are)."""
+    night; `min_heldout`: held-out samples a night under a backlog takes at least (when there are);
+    `checkpoint_every_seconds`: the training's save interval (its saves are added to the predicted time)."""
     tps, overhead, basis, measured = estimate(history, cfg)
     warmup = expected_warmup(history[: cfg.history_runs])
+    every = checkpoint_every_seconds or 0.0
+    per_save = seconds_per_checkpoint(history[: cfg.history_runs]) if every > 0 else 0.0
     available = max(0.0, deadline - now - overhead)
-    total_capacity = available * tps * cfg.safety_factor / max(1, epochs)  # real tokens we may plan
+    saving = every / (every + per_save) if per_save else 1.0  # the share of training time not spent saving
+    total_capacity = available * tps * saving * cfg.safety_factor / max(1, epochs)  # real tokens we may plan
     share = cfg.replay_share if replay_pool else 0.0
     capacity = total_capacity * (1 - share)  # what the new samples may take
     candidates = [s for s in pending if is_heldout(s.hash, cfg.heldout_share)]
@@ -183,10 +204,13 @@ def make_plan(pending: list[SampleRow], *, now: float, deadline: float, history:
               if replay_budget >= 1 else [])
     replay_tokens = sum(s.n_tokens for s in replay)
     total = tokens + replay_tokens
+    train_seconds = total * max(1, epochs) / tps + (warmup if total else 0.0)
+    if per_save:
+        train_seconds += math.floor(train_seconds / every) * per_save
     return Plan(
         key=key, train_ids=train, heldout_ids=[s.id for s in heldout], train_tokens=total,
         deferred_samples=len(rest), deferred_tokens=sum(s.n_tokens for s in rest),
         tokens_per_second=tps, overhead_seconds=overhead, available_seconds=available,
-        predicted_train_seconds=total * max(1, epochs) / tps + (warmup if total else 0.0), epochs=max(1, epochs),
+        predicted_train_seconds=train_seconds, epochs=max(1, epochs),
         basis=basis, measured=measured, replay_ids=[s.id for s in replay], replay_tokens=replay_tokens,
     )

@@ -103,7 +103,8 @@ def plan_night(ctx: RunContext, *, key: str, backend: str, device: str,
             history, note = history_for_shape(ledger.throughput_history(key, cfg.plan.history_runs), shape, cal)
             plan = budget.make_plan(pending, now=ctx.clock(), deadline=ctx.deadline, history=history, cfg=cfg.plan,
                                     epochs=cfg.train.epochs, key=key, replay_pool=learning.replay_pool(ledger),
-                                    seed=ctx.night, min_heldout=cfg.eval.min_eval_samples)
+                                    seed=ctx.night, min_heldout=cfg.eval.min_eval_samples,
+                                    checkpoint_every_seconds=cfg.train.checkpoint_every_seconds)
             plan = plan.model_copy(update={"version": ledger.next_version(),
                                            "parent_version": ctx.parent,
                                            "backend": backend, "device": device, "step_shape": shape,

@@ -205,6 +205,8 @@ def close_run(ctx: RunContext, planned: PlannedRun, result: TrainResult, publish
     if tokens > result.warmup_tokens and seconds > result.warmup_seconds:  # the steady rate; warm-up is overhead
         tokens, seconds = tokens - result.warmup_tokens, seconds - result.warmup_seconds
         overhead += result.warmup_seconds
+    if result.checkpoint_seconds < seconds:  # saves are planned per save (make_plan), not in the rate
+        seconds -= result.checkpoint_seconds
     ctx.ledger.record_throughput(key=planned.key, run_id=ctx.run_id, origin="run", tokens=tokens,
                                  seconds=seconds, overhead_seconds=overhead,
                                  detail={"steps": result.steps, "backend": planned.plan.backend,
@@ -212,7 +214,9 @@ def close_run(ctx: RunContext, planned: PlannedRun, result: TrainResult, publish
                                          "tokens_per_step": result.detail.get("tokens_per_step"),
                                          "gradient_checkpointing": result.detail.get("gradient_checkpointing"),
                                          "warmup_tokens": result.warmup_tokens,
-                                         "warmup_seconds": round(result.warmup_seconds, 3)})
+                                         "warmup_seconds": round(result.warmup_seconds, 3),
+                                         "checkpoints": result.checkpoints,
+                                         "checkpoint_seconds": round(result.checkpoint_seconds, 3)})
     ctx.finish("succeeded" if published.promoted else "rejected")
     remove_checkpoints(ctx)
 

@@ -64,6 +64,9 @@ class TrainResult:
     # each attempt's first step (and the probes): compiles and autotunes, not the steady rate
     warmup_tokens: int = 0
     warmup_seconds: float = 0.0
+    # periodic checkpoint saves: training time, but not the training rate (the plan adds them per save)
+    checkpoints: int = 0
+    checkpoint_seconds: float = 0.0
 
 
 PROBE_TOKENS = 256
@@ -192,7 +195,7 @@ def train(
     state: dict[str, Any] = {"next_batch": 0, "steps": 0, "tokens": 0, "seconds": 0.0, "loss_sum": 0.0,
                              "loss_n": 0, "halved": False, "tokens_per_step": shape.tokens_per_step, "cuts": [],
                              "loss_curve": [], "probe_samples": [], "warmup_tokens": 0, "warmup_seconds": 0.0,
-                             "slow_steps": []}
+                             "slow_steps": [], "checkpoints": 0, "checkpoint_seconds": 0.0}
 
     def step_event(ev: OomSplitEvent) -> None:  # from now on every step runs as two halves (also after a resume)
         state["halved"] = True
@@ -202,7 +205,8 @@ def train(
     probing = probe_first and resume is None
     if resume is not None:
         state = {"cuts": [], "loss_curve": [], "probe_samples": [], "warmup_tokens": 0, "warmup_seconds": 0.0,
-                 "slow_steps": [], **json.loads((resume / "state.json").read_text())}
+                 "slow_steps": [], "checkpoints": 0, "checkpoint_seconds": 0.0,
+                 **json.loads((resume / "state.json").read_text())}
         opt = torch.load(resume / "optimizer.pt", map_location=device, weights_only=False)
         optimizer.load_state_dict(opt["optimizer"])
         scheduler.load_state_dict(opt["scheduler"])
@@ -295,8 +299,11 @@ def train(
                 batches, first_len = replan()
                 total_tokens = sum(b.real_tokens for b in batches)
         if group.is_owner and clock() - last_ckpt >= cfg.checkpoint_every_seconds and done < len(batches):
+            saving = clock()
+            state["checkpoints"] += 1  # counted in the state it saves: a resume goes on counting
             save_checkpoint(ckpt_root, model, optimizer, scheduler, state)
             last_ckpt = clock()
+            state["checkpoint_seconds"] += last_ckpt - saving
         if clock() - last_progress >= 1.0 or done == len(batches):
             last_progress = clock()
             tps = state["tokens"] / state["seconds"] if state["seconds"] > 0 else 0.0
@@ -325,6 +332,7 @@ def train(
         steps=int(state["steps"]), mean_loss=state["loss_sum"] / state["loss_n"] if state["loss_n"] else None,
         stopped=stopped, resumed_from_step=resumed_from, first_step_at=first_step_at,
         warmup_tokens=int(state["warmup_tokens"]), warmup_seconds=float(state["warmup_seconds"]),
+        checkpoints=int(state["checkpoints"]), checkpoint_seconds=float(state["checkpoint_seconds"]),
         detail={"batches": len(batches), "batches_done": done, "halved": state["halved"],
                 "tokens_per_step": tokens_per_step, "gradient_checkpointing": shape.gradient_checkpointing,
                 "step_shape_basis": basis, "batching": cfg.batching, "cuts": state["cuts"],

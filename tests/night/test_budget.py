@@ -123,3 +123,55 @@ def test_short_measurements_alone_are_all_used():
     history = [timed(1000, 1.0), timed(960, 1.2), timed(950, 0.4)]  # a CPU's nights: a second or so each
     tps, _, basis, _ = estimate(history, PlanConfig())
     assert tps == 960 and "median of 3" in basis and "left out" not in basis
+
+
+def test_checkpoint_saves_are_planned_per_save_not_read_into_the_rate():
+    """The H200 acceptance run (2026-11-25): the killed night saved every second (~0.3 s a save), so its run
+    read 56,580 tok/s against 83,201 and the next night planned 23 % long. Runs record their saves apart;
+    the plan adds one save per `checkpoint_every_seconds` of training and fits less data when saves are many."""
+    import json
+
+    cfg = PlanConfig(heldout_share=0, safety_factor=1)
+    history = [{**hist(200, 100), "detail": json.dumps({"checkpoints": n, "checkpoint_seconds": 0.5 * n})}
+               for n in (10, 4, 0)]
+    rare = make_plan(rows(100), now=0, deadline=600, history=history, cfg=cfg, epochs=1, key="k",
+                     checkpoint_every_seconds=600)
+    assert rare.predicted_train_seconds == 50.0  # no save falls inside 50 s of training
+    often = make_plan(rows(100), now=0, deadline=600, history=history, cfg=cfg, epochs=1, key="k",
+                      checkpoint_every_seconds=5)
+    assert often.predicted_train_seconds == 50.0 + 10 * 0.5  # ten saves of the runs' median 0.5 s
+    unknown = make_plan(rows(100), now=0, deadline=600, history=history[2:], cfg=cfg, epochs=1, key="k",
+                        checkpoint_every_seconds=5)
+    assert unknown.predicted_train_seconds == 50.0  # no run has saved yet: nothing to add
+    tight = make_plan(rows(100), now=0, deadline=150, history=history, cfg=cfg, epochs=1, key="k",
+                      checkpoint_every_seconds=1)
+    assert len(tight.train_ids) == 66  # 50 s at 200 tok/s, a third of it saving: 6,666 tokens, 66 samples
+
+
+def test_a_runs_checkpoint_saves_are_left_out_of_the_rate_it_records(monkeypatch):
+    """close_run records the steady rate: warm-up and periodic saves out, both in the run's detail."""
+    import jobs.night.publish as publish
+
+    recorded = {}
+
+    class Ledger:
+        def record_throughput(self, **kw):
+            recorded.update(kw)
+
+    class Ctx:
+        summary = type("S", (), {"phase_seconds": {}})()
+        ledger, run_id = Ledger(), "r"
+
+        def finish(self, outcome):
+            recorded["outcome"] = outcome
+
+    from jobs.training.loop import TrainResult
+
+    result = TrainResult(trained_ids=[], tokens=12_000, seconds=20.0, steps=12, mean_loss=1.0, stopped=None,
+                         warmup_tokens=2_000, warmup_seconds=4.0, checkpoints=8, checkpoint_seconds=6.0)
+    planned = type("P", (), {"key": "k", "plan": type("Q", (), {"backend": "hf", "device": "cpu"})()})()
+    published = type("Pub", (), {"promoted": True})()
+    monkeypatch.setattr(publish, "remove_checkpoints", lambda ctx: None)
+    publish.close_run(Ctx(), planned, result, published)
+    assert recorded["tokens"] == 10_000 and recorded["seconds"] == 10.0  # 20 s - 4 warm-up - 6 saving
+    assert recorded["detail"]["checkpoints"] == 8 and recorded["detail"]["checkpoint_seconds"] == 6.0
