@@ -56,6 +56,8 @@ def night_rows(nights: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list
                 "planned_tokens": s.planned_tokens, "trained_tokens": s.trained_tokens,
                 "trained_of_planned_pct": _r(100 * s.trained_tokens / s.planned_tokens) if s.planned_tokens else None,
                 "wake_to_first_step_s": _r(s.first_step_seconds), "tokens_per_second": _r(s.tokens_per_second),
+                "child_start_to_first_step_s": _r(_from_child_start(s.first_step_seconds, n.get("prewarmed"))),
+                "import_before_opening_s": (n.get("prewarmed") or {}).get("import_seconds"),
                 "plan_basis": s.plan_basis, "step_shape": s.step_shape.model_dump() if s.step_shape else None,
                 "phase_seconds": {k: _r(v) for k, v in s.phase_seconds.items()},
                 "night_peak_reserved_gb": _gb(s.gpu.peak_reserved_bytes if s.gpu else None),
@@ -236,7 +238,8 @@ def markdown(r: dict[str, Any]) -> str:
     else:
         lines += [f"Calibrate: {cal.get('skipped') or cal.get('error') or 'not run'}", ""]
     head = ("| night | status | ended before window end | predicted s | actual s | budget error | planned tok | "
-            "trained tok | trained/planned | wake -> first step | tok/s | step | night peak VRAM | served after |")
+            "trained tok | trained/planned | wake -> first step (child start ->) | tok/s | step | night peak VRAM | "
+            "served after |")
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     served = {s["night"]: s for s in r.get("served", [])}
     for n in r["nights"]:
@@ -247,7 +250,8 @@ def markdown(r: dict[str, Any]) -> str:
             f"{_s(n.get('ended_before_window_end_s'))} s | {_s(n.get('predicted_train_s'))} | "
             f"{_s(n.get('actual_train_s'))} | {_s(n.get('budget_error_pct'))} % | {_s(n.get('planned_tokens'))} | "
             f"{_s(n.get('trained_tokens'))} | {_s(n.get('trained_of_planned_pct'))} % | "
-            f"{_s(n.get('wake_to_first_step_s'))} s | {_s(n.get('tokens_per_second'))} | "
+            f"{_s(n.get('wake_to_first_step_s'))} s ({_s(n.get('child_start_to_first_step_s'))} s) | "
+            f"{_s(n.get('tokens_per_second'))} | "
             f"{_step(r, shape)} | "
             f"{_s(n.get('night_peak_reserved_gb'))} GB | {s.get('version', '—')} |")
     lines += ["", "| check | passed | detail |", "|---|---|---|"]
@@ -275,3 +279,10 @@ def _s(x: Any) -> str:
     if x is None:
         return "—"
     return f"{x:,}" if isinstance(x, int) else str(x)
+
+
+def _from_child_start(first_step_s: float | None, prewarmed: dict[str, Any] | None) -> float | None:
+    """A child that waited for the opening times its first step from there; from its own start add the wait."""
+    if first_step_s is None or not prewarmed or not prewarmed.get("waits_seconds"):
+        return first_step_s
+    return first_step_s + prewarmed["import_seconds"] + prewarmed["waits_seconds"]

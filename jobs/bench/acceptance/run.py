@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(0: never)")
     ap.add_argument("--grow-gb", type=float, default=0.0,
                     help="the server grabs this much more memory mid-training of the last night (OOM halving)")
+    ap.add_argument("--prewarm-seconds", type=float, default=40.0 if gpu else 2.0,
+                    help="each daemon starts this long before its window opens ([window] prewarm_seconds: the "
+                    "night's process imports before the opening)")
     ap.add_argument("--calibrate-seconds", type=float, default=6.0)
     ap.add_argument("--calibrate-checkpointing-line", action="store_true",
                     help="let calibrate reload the model to measure the checkpointing line (slower)")
@@ -185,6 +188,7 @@ end = "{end}"
 timezone = "{zone}"
 save_margin_minutes = {a.save_margin_minutes}
 min_run_minutes = {min(0.2, a.window_minutes / 4):g}
+prewarm_seconds = {a.prewarm_seconds:g}
 [daemon]
 stop_grace_seconds = 20
 max_attempts = 3
@@ -236,7 +240,7 @@ def open_run(ledger: Ledger, night: str) -> dict[str, Any] | None:
 
 def run_night(a: argparse.Namespace, k: int, work: Path, model: Path, server_url: str, env: dict[str, str],
               after: dt.date | None, ledger: Ledger, gpu: bool) -> dict[str, Any]:
-    start = dt.datetime.now(dt.UTC).replace(microsecond=0) + dt.timedelta(seconds=3)
+    start = dt.datetime.now(dt.UTC).replace(microsecond=0) + dt.timedelta(seconds=max(3.0, a.prewarm_seconds))
     end = start + dt.timedelta(minutes=a.window_minutes)
     day, offset = next_night(start, after)
     zone = write_zone(work / "tz", f"night{k}", offset)
@@ -267,6 +271,8 @@ def run_night(a: argparse.Namespace, k: int, work: Path, model: Path, server_url
     wait_for(lambda: not watch.alive(), 60, "the night's child to exit")
     watch.stop()
     info["children"], info["child_last_seen_alive"] = sorted(watch.pids), watch.last_alive
+    prewarmed = d.events("prewarmed")  # the child that started before the opening: its import, its wait
+    info["prewarmed"] = prewarmed[-1] if prewarmed else None
     info["metrics_after"] = {n: v for n, v in scrape(d).items() if n.startswith("nightshift_last_run_")}
     info["daemon_exit"] = d.stop(signal.SIGTERM, timeout=90)
     info["run"] = open_run(ledger, night)
