@@ -30,6 +30,7 @@ import structlog
 from jobs.data.check import Checked, check_records
 from jobs.data.formats import RecordError
 from jobs.data.inbox import InboxFile, list_inbox, open_inbox_file, printable, roots
+from jobs.data.parallel import PARALLEL_MIN_BYTES, CheckPool, default_workers
 from jobs.data.quarantine import Quarantine
 from jobs.data.readers import RawRecord, read_stream
 from jobs.data.render import OverlongPolicy, SpecialTokens
@@ -67,6 +68,18 @@ class _Pull:
     special_tokens: SpecialTokens
     result: PullResult
     token_cache: TokenCache | None = None  # where accepted samples' ids are kept for the night's load
+    workers: int = 0  # processes that check a large file's records (jobs/data/parallel.py); 0: this one
+    pool: CheckPool | None = None  # started by the first large file, shared by the rest
+
+    def checked(self, src: SourceConfig, raws: Iterator[RawRecord], size: int) -> Iterator[list[Checked]]:
+        """The file's records checked, chunk by chunk, in order: by the workers if it is large."""
+        options = {"max_seq_length": self.max_seq_length, "overlong": self.overlong,
+                   "special_tokens": self.special_tokens}
+        chunks = _chunks(raws, TOKENIZE_BATCH)
+        if self.workers > 0 and size >= PARALLEL_MIN_BYTES:
+            self.pool = self.pool or CheckPool(self.tokenizer, self.workers)
+            return self.pool.checked(chunks, src, **options)
+        return (check_records(c, src, self.tokenizer, **options) for c in chunks)
 
     def reject(self, conn: sqlite3.Connection | None, src: SourceConfig, file: str, raw: RawRecord,
                err: RecordError) -> None:
@@ -90,15 +103,21 @@ def pull(
     sources: list[SourceConfig], ledger: Ledger, tokenizer: Any, *, run_id: str, quarantine: Quarantine,
     max_seq_length: int, overlong: OverlongPolicy,
     special_tokens: SpecialTokens = "escape", excerpt_bytes: int = 16384, token_cache: TokenCache | None = None,
+    workers: int | None = None,
 ) -> PullResult:
-    """`token_cache`: where the ids of accepted samples are kept for the night's load."""
+    """`token_cache`: where the ids of accepted samples are kept for the night's load; `workers`: processes
+    that check the records of a large file (default: one less than the CPUs, at most 8; 0: none)."""
     p = _Pull(ledger, tokenizer, run_id, quarantine, max_seq_length, overlong, special_tokens, PullResult(),
-              token_cache)
+              token_cache, default_workers() if workers is None else workers)
     try:
         for src in sources:
             _pull_source(p, src, excerpt_bytes)
     finally:
-        quarantine.close()
+        try:
+            quarantine.close()
+        finally:
+            if p.pool is not None:
+                p.pool.close()
     return p.result
 
 
@@ -158,9 +177,7 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
         with ledger.tx() as conn:
             file_id = ledger.record_file(conn, source=src.name, path=f.display, size=st.st_size, mtime=st.st_mtime,
                                          sha256=digest, run_id=p.run_id, stat_key=key)
-            for raws in _chunks(read_stream(fh, f.path.suffix, src.limits(excerpt_bytes)), TOKENIZE_BATCH):
-                checked = check_records(raws, src, p.tokenizer, max_seq_length=p.max_seq_length,
-                                        overlong=p.overlong, special_tokens=p.special_tokens)
+            for checked in p.checked(src, read_stream(fh, f.path.suffix, src.limits(excerpt_bytes)), st.st_size):
                 kept = []
                 for c in checked:
                     counts["records"] += 1

@@ -1,0 +1,97 @@
+"""Check a file's records in worker processes, chunk by chunk, in order.
+
+Rendering chat templates and tokenising is the pull's work, and it ran in one process: the H200
+acceptance's 6-minute night (2026-11-25) pulled 269,407 records in 72.5 s, most of its wake. Large
+files are checked by a pool of spawned workers (each holds a copy of the tokenizer); the ledger, the
+quarantine and the token cache are still written by the caller alone, in the records' order, so
+what a pull records does not depend on the workers. A pool that breaks (a worker killed, a record
+that cannot be pickled) hands its chunks back to the caller's process, which checks them itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import os
+import pickle
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any
+
+import structlog
+
+from jobs.data.check import Checked, check_records
+from jobs.data.readers import RawRecord
+from jobs.data.sources import SourceConfig
+
+log = structlog.get_logger("nightshift.pull")
+PARALLEL_MIN_BYTES = 4 << 20  # smaller files (~50k short records) are checked in process: workers take seconds to start
+MAX_WORKERS = 8
+AHEAD = 2  # chunks in flight per worker: enough to keep each busy, few enough to bound memory
+
+_tokenizer: Any = None  # a worker's own copy
+
+
+def default_workers() -> int:
+    """One process less than the CPUs this process may use (the caller writes the ledger), at most 8."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, min(MAX_WORKERS, cpus - 1))
+
+
+def _start(tokenizer: bytes) -> None:
+    global _tokenizer
+    _tokenizer = pickle.loads(tokenizer)
+
+
+def _check(raws: list[RawRecord], src: SourceConfig, options: dict[str, Any]) -> list[Checked]:
+    return check_records(raws, src, _tokenizer, **options)
+
+
+class CheckPool:
+    """Workers that check chunks of records; `checked` yields each chunk's results in order."""
+
+    def __init__(self, tokenizer: Any, workers: int) -> None:
+        self.tokenizer, self.workers = tokenizer, workers
+        self.pool: ProcessPoolExecutor | None = ProcessPoolExecutor(
+            max_workers=workers, mp_context=multiprocessing.get_context("spawn"),  # no fork of a CUDA process
+            initializer=_start, initargs=(pickle.dumps(tokenizer),))
+
+    def checked(self, chunks: Iterable[list[RawRecord]], src: SourceConfig, **options: Any) -> Iterator[list[Checked]]:
+        in_flight: collections.deque[tuple[list[RawRecord], Future[list[Checked]] | None]] = collections.deque()
+        for chunk in chunks:
+            in_flight.append((chunk, self._submit(chunk, src, options)))
+            if len(in_flight) >= AHEAD * self.workers:
+                yield self._result(*in_flight.popleft(), src, options)
+        while in_flight:
+            yield self._result(*in_flight.popleft(), src, options)
+
+    def _submit(self, chunk: list[RawRecord], src: SourceConfig,
+                options: dict[str, Any]) -> Future[list[Checked]] | None:
+        if self.pool is None:
+            return None
+        try:
+            return self.pool.submit(_check, chunk, src, options)
+        except Exception as e:  # a broken or shut pool: this process checks the rest
+            self._broken(e)
+            return None
+
+    def _result(self, chunk: list[RawRecord], fut: Future[list[Checked]] | None, src: SourceConfig,
+                options: dict[str, Any]) -> list[Checked]:
+        if fut is not None:
+            try:
+                return fut.result()
+            except Exception as e:
+                self._broken(e)
+        return check_records(chunk, src, self.tokenizer, **options)
+
+    def _broken(self, e: Exception) -> None:
+        if self.pool is not None:
+            log.warning("pull_workers_failed", error=f"{type(e).__name__}: {e}"[:300],
+                        detail="the records are checked in this process from here on")
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
