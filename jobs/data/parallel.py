@@ -25,7 +25,7 @@ from jobs.data.readers import RawRecord
 from jobs.data.sources import SourceConfig
 
 log = structlog.get_logger("nightshift.pull")
-PARALLEL_MIN_BYTES = 4 << 20  # smaller files (~50k short records) are checked in process: workers take seconds to start
+PARALLEL_MIN_BYTES = 4 << 20  # smaller files (~50k short records) are checked here: workers take seconds to start
 MAX_WORKERS = 8
 AHEAD = 2  # chunks in flight per worker: enough to keep each busy, few enough to bound memory
 
@@ -52,9 +52,13 @@ class CheckPool:
 
     def __init__(self, tokenizer: Any, workers: int) -> None:
         self.tokenizer, self.workers = tokenizer, workers
-        self.pool: ProcessPoolExecutor | None = ProcessPoolExecutor(
-            max_workers=workers, mp_context=multiprocessing.get_context("spawn"),  # no fork of a CUDA process
-            initializer=_start, initargs=(pickle.dumps(tokenizer),))
+        self.pool: ProcessPoolExecutor | None = None
+        try:
+            self.pool = ProcessPoolExecutor(
+                max_workers=workers, mp_context=multiprocessing.get_context("spawn"),  # no fork of a CUDA process
+                initializer=_start, initargs=(pickle.dumps(tokenizer),))
+        except Exception as e:  # a tokenizer that cannot be pickled, no processes left: this one checks
+            log.warning("pull_workers_unavailable", error=f"{type(e).__name__}: {e}"[:300])
 
     def checked(self, chunks: Iterable[list[RawRecord]], src: SourceConfig, **options: Any) -> Iterator[list[Checked]]:
         in_flight: collections.deque[tuple[list[RawRecord], Future[list[Checked]] | None]] = collections.deque()

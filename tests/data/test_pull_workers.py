@@ -82,3 +82,27 @@ def test_default_workers_leave_one_cpu_to_the_ledger_and_cap_at_eight(monkeypatc
     assert parallel.default_workers() == 1
     monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     assert parallel.default_workers() == 8
+
+
+def test_a_tokenizer_the_workers_cannot_take_is_used_here(tmp_path, tokenizer, monkeypatch):
+    """No file is refused because the pool could not start: this process checks its records."""
+    monkeypatch.setattr(pull_mod, "PARALLEL_MIN_BYTES", 0)
+
+    class Unpicklable:
+        def __init__(self, inner):
+            self.inner, self.hook = inner, lambda: None  # a lambda: pickle refuses it
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    import pickle
+
+    import pytest
+
+    with pytest.raises(Exception):  # noqa: B017 (pickle raises one of several types)
+        pickle.dumps(Unpicklable(tokenizer))
+    data = lines(200)
+    alone = pulled(tmp_path, tokenizer, "alone", data, workers=0)
+    here = pulled(tmp_path, Unpicklable(tokenizer), "here", data, workers=2)
+    assert alone[1:] == here[1:] and alone[0].ingested == here[0].ingested and not here[0].quarantined.get(
+        "internal_error")

@@ -282,7 +282,11 @@ def _s(x: Any) -> str:
 
 
 def _from_child_start(first_step_s: float | None, prewarmed: dict[str, Any] | None) -> float | None:
-    """A child that waited for the opening times its first step from there; from its own start add the wait."""
-    if first_step_s is None or not prewarmed or not prewarmed.get("waits_seconds"):
+    """A child started before the opening times its first step from the opening; from its own start add
+    the lead it had (its import and its wait)."""
+    if first_step_s is None or not prewarmed:
         return first_step_s
-    return first_step_s + prewarmed["import_seconds"] + prewarmed["waits_seconds"]
+    lead = prewarmed.get("lead_seconds")
+    if lead is None:  # logged before the lead was: the import and the wait
+        lead = prewarmed.get("import_seconds", 0.0) + prewarmed.get("waits_seconds", 0.0)
+    return first_step_s + max(0.0, lead)
