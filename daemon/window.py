@@ -63,7 +63,7 @@ class WindowConfig(BaseModel):
     min_run_minutes: float = 30.0  # a window with less time than this to train is not worth starting
     # the night's process starts this long before the window opens: its imports (Unsloth's take ~30 s on an
     # H100/H200 host) are done when the window opens, where its data is pulled and its first step follows
-    prewarm_seconds: float = Field(90.0, ge=0)
+    prewarm_seconds: float = Field(90.0, ge=0, le=900)  # more would hold the night lock and the card for long
 
     @field_validator("start", "end", mode="before")
     @classmethod
