@@ -300,9 +300,10 @@ def train(
                 total_tokens = sum(b.real_tokens for b in batches)
         if group.is_owner and clock() - last_ckpt >= cfg.checkpoint_every_seconds and done < len(batches):
             saving = clock()
-            state["checkpoints"] += 1  # counted in the state it saves: a resume goes on counting
             save_checkpoint(ckpt_root, model, optimizer, scheduler, state)
             last_ckpt = clock()
+            # counted after the save (its own state holds the saves before it): count and seconds agree on resume
+            state["checkpoints"] += 1
             state["checkpoint_seconds"] += last_ckpt - saving
         if clock() - last_progress >= 1.0 or done == len(batches):
             last_progress = clock()

@@ -139,3 +139,25 @@ def test_a_step_far_slower_than_the_others_is_noted_with_its_typical_time(monkey
     res = train(tiny(), samples(40), CFG, ckpt_root=tmp_path, deadline=clock.t + 1e6, stop=threading.Event(),
                 shape=SHAPE, clock=clock, save_seconds=0)
     assert res.detail["slow_steps"] == [[7, 9.0, 1.0]]  # optimizer step 7 took 9 s where 1 s was typical
+
+
+def test_periodic_checkpoint_saves_are_counted_and_timed_apart(monkeypatch, tmp_path: Path):
+    """Each save takes half a "second" of the fake clock: the result counts the saves and their seconds
+    (the night records its rate without them, the plan adds them per save)."""
+    import jobs.training.loop as loop
+
+    clock = StepClock(monkeypatch)
+    real_save = loop.save_checkpoint
+
+    def slow_save(*args, **kwargs):
+        real_save(*args, **kwargs)
+        clock.t += 0.5
+
+    monkeypatch.setattr(loop, "save_checkpoint", slow_save)
+    cfg = CFG.model_copy(update={"checkpoint_every_seconds": 2.0, "epochs": 1})
+    stop = threading.Event()
+    res = train(tiny(), samples(40), cfg, ckpt_root=tmp_path, deadline=clock.t + 1000, stop=stop, shape=SHAPE,
+                clock=clock, save_seconds=0)
+    assert res.steps == 10 and res.checkpoints == 4  # after steps 2, 4, 6, 8 (not after the last)
+    assert res.checkpoint_seconds == pytest.approx(4 * 0.5)
+    assert res.seconds == pytest.approx(10 + 4 * 0.5, abs=0.6)  # training time holds the saves
