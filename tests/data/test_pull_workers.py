@@ -79,7 +79,9 @@ def _failing_future():
 
 def test_default_workers_leave_one_cpu_to_the_ledger_and_cap_at_eight(monkeypatch):
     monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
-    assert parallel.default_workers() == 1
+    assert parallel.default_workers() == 0  # one worker beside the night gains nothing: none
+    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: set(range(3)), raising=False)
+    assert parallel.default_workers() == 2
     monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     assert parallel.default_workers() == 8
 
