@@ -143,17 +143,17 @@ def _number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
 
 
-def expected_warmup(rows: list[Any]) -> float:
+def expected_warmup(details: list[dict[str, Any]]) -> float:
     """Median seconds of the runs' warm-up steps (a compile, the probes): the rate leaves them out and
     the overhead holds them, so the predicted training time adds them back. 0 before any run."""
-    seen = [float(d["warmup_seconds"]) for d in _details(rows) if _number(d.get("warmup_seconds"))]
+    seen = [float(d["warmup_seconds"]) for d in details if _number(d.get("warmup_seconds"))]
     return statistics.median(seen) if seen else 0.0
 
 
-def seconds_per_checkpoint(rows: list[Any]) -> float:
+def seconds_per_checkpoint(details: list[dict[str, Any]]) -> float:
     """Median seconds one periodic checkpoint save took in the runs that saved one: the rate leaves the
     saves out, so the predicted training time adds one per `checkpoint_every_seconds`. 0 before any."""
-    seen = [d["checkpoint_seconds"] / d["checkpoints"] for d in _details(rows)
+    seen = [d["checkpoint_seconds"] / d["checkpoints"] for d in details
             if _number(d.get("checkpoint_seconds")) and _number(d.get("checkpoints")) and d["checkpoints"] > 0]
     return statistics.median(seen) if seen else 0.0
 
@@ -173,9 +173,10 @@ def make_plan(pending: list[SampleRow], *, now: float, deadline: float, history:
     night; `min_heldout`: held-out samples a night under a backlog takes at least (when there are);
     `checkpoint_every_seconds`: the training's save interval (its saves are added to the predicted time)."""
     tps, overhead, basis, measured = estimate(history, cfg)
-    warmup = expected_warmup(history[: cfg.history_runs])
+    details = _details(history[: cfg.history_runs])  # the recent runs' detail, parsed once
+    warmup = expected_warmup(details)
     every = checkpoint_every_seconds or 0.0
-    per_save = seconds_per_checkpoint(history[: cfg.history_runs]) if every > 0 else 0.0
+    per_save = seconds_per_checkpoint(details) if every > 0 else 0.0
     available = max(0.0, deadline - now - overhead)
     saving = every / (every + per_save) if per_save else 1.0  # the share of training time not spent saving
     total_capacity = available * tps * saving * cfg.safety_factor / max(1, epochs)  # real tokens we may plan

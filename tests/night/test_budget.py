@@ -126,8 +126,8 @@ def test_short_measurements_alone_are_all_used():
 
 
 def test_checkpoint_saves_are_planned_per_save_not_read_into_the_rate():
-    """The H200 acceptance run (2026-11-25): the killed night saved every second (~0.3 s a save), so its run
-    read 56,580 tok/s against 83,201 and the next night planned 23 % long. Runs record their saves apart;
+    """The H200 acceptance run (2026-11-25): the killed night saved every second, so its run recorded
+    60,087 tok/s against 83,201 and the next night planned 23 % long. Runs record their saves apart;
     the plan adds one save per `checkpoint_every_seconds` of training and fits less data when saves are many."""
     import json
 

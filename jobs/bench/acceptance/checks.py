@@ -286,7 +286,4 @@ def _from_child_start(first_step_s: float | None, prewarmed: dict[str, Any] | No
     the lead it had (its import and its wait)."""
     if first_step_s is None or not prewarmed:
         return first_step_s
-    lead = prewarmed.get("lead_seconds")
-    if lead is None:  # logged before the lead was: the import and the wait
-        lead = prewarmed.get("import_seconds", 0.0) + prewarmed.get("waits_seconds", 0.0)
-    return first_step_s + max(0.0, lead)
+    return first_step_s + max(0.0, prewarmed.get("lead_seconds", 0.0))
