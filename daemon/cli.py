@@ -84,6 +84,17 @@ def manual_window(args: argparse.Namespace, s: Settings) -> Window:
                   end=dt.datetime.fromtimestamp(end, dt.UTC))
 
 
+def no_time_to_train(window: Window, s: Settings) -> str | None:
+    """Why a manual window leaves no time to train (training stops `save_margin_minutes` before its end), or None."""
+    left = (window.end - window.start).total_seconds()
+    margin = s.window.save_margin.total_seconds()
+    if left > margin:
+        return None
+    return (f"the window ends in {left / 60:.1f} min ({window.end.astimezone():%H:%M:%S}), not more than "
+            f"[window] save_margin_minutes ({s.window.save_margin_minutes:g}), the time kept to save before the end: "
+            "no time to train. Give a later --until or a smaller save_margin_minutes.")
+
+
 def not_node_0(s: Settings, command: str) -> int | None:
     """[distributed] only node 0 runs nights; on another host, or with more cards asked than there are:
     the exit status of the refusal."""
@@ -108,6 +119,9 @@ def cmd_once(args: argparse.Namespace, s: Settings) -> int:
 
 def _once(args: argparse.Namespace, s: Settings, lock_fd: int | None) -> int:
     window = manual_window(args, s)
+    if (no_time := no_time_to_train(window, s)) is not None:
+        print(f"nightshift once: {no_time}", file=sys.stderr)
+        return 2
     ledger = Ledger(Path(s.state_dir) / "ledger.sqlite")
     try:
         run_id = run_id_for(ledger, window.night)

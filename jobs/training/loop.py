@@ -36,7 +36,8 @@ from typing import Any, Literal
 import structlog
 
 from jobs.contract import Emit, OomSplitEvent, ProgressEvent, StepShape
-from jobs.data.batching import Batch, TokenizedSample, padded_batches
+from jobs.data.batching import Batch, TokenizedSample
+from jobs.training.batch_sequence import cut_first, later_epochs, probe_sizes, samples_to_cut, sequence
 from jobs.training.checkpoints import save_checkpoint
 from jobs.training.config import TrainConfig
 from jobs.training.distributed import SOLO, Solo
@@ -69,100 +70,7 @@ class TrainResult:
     checkpoint_seconds: float = 0.0
 
 
-PROBE_TOKENS = 256
 STEPS_IN_TIME_LEFT = 20
-Cut = tuple[int, list[int]]  # (batch index the cut was made at, sample ids cut)
-
-
-def plan_batches(samples: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: int, tokens_per_step: int,
-                 probe_samples: Sequence[int] = (), cuts: Sequence[Cut] = ()) -> list[Batch]:
-    """The whole run's batch sequence, deterministic from (samples, seed, step shape, probe sizes, cuts):
-    a resume replays it. `probe_samples`: the first epoch opens with one batch of each of these many samples."""
-    return _plan(samples, cfg, pad_id, tokens_per_step, probe_samples, cuts)[0]
-
-
-def _plan(samples: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: int, tokens_per_step: int,
-          probe_samples: Sequence[int], cuts: Sequence[Cut]) -> tuple[list[Batch], int]:
-    """(batches, how many of them are the first epoch's). Each cut keeps the batches before it and
-    packs the rest of the first epoch again without the cut samples; later epochs leave them out."""
-    import random
-
-    first: list[Batch] = []
-    start = 0
-    for k in probe_samples:  # first epoch in plan order (oldest first); later epochs shuffled
-        if samples[start : start + k]:
-            first.extend(_batches(samples[start : start + k], cfg, pad_id, 1 << 30))
-        start += k
-    first.extend(_batches(samples[start:], cfg, pad_id, tokens_per_step))
-    gone: set[int] = set()
-    for at, ids in cuts:
-        gone |= set(ids)
-        skip = gone | {sid for b in first[:at] for sid in b.sample_ids}  # once: per sample it was quadratic
-        first = first[:at] + _batches([s for s in samples if s.sample_id not in skip], cfg, pad_id, tokens_per_step)
-    kept = [s for s in samples if s.sample_id not in gone]
-    out = list(first)
-    for epoch in range(1, cfg.epochs):
-        order = list(kept)
-        random.Random(cfg.seed + epoch).shuffle(order)
-        out.extend(_batches(order, cfg, pad_id, tokens_per_step))
-    return out, len(first)
-
-
-def _batches(order: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: int, tokens: int) -> list[Batch]:
-    from jobs.training.packing import packed_batches
-
-    if cfg.batching == "packed":
-        return list(packed_batches(order, tokens_per_step=tokens))
-    big = tokens >= 1 << 30  # a probe batch: all its samples in one step
-    return list(padded_batches(order, batch_size=len(order) if big else cfg.batch_size,
-                               max_tokens_per_batch=tokens if big else min(tokens, cfg.max_tokens_per_batch),
-                               pad_id=pad_id))
-
-
-def probe_sizes(samples: Sequence[TokenizedSample], tokens: int = PROBE_TOKENS, world: int = 1) -> list[int]:
-    """How many samples each probe batch takes: two probe steps of about `tokens` each (at least one
-    sample a rank). [distributed] `world` ranks: each probe step is split into `world` rows (one per
-    rank), so the global probe step holds what one process's would."""
-    sizes: list[int] = []
-    i = 0
-    for _ in range(2):
-        n = used = 0
-        while i + n < len(samples) and (n < world or used + samples[i + n].n_tokens <= tokens):
-            used += samples[i + n].n_tokens
-            n += 1
-        sizes += [n // world + (1 if r < n % world else 0) for r in range(min(n, world))]
-        i += n
-    return sizes
-
-
-def _cut(batches: Sequence[Batch], i: int, first_len: int, *, rate: float, left: float, epochs: int) -> list[int]:
-    """Rank 0's decision before step i: the samples to cut when the rest of the run, at `rate` tokens/s
-    (measured this attempt, after the probes), would not fit in the `left` seconds."""
-    over = (sum(b.real_tokens for b in batches[i:]) / rate - left) * rate * 1.1
-    return _to_cut(batches, i, first_len, over, epochs) if over > 0 else []
-
-
-def _to_cut(batches: Sequence[Batch], i: int, first_len: int, tokens_over: float, epochs: int) -> list[int]:
-    """Samples of the first epoch not reached yet (batches i..), from the tail, whose tokens over all
-    epochs cover `tokens_over`."""
-    seen = {sid for b in batches[:i] for sid in b.sample_ids}
-    tail: list[tuple[int, int]] = []  # (sample id, real tokens)
-    for b in batches[i:first_len]:
-        lengths = _lengths(b)
-        tail += [(sid, n) for sid, n in zip(b.sample_ids, lengths, strict=True) if sid not in seen]
-    out, removed = [], 0.0
-    for sid, n in reversed(tail):
-        if removed >= tokens_over:
-            break
-        out.append(sid)
-        removed += n * epochs
-    return out
-
-
-def _lengths(b: Batch) -> list[int]:
-    if b.attention_mask is not None:  # padded: one sample per row
-        return [sum(row) for row in b.attention_mask]
-    return [b.real_tokens // max(1, len(b.sample_ids))] * len(b.sample_ids)  # packed: an even share is enough
 
 
 # ---- the loop -----------------------------------------------------------------------------------
@@ -223,7 +131,7 @@ def train(
     pad_id = loaded.tokenizer.pad_token_id
 
     def replan() -> tuple[list[Batch], int]:
-        return _plan(samples, cfg, pad_id, state["tokens_per_step"], state["probe_samples"], state["cuts"])
+        return sequence(samples, cfg, pad_id, state["tokens_per_step"], state["probe_samples"], state["cuts"])
 
     batches, first_len = replan()
     if resume is not None:
@@ -241,6 +149,8 @@ def train(
     total_tokens = sum(b.real_tokens for b in batches)
     # this attempt's throughput, for the cut: from after its first step (a compile) and the probes
     measured_from, since, tokens_here = max(resumed_from + group.world, n_probes), started, 0
+    gone = {sid for _, ids in state["cuts"] for sid in ids}  # cut so far (a resume's cuts included)
+    cut_at = -1  # this attempt's last cut: the next one waits for steps measured after it
     steady: deque[float] = deque(maxlen=SLOW_WINDOW)  # seconds per token of the attempt's recent steady steps
     i = resumed_from
     while i < len(batches):
@@ -248,8 +158,11 @@ def train(
         now = clock()
         predicted = 1.5 * per_token * _tokens(rows) if per_token is not None else 0.0
         cut: list[int] = []
-        if group.is_owner and per_token is not None and i < first_len and i - measured_from >= 3 * group.world:
-            cut = _cut(batches, i, first_len, rate=tokens_here / max(1e-9, now - since),
+        # a cut only matters with epochs > 1 (the samples it defers get none of them rather than some): with
+        # one, the deadline's stop leaves the samples not reached pending just the same, without repacking
+        if (group.is_owner and cfg.epochs > 1 and per_token is not None and i < first_len
+                and i - max(measured_from, cut_at) >= 3 * group.world):
+            cut = samples_to_cut(batches, i, first_len, rate=tokens_here / max(1e-9, now - since),
                        left=deadline - now - save_seconds - predicted, epochs=cfg.epochs)
         # [distributed] decided together: every rank stops at the same step, whatever its own clock says
         signalled, late, cutting = group.agree(stop.is_set(), now + predicted + save_seconds > deadline, bool(cut))
@@ -261,9 +174,13 @@ def train(
             break
         if cutting:  # rank 0's cut, the same on every rank (it changes the batch sequence)
             cut = group.broadcast(cut)
+            repacking = clock()
             state["cuts"].append([i, cut])
-            batches, first_len = replan()
+            first = cut_first(samples, batches[:first_len], i, cut, gone, cfg, pad_id, state["tokens_per_step"])
+            batches, first_len = first + later_epochs(samples, gone, cfg, pad_id, state["tokens_per_step"]), len(first)
             total_tokens = sum(b.real_tokens for b in batches)
+            since += clock() - repacking  # not training time: the rate the next cut is sized by leaves it out
+            cut_at = i
             log.info("samples_cut", samples=len(cut), at_batch=i, batches=len(batches),
                      reason="the rest of the run would not fit before the deadline")
             if i >= len(batches):

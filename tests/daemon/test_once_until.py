@@ -19,7 +19,7 @@ def test_once_stops_the_child_at_the_windows_end_as_the_service_does(tmp_path, m
     model = tmp_path / "model"  # never loaded (the child is a stand-in), but `once` checks that it is there
     model.mkdir()
     (model / "config.json").write_text("{}")
-    cfg, _ = toml_config(tmp_path, model, more="[daemon]\nstop_grace_seconds = 7\n")
+    cfg, _ = toml_config(tmp_path, model, more="[window]\nsave_margin_minutes = 1\n[daemon]\nstop_grace_seconds = 7\n")
     seen = {}
 
     class Child:
@@ -41,6 +41,21 @@ def test_once_stops_the_child_at_the_windows_end_as_the_service_does(tmp_path, m
     assert cli.parse_until("01:02:03", 0, dt.datetime(2026, 1, 1, 0, 0)) == dt.datetime(2026, 1, 1, 1, 2, 3).timestamp()
     with pytest.raises(SystemExit, match="HH:MM or HH:MM:SS"):
         cli.parse_until("1", 0, dt.datetime(2026, 1, 1))
+
+
+def test_once_refuses_an_until_inside_the_save_margin(tmp_path, capsys):
+    """Training stops save_margin_minutes before the end: an --until nearer than that leaves nothing, and
+    `once` says so (and which key) instead of starting a night that can only skip."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cfg, _ = toml_config(tmp_path, model)  # the default margin: 15 minutes
+    until = (dt.datetime.now() + dt.timedelta(minutes=5)).replace(microsecond=0)
+    assert cli.main(["--config", str(cfg), "once", "--until", until.strftime("%H:%M:%S")]) == 2
+    err = capsys.readouterr().err
+    assert "save_margin_minutes (15)" in err and "no time to train" in err and until.strftime("%H:%M:%S") in err
+    assert not (tmp_path / "state" / "ledger.sqlite").exists() or not Ledger(
+        tmp_path / "state" / "ledger.sqlite").last_runs(5)  # no run opened
 
 
 @pytest.fixture(scope="module")

@@ -107,7 +107,7 @@ def main() -> None:
     cfg = TrainConfig(batching="packed", tokens_per_step=40, max_seq_length=16, epochs=1, warmup_steps=0,
                       learning_rate=1e-2, checkpoint_every_seconds=3600)
     shape = StepShape(tokens_per_step=40, gradient_checkpointing=False, basis="test")
-    real_fit, real_cut = loop._fit, loop._cut
+    real_fit, real_cut = loop._fit, loop.samples_to_cut
     for scenario in ("deadline", "signal", "oom", "same", "probe", "cut"):
         model = tiny(limit=25 if scenario == "oom" and rank == 1 else 10**6)
         before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -123,9 +123,10 @@ def main() -> None:
                 _skew[0] = 3600.0  # after its first step, rank 1's clock says the deadline has passed
 
         loop._fit = (lambda *a, **k: 20 if rank == 0 else 30) if scenario == "probe" else real_fit
-        loop._cut = _cut_of(rank) if scenario == "cut" else real_cut
+        loop.samples_to_cut = _cut_of(rank) if scenario == "cut" else real_cut
         data = {"same": samples(30, vary=True), "probe": samples(60), "cut": samples(48)}.get(scenario, samples(24))
-        res = train(loaded, data, cfg, ckpt_root=out / f"ckpt-{scenario}-rank{rank}", deadline=deadline,
+        run_cfg = cfg.model_copy(update={"epochs": 2}) if scenario == "cut" else cfg  # a cut needs epochs > 1
+        res = train(loaded, data, run_cfg, ckpt_root=out / f"ckpt-{scenario}-rank{rank}", deadline=deadline,
                     stop=stop, shape=shape, clock=lambda _s=skew: time.time() + _s[0], emit=emit, group=group,
                     probe_first=scenario == "probe")
         weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

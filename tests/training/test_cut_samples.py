@@ -18,9 +18,10 @@ torch = pytest.importorskip("torch")
 from jobs.contract import StepShape  # noqa: E402
 from jobs.data.batching import TokenizedSample  # noqa: E402
 from jobs.training import step as step_module  # noqa: E402
+from jobs.training.batch_sequence import plan_batches  # noqa: E402
 from jobs.training.config import TrainConfig  # noqa: E402
 from jobs.training.load import Loaded  # noqa: E402
-from jobs.training.loop import plan_batches, train  # noqa: E402
+from jobs.training.loop import train  # noqa: E402
 
 CFG = TrainConfig(batching="padded", batch_size=4, max_tokens_per_batch=4096, max_seq_length=16, epochs=3,
                   warmup_steps=0)
@@ -161,3 +162,34 @@ def test_periodic_checkpoint_saves_are_counted_and_timed_apart(monkeypatch, tmp_
     assert res.steps == 10 and res.checkpoints == 4  # after steps 2, 4, 6, 8 (not after the last)
     assert res.checkpoint_seconds == pytest.approx(4 * 0.5)
     assert res.seconds == pytest.approx(10 + 4 * 0.5, abs=0.6)  # training time holds the saves
+
+
+def test_one_epoch_is_never_cut_the_deadline_leaves_the_rest_pending(monkeypatch, tmp_path: Path):
+    """With one epoch a cut defers nothing the deadline's stop would not (and repacks the rest for it)."""
+    clock = StepClock(monkeypatch)
+    cfg = CFG.model_copy(update={"epochs": 1})
+    res = train(tiny(), samples(80), cfg, ckpt_root=tmp_path, deadline=clock.t + 8, stop=threading.Event(),
+                shape=SHAPE, clock=clock, save_seconds=0)
+    assert res.stopped == "deadline" and not res.cut_ids and not res.partial_ids
+    assert res.trained_ids == list(range(4 * res.steps)) and res.steps < 20  # the rest: untouched, pending
+
+
+def test_repacking_after_a_cut_is_not_training_time_so_a_cut_does_not_cascade(monkeypatch, tmp_path: Path):
+    """A cut repacks the samples not reached (seconds for tens of thousands of samples): the rate the next
+    cut is sized by leaves that time out. Counted in, each cut lowered the measured rate, which cut again
+    at the next step: a night on 2 H200s cut 49 times and trained 17 % of its plan."""
+    from jobs.training import loop
+
+    clock = StepClock(monkeypatch)
+    real = loop.cut_first
+
+    def slow_repack(*args, **kwargs):
+        clock.t += 0.5  # 60,000 samples took ~0.25 s to repack on the GPU host, its steps 0.26 s
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "cut_first", slow_repack)
+    res = train(tiny(), samples(40), CFG, ckpt_root=tmp_path, deadline=clock.t + 24, stop=threading.Event(),
+                shape=SHAPE, clock=clock, save_seconds=0)
+    cuts = res.detail["cuts"]  # the first, and at most a sample or two for the half second its repacking really took
+    assert len(cuts) <= 2 and sum(len(ids) for _, ids in cuts[1:]) <= 2, cuts
+    assert len(res.cut_ids) <= 12 and len(res.trained_ids) >= 24  # about what 24 one-second steps hold

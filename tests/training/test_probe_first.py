@@ -6,8 +6,9 @@ import time
 from jobs.contract import StepShape
 from jobs.data.batching import TokenizedSample
 from jobs.training import step as step_mod
+from jobs.training.batch_sequence import PROBE_TOKENS, plan_batches, probe_sizes
 from jobs.training.config import TrainConfig
-from jobs.training.loop import PROBE_TOKENS, STEPS_IN_TIME_LEFT, plan_batches, probe_sizes, train
+from jobs.training.loop import STEPS_IN_TIME_LEFT, train
 
 
 def samples(n: int, length: int = 40) -> list[TokenizedSample]:
