@@ -29,6 +29,11 @@ class RecordError(ValueError):
         self.reason = QuarantineReason(reason).value  # a reason outside the contract's set is a bug
         self.detail = detail
 
+    def __reduce__(self) -> tuple[type[RecordError], tuple[str, str]]:
+        """Pickled with both arguments: a pull worker's quarantined records come back to the night's process
+        (an exception pickles its `args` alone, here the detail, and could not be rebuilt: it broke the pool)."""
+        return type(self), (self.reason, self.detail)
+
 
 @dataclass(frozen=True)
 class Normalised:

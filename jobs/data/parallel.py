@@ -30,6 +30,7 @@ MAX_WORKERS = 8
 AHEAD = 2  # chunks in flight per worker: enough to keep each busy, few enough to bound memory
 
 _tokenizer: Any = None  # a worker's own copy
+_early: CheckPool | None = None  # started while a prewarmed night waits for its window (start_early)
 
 
 def default_workers() -> int:
@@ -50,18 +51,70 @@ def _check(raws: list[RawRecord], src: SourceConfig, options: dict[str, Any]) ->
     return check_records(raws, src, _tokenizer, **options)
 
 
+def _ready() -> None:
+    """A worker's first task: it has spawned, imported and taken the tokenizer."""
+
+
+def start_early(tokenizer: Any, workers: int | None = None) -> None:
+    """Start the pull's workers now, while a prewarmed night waits for its window: each spawns, imports and
+    unpickles the tokenizer (2 s on a 2-core box), which the pull at the opening would otherwise wait for."""
+    global _early
+    n = default_workers() if workers is None else workers
+    if n >= 2 and _early is None:
+        _early = CheckPool(tokenizer, n)
+        _early.warm()
+
+
+def pool_for(tokenizer: Any, workers: int) -> CheckPool:
+    """The early pool where it serves this tokenizer with this many workers, else a new one."""
+    global _early
+    pool, _early = _early, None
+    if pool is not None and pool.serves(tokenizer, workers):
+        log.info("pull_workers_started_early", workers=workers)
+        return pool
+    if pool is not None:
+        pool.close()
+    return CheckPool(tokenizer, workers)
+
+
+def close_early() -> None:
+    """The pull is over: an early pool it did not need (no large file) stops holding its processes."""
+    global _early
+    pool, _early = _early, None
+    if pool is not None:
+        pool.close()
+
+
 class CheckPool:
     """Workers that check chunks of records; `checked` yields each chunk's results in order."""
 
     def __init__(self, tokenizer: Any, workers: int) -> None:
         self.tokenizer, self.workers = tokenizer, workers
         self.pool: ProcessPoolExecutor | None = None
+        self.blob = b""
         try:
+            self.blob = pickle.dumps(tokenizer)
             self.pool = ProcessPoolExecutor(
                 max_workers=workers, mp_context=multiprocessing.get_context("spawn"),  # no fork of a CUDA process
-                initializer=_start, initargs=(pickle.dumps(tokenizer),))
+                initializer=_start, initargs=(self.blob,))
         except Exception as e:  # a tokenizer that cannot be pickled, no processes left: this one checks
             log.warning("pull_workers_unavailable", error=f"{type(e).__name__}: {e}"[:300])
+
+    def warm(self) -> None:
+        """Spawn every worker now (the executor starts them as tasks arrive)."""
+        for _ in range(self.workers):
+            if self.pool is not None:
+                try:
+                    self.pool.submit(_ready)
+                except Exception as e:
+                    self._broken(e)
+
+    def serves(self, tokenizer: Any, workers: int) -> bool:
+        """Running, with `workers` workers holding this tokenizer (the same pickled bytes)."""
+        try:
+            return self.pool is not None and workers == self.workers and pickle.dumps(tokenizer) == self.blob
+        except Exception:
+            return False
 
     def checked(self, chunks: Iterable[list[RawRecord]], src: SourceConfig, **options: Any) -> Iterator[list[Checked]]:
         in_flight: collections.deque[tuple[list[RawRecord], Future[list[Checked]] | None]] = collections.deque()

@@ -19,6 +19,7 @@ import hashlib
 import os
 import shutil
 import sqlite3
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ import structlog
 from jobs.data.check import Checked, check_records
 from jobs.data.formats import RecordError
 from jobs.data.inbox import InboxFile, list_inbox, open_inbox_file, printable, roots
-from jobs.data.parallel import PARALLEL_MIN_BYTES, CheckPool, default_workers
+from jobs.data.parallel import PARALLEL_MIN_BYTES, CheckPool, close_early, default_workers, pool_for
 from jobs.data.quarantine import Quarantine
 from jobs.data.readers import RawRecord, read_stream
 from jobs.data.render import OverlongPolicy, SpecialTokens
@@ -77,7 +78,7 @@ class _Pull:
                    "special_tokens": self.special_tokens}
         chunks = _chunks(raws, TOKENIZE_BATCH)
         if self.workers > 0 and size >= PARALLEL_MIN_BYTES:
-            self.pool = self.pool or CheckPool(self.tokenizer, self.workers)
+            self.pool = self.pool or pool_for(self.tokenizer, self.workers)
             return self.pool.checked(chunks, src, **options)
         return (check_records(c, src, self.tokenizer, **options) for c in chunks)
 
@@ -118,6 +119,7 @@ def pull(
         finally:
             if p.pool is not None:
                 p.pool.close()
+            close_early()
     return p.result
 
 
@@ -174,10 +176,12 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
             log.info("file_already_ingested", source=src.name, file=f.display, sha256=digest[:12])
             return
         counts, reasons = Counter[str](), Counter[str]()
+        started, waits = time.monotonic(), Counter[str]()
         with ledger.tx() as conn:
             file_id = ledger.record_file(conn, source=src.name, path=f.display, size=st.st_size, mtime=st.st_mtime,
                                          sha256=digest, run_id=p.run_id, stat_key=key)
-            for checked in p.checked(src, read_stream(fh, f.path.suffix, src.limits(excerpt_bytes)), st.st_size):
+            for checked in _timed(p.checked(src, read_stream(fh, f.path.suffix, src.limits(excerpt_bytes)), st.st_size),
+                                  waits):
                 kept = []
                 for c in checked:
                     counts["records"] += 1
@@ -199,9 +203,29 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
     result.ingested[src.name] += counts["accepted"]
     result.duplicates += counts["duplicates"]
     result.quarantined.update(reasons)
-    log.info("file_ingested", source=src.name, file=f.display, **counts)
+    # where a file's seconds went: reading and checking (by the workers: waiting for them), the rest is the
+    # ledger, the quarantine and the token cache, written here
+    log.info("file_ingested", source=src.name, file=f.display, **counts, seconds=round(time.monotonic() - started, 2),
+             check_seconds=round(waits["seconds"], 2), workers=_workers_used(p, st.st_size))
     if src.move_processed:
         _move_processed(ledger, src, f, file_id, digest)
+
+
+def _workers_used(p: _Pull, size: int) -> int:
+    """The workers that checked a file of `size` bytes (0: this process; also when the pool broke)."""
+    pooled = p.workers > 0 and size >= PARALLEL_MIN_BYTES and p.pool is not None and p.pool.pool is not None
+    return p.workers if pooled else 0
+
+
+def _timed(it: Iterator[list[Checked]], waits: Counter[str]) -> Iterator[list[Checked]]:
+    """The chunks of `it`, with the seconds spent getting each added to waits["seconds"]."""
+    while True:
+        t = time.monotonic()
+        chunk = next(it, None)
+        waits["seconds"] += time.monotonic() - t
+        if chunk is None:
+            return
+        yield chunk
 
 
 def _chunks(it: Iterator[RawRecord], n: int) -> Iterator[list[RawRecord]]:

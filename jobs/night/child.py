@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     logs.route_transformers_logging()
     woke = PROCESS_STARTED
     if args.start_at is not None and not args.plan_only:
+        if int(os.environ.get("RANK", "0")) == 0:  # the rank that pulls
+            from jobs.night.intake import start_pull_workers
+
+            start_pull_workers(cfg)
         woke = _wait_for_opening(args.start_at, stop, args.run_id)
         if stop.is_set() and time.time() < args.start_at:  # stopped before the window opened: nothing started
             emit(ResultEvent(summary=RunSummary(night=args.night, outcome=Outcome.interrupted,

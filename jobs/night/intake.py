@@ -14,6 +14,7 @@ from jobs.data.preview import preview
 from jobs.data.pull import PullResult, Quarantine, pull
 from jobs.data.quarantine import prune_quarantine
 from jobs.data.token_cache import TokenCache
+from jobs.night.config import NightConfig
 from jobs.night.context import RunContext
 from jobs.store import learning
 from jobs.store.ledger import SampleRow
@@ -27,6 +28,20 @@ def token_cache(ctx: RunContext, tokenizer: Any) -> TokenCache:
     """Where pull leaves the new samples' token ids for the night's load."""
     return TokenCache(ctx.state / "cache" / "tokens", tokenizer, max_seq_length=ctx.cfg.train.max_seq_length,
                       overlong=ctx.cfg.train.overlong, special_tokens=ctx.cfg.train.special_tokens)
+
+
+def start_pull_workers(cfg: NightConfig) -> None:
+    """A prewarmed night (rank 0): the pull's workers spawn while it waits for the window, not after it opens.
+    Nothing fails the night here: the pull starts its own workers where these cannot serve it."""
+    from pathlib import Path
+
+    from jobs.data.parallel import start_early
+    from jobs.training.loaded import load_tokenizer
+
+    try:
+        start_early(load_tokenizer(Path(cfg.model.path)))
+    except Exception as e:  # a model not there yet (built at the night), a tokenizer that does not load
+        log.info("pull_workers_not_started_early", error=f"{type(e).__name__}: {e}"[:300])
 
 
 def pull_new_data(ctx: RunContext, tokenizer: Any) -> PullResult:

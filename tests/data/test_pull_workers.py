@@ -3,6 +3,8 @@ their order, token ids, quarantine reasons — is the same as when this process 
 
 import json
 
+from structlog.testing import capture_logs
+
 import jobs.data.parallel as parallel
 import jobs.data.pull as pull_mod
 from jobs.data.pull import Quarantine, pull
@@ -49,11 +51,17 @@ def test_workers_record_what_this_process_records(tmp_path, tokenizer, monkeypat
     submit = parallel.ProcessPoolExecutor.submit
     monkeypatch.setattr(parallel.ProcessPoolExecutor, "submit",
                         lambda self, fn, *a, **kw: submitted.append(len(a[0])) or submit(self, fn, *a, **kw))
+    broken = []  # the pool must not break: a fallback to this process would pass every check below as well
+    monkeypatch.setattr(parallel.CheckPool, "_broken", lambda self, e: broken.append(repr(e)))
     data = lines(1500)
     alone = pulled(tmp_path, tokenizer, "alone", data, workers=0)
     assert not submitted
-    shared = pulled(tmp_path, tokenizer, "workers", data, workers=2)
+    with capture_logs() as logs:
+        shared = pulled(tmp_path, tokenizer, "workers", data, workers=2)
     assert len(submitted) >= 3 and sum(submitted) > 1500  # every chunk went to the workers
+    assert not broken, broken  # and came back from them, quarantined records included
+    [ingested] = [e for e in logs if e["event"] == "file_ingested"]  # says where the file's seconds went
+    assert ingested["workers"] == 2 and 0 < ingested["check_seconds"] <= ingested["seconds"]
     assert alone[0].ingested == shared[0].ingested and alone[0].quarantined == shared[0].quarantined
     assert alone[0].duplicates == shared[0].duplicates > 0 and sum(alone[0].quarantined.values()) > 60
     assert alone[1:] == shared[1:]
@@ -108,3 +116,58 @@ def test_a_tokenizer_the_workers_cannot_take_is_used_here(tmp_path, tokenizer, m
     here = pulled(tmp_path, Unpicklable(tokenizer), "here", data, workers=2)
     assert alone[1:] == here[1:] and alone[0].ingested == here[0].ingested and not here[0].quarantined.get(
         "internal_error")
+
+
+def pools_made(monkeypatch) -> list[int]:
+    """The worker counts of every CheckPool made from now on."""
+    made: list[int] = []
+    init = parallel.CheckPool.__init__
+    monkeypatch.setattr(parallel.CheckPool, "__init__",
+                        lambda self, tok, workers: made.append(workers) or init(self, tok, workers))
+    return made
+
+
+def test_workers_started_early_serve_the_pull_and_go_with_it(tmp_path, tokenizer, monkeypatch):
+    """A prewarmed night starts them while it waits for its window; the pull at the opening takes them."""
+    monkeypatch.setattr(pull_mod, "PARALLEL_MIN_BYTES", 0)
+    made = pools_made(monkeypatch)
+    parallel.start_early(tokenizer, 2)
+    early = parallel._early
+    with capture_logs() as logs:
+        res = pulled(tmp_path, tokenizer, "early", lines(300), workers=2)
+    assert made == [2] and any(e["event"] == "pull_workers_started_early" for e in logs)
+    assert parallel._early is None and early is not None and early.pool is None  # closed with the pull
+    assert res[1:] == pulled(tmp_path, tokenizer, "alone", lines(300), workers=0)[1:]
+
+
+def test_early_workers_that_cannot_serve_the_pull_are_stopped_and_new_ones_started(tmp_path, tokenizer,
+                                                                                  monkeypatch):
+    monkeypatch.setattr(pull_mod, "PARALLEL_MIN_BYTES", 0)
+    made = pools_made(monkeypatch)
+    parallel.start_early(tokenizer, 3)  # another count than the pull's
+    early = parallel._early
+    pulled(tmp_path, tokenizer, "other", lines(100), workers=2)
+    assert made == [3, 2] and early is not None and early.pool is None and parallel._early is None
+
+
+def test_a_pull_of_small_files_alone_stops_the_early_workers(tmp_path, tokenizer):
+    parallel.start_early(tokenizer, 2)
+    early = parallel._early
+    pulled(tmp_path, tokenizer, "small", lines(50), workers=2)  # under 4 MB: checked in this process
+    assert early is not None and early.pool is None and parallel._early is None  # not held through the night
+
+
+def test_a_night_that_cannot_start_them_early_goes_on(tmp_path, tiny_model, monkeypatch):
+    from jobs.night.config import NightConfig
+    from jobs.night.intake import start_pull_workers
+
+    monkeypatch.setattr(parallel, "default_workers", lambda: 2)
+    cfg = NightConfig.model_validate({"state_dir": str(tmp_path), "model": {"path": str(tmp_path / "absent")}})
+    with capture_logs() as logs:
+        start_pull_workers(cfg)  # no model there yet: nothing started, nothing raised
+    assert parallel._early is None and [e["event"] for e in logs] == ["pull_workers_not_started_early"]
+    start_pull_workers(cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(tiny_model)})}))
+    try:
+        assert parallel._early is not None and parallel._early.workers == 2
+    finally:
+        parallel.close_early()
