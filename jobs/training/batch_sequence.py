@@ -25,7 +25,7 @@ def plan_batches(samples: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: i
 
 
 def sequence(samples: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: int, tokens_per_step: int,
-          probe_samples: Sequence[int], cuts: Sequence[Cut]) -> tuple[list[Batch], int]:
+             probe_samples: Sequence[int], cuts: Sequence[Cut]) -> tuple[list[Batch], int]:
     """(batches, how many of them are the first epoch's). Each cut keeps the batches before it and
     packs the rest of the first epoch again without the cut samples; later epochs leave them out."""
     first: list[Batch] = []
@@ -42,7 +42,7 @@ def sequence(samples: Sequence[TokenizedSample], cfg: TrainConfig, pad_id: int, 
 
 
 def cut_first(samples: Sequence[TokenizedSample], first: list[Batch], at: int, ids: Sequence[int], gone: set[int],
-               cfg: TrainConfig, pad_id: int, tokens_per_step: int) -> list[Batch]:
+              cfg: TrainConfig, pad_id: int, tokens_per_step: int) -> list[Batch]:
     """The first epoch after one cut at batch `at` (`gone`, the ids cut so far, gains `ids`): the batches
     before `at` kept, the samples not reached packed again without the cut ones."""
     gone |= set(ids)
@@ -51,7 +51,8 @@ def cut_first(samples: Sequence[TokenizedSample], first: list[Batch], at: int, i
 
 
 def later_epochs(samples: Sequence[TokenizedSample], gone: set[int], cfg: TrainConfig, pad_id: int,
-                  tokens_per_step: int) -> list[Batch]:
+                 tokens_per_step: int) -> list[Batch]:
+    """Epochs 2.. over the samples not cut, each in its own seeded order (the same on a resume)."""
     import random
 
     kept = [s for s in samples if s.sample_id not in gone]

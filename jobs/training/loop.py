@@ -8,7 +8,8 @@ twice, and stops early enough to save before the deadline.
 Cut samples, not epochs: while the first epoch runs, the loop projects the end of the run from
 the throughput it measures; when the rest would not fit before the deadline, it cuts whole
 samples it has not reached yet (from the tail) out of every epoch, so the others still get all
-their epochs and the cut ones stay pending for the next night. A sample counts as trained only
+their epochs and the cut ones stay pending for the next night (with one epoch nothing is cut: the
+deadline's stop leaves the samples not reached pending just the same). A sample counts as trained only
 once all its epochs ran; if the deadline still stops a later epoch, the samples it did not
 finish stay pending too. The loss of every step is kept (the night's loss curve).
 
@@ -163,7 +164,7 @@ def train(
         if (group.is_owner and cfg.epochs > 1 and per_token is not None and i < first_len
                 and i - max(measured_from, cut_at) >= 3 * group.world):
             cut = samples_to_cut(batches, i, first_len, rate=tokens_here / max(1e-9, now - since),
-                       left=deadline - now - save_seconds - predicted, epochs=cfg.epochs)
+                                 left=deadline - now - save_seconds - predicted, epochs=cfg.epochs)
         # [distributed] decided together: every rank stops at the same step, whatever its own clock says
         signalled, late, cutting = group.agree(stop.is_set(), now + predicted + save_seconds > deadline, bool(cut))
         if signalled:
