@@ -4,8 +4,9 @@ Rendering chat templates and tokenising is the pull's work, and it ran in one pr
 acceptance's 6-minute night (2026-11-25) pulled 269,407 records in 72.5 s, most of its wake. Large
 files are checked by a pool of spawned workers (each holds a copy of the tokenizer); the ledger, the
 quarantine and the token cache are still written by the caller alone, in the records' order, so
-what a pull records does not depend on the workers. A pool that breaks (a worker killed, a record
-that cannot be pickled) hands its chunks back to the caller's process, which checks them itself.
+what a pull records does not depend on the workers. A pool that breaks (a worker killed) hands its
+chunks back to the caller's process, which checks them itself; a chunk whose result does not come back
+whole (an error in the worker, a result that cannot be rebuilt) is checked there too, and the pool goes on.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import pickle
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 import structlog
@@ -47,8 +49,10 @@ def _start(tokenizer: bytes) -> None:
     _tokenizer = pickle.loads(tokenizer)
 
 
-def _check(raws: list[RawRecord], src: SourceConfig, options: dict[str, Any]) -> list[Checked]:
-    return check_records(raws, src, _tokenizer, **options)
+def _check(raws: list[RawRecord], src: SourceConfig, options: dict[str, Any]) -> bytes:
+    """Pickled here, unpickled by the caller inside its guard: a result that cannot be rebuilt there costs
+    its chunk (checked again by the caller), not the pool (the executor breaks on a result it cannot read)."""
+    return pickle.dumps(check_records(raws, src, _tokenizer, **options))
 
 
 def _ready() -> None:
@@ -117,7 +121,7 @@ class CheckPool:
             return False
 
     def checked(self, chunks: Iterable[list[RawRecord]], src: SourceConfig, **options: Any) -> Iterator[list[Checked]]:
-        in_flight: collections.deque[tuple[list[RawRecord], Future[list[Checked]] | None]] = collections.deque()
+        in_flight: collections.deque[tuple[list[RawRecord], Future[bytes] | None]] = collections.deque()
         for chunk in chunks:
             in_flight.append((chunk, self._submit(chunk, src, options)))
             if len(in_flight) >= AHEAD * self.workers:
@@ -126,7 +130,7 @@ class CheckPool:
             yield self._result(*in_flight.popleft(), src, options)
 
     def _submit(self, chunk: list[RawRecord], src: SourceConfig,
-                options: dict[str, Any]) -> Future[list[Checked]] | None:
+                options: dict[str, Any]) -> Future[bytes] | None:
         if self.pool is None:
             return None
         try:
@@ -135,13 +139,16 @@ class CheckPool:
             self._broken(e)
             return None
 
-    def _result(self, chunk: list[RawRecord], fut: Future[list[Checked]] | None, src: SourceConfig,
+    def _result(self, chunk: list[RawRecord], fut: Future[bytes] | None, src: SourceConfig,
                 options: dict[str, Any]) -> list[Checked]:
         if fut is not None:
             try:
-                return fut.result()
-            except Exception as e:
+                return pickle.loads(fut.result())
+            except BrokenProcessPool as e:  # a worker died: this process checks the rest
                 self._broken(e)
+            except Exception as e:  # this chunk's result did not come back whole: this process checks it
+                log.warning("pull_worker_chunk_failed", error=f"{type(e).__name__}: {e}"[:300], records=len(chunk),
+                            detail="the chunk is checked in this process")
         return check_records(chunk, src, self.tokenizer, **options)
 
     def _broken(self, e: Exception) -> None:

@@ -21,7 +21,10 @@ def lines(n):
         out.append(json.dumps(alpaca(i)))
         if i % 97 == 0:
             out += ["{not json", json.dumps({"instruction": "x"}), json.dumps({"text": "word " * 400}),
-                    json.dumps({"instruction": "", "output": "y"}), json.dumps(alpaca(i))]  # a duplicate too
+                    json.dumps({"instruction": "", "output": "y"}), json.dumps(alpaca(i)),  # a duplicate too
+                    "1", "[1, 2]", '"text"', "null", '{"text": NaN}', "[" * 100 + "]" * 100,
+                    json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}),
+                    json.dumps({"instruction": "w", "output": "<|im_end|><|im_start|>user"})]
     return ("\n".join(out) + "\n").encode() + b'{"text": "\xff\xfe bad"}\n'
 
 
@@ -79,10 +82,34 @@ def test_a_pool_that_breaks_hands_its_records_back(tmp_path, tokenizer, monkeypa
 
 def _failing_future():
     from concurrent.futures import Future
+    from concurrent.futures.process import BrokenProcessPool
 
     f = Future()
-    f.set_exception(RuntimeError("a worker died"))
+    f.set_exception(BrokenProcessPool("a worker died"))
     return f
+
+
+def test_a_chunk_that_does_not_come_back_whole_is_checked_here_and_the_pool_goes_on(tmp_path, tokenizer,
+                                                                                    monkeypatch):
+    monkeypatch.setattr(pull_mod, "PARALLEL_MIN_BYTES", 0)
+    broken: list[str] = []
+    monkeypatch.setattr(parallel.CheckPool, "_broken", lambda self, e: broken.append(repr(e)))
+    real, calls = parallel.pickle.loads, []
+
+    def first_fails(blob):
+        calls.append(1)
+        if len(calls) == 1:
+            raise TypeError("cannot rebuild")
+        return real(blob)
+
+    data = lines(1500)
+    alone = pulled(tmp_path, tokenizer, "alone", data, workers=0)
+    monkeypatch.setattr(parallel.pickle, "loads", first_fails)
+    with capture_logs() as logs:
+        shared = pulled(tmp_path, tokenizer, "one-chunk", data, workers=2)
+    failed = [e for e in logs if e["event"] == "pull_worker_chunk_failed"]
+    assert len(failed) == 1 and failed[0]["records"] == 512 and not broken and len(calls) >= 3
+    assert alone[1:] == shared[1:] and alone[0].ingested == shared[0].ingested
 
 
 def test_default_workers_leave_one_cpu_to_the_ledger_and_cap_at_eight(monkeypatch):
