@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated (default: padding_free,packing)")
     p.add_argument("--peak-flops", type=float, default=PEAK_BF16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-share", type=float, default=0.0,
+                   help="ours: the share of each sample's first tokens not trained on, as a night's prompts "
+                        "(calibrate trains on every token; default: 0)")
     p.add_argument("--state-dir", help="nightshift state dir: NF4 base cache and compile caches")
     p.add_argument("--deadline", type=float, default=0, help="seconds for all stacks; later ones are skipped")
     p.add_argument("--smi-log", help="also log nvidia-smi readings (CSV) to this file")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 
-from jobs.data.batching import TokenizedSample
+from jobs.data.batching import IGNORE_INDEX, TokenizedSample
 
 PROFILES = {"alpaca": 117.0, "wiki": 861.0}  # mean tokens per sample
 CAP = 2048
@@ -32,8 +32,11 @@ def sample_lengths(profile: str, n: int, *, seed: int = 0, sigma: float = 0.8, c
     return draw((lo + hi) / 2)
 
 
-def make_samples(profile: str, n_tokens: int, *, vocab: int, seed: int = 0, cap: int = CAP) -> list[TokenizedSample]:
-    """Enough random-token samples for about `n_tokens` real tokens."""
+def make_samples(profile: str, n_tokens: int, *, vocab: int, seed: int = 0, cap: int = CAP,
+                 prompt_share: float = 0.0) -> list[TokenizedSample]:
+    """Enough random-token samples for about `n_tokens` real tokens. `prompt_share`: that share of each
+    sample's first tokens is not trained on (labels IGNORE_INDEX), as a night's prompts are not: a loss
+    that skips ignored positions does less work on such a sample (at least one token stays trained)."""
     rng = random.Random(seed)
     out: list[TokenizedSample] = []
     total, i = 0, 0
@@ -41,7 +44,8 @@ def make_samples(profile: str, n_tokens: int, *, vocab: int, seed: int = 0, cap:
     while total < n_tokens:
         n = lengths[i % len(lengths)]
         ids = [rng.randrange(16, vocab - 16) for _ in range(n)]
-        out.append(TokenizedSample(i, ids, list(ids)))
+        masked = min(n - 1, int(n * prompt_share))
+        out.append(TokenizedSample(i, ids, [IGNORE_INDEX] * masked + ids[masked:]))
         total += n
         i += 1
     return out

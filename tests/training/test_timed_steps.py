@@ -70,3 +70,16 @@ class _FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def test_synthetic_samples_can_leave_a_prompt_share_untrained():
+    """The benchmark's `--prompt-share`: a night's prompts are not trained on, calibrate's samples are."""
+    from jobs.data.batching import IGNORE_INDEX
+
+    whole = make_samples("alpaca", 5000, vocab=300)
+    half = make_samples("alpaca", 5000, vocab=300, prompt_share=0.5)
+    assert [s.input_ids for s in whole] == [s.input_ids for s in half]
+    assert all(s.labels == s.input_ids for s in whole)
+    for s in half:
+        k = min(s.n_tokens - 1, int(s.n_tokens * 0.5))
+        assert s.labels[:k] == [IGNORE_INDEX] * k and s.labels[k:] == s.input_ids[k:] and s.labels[-1] != IGNORE_INDEX

@@ -102,7 +102,7 @@ def run_ours(
     from jobs.training.step import make_optimizer, train_step
 
     opt = make_optimizer(model)
-    samples = make_samples(prof, s.data_tokens * 3, vocab=vocab, seed=s.seed)
+    samples = make_samples(prof, s.data_tokens * 3, vocab=vocab, seed=s.seed, prompt_share=s.prompt_share)
     win = Window(warmup=s.warmup + 3, max_steps=s.max_steps, seconds=s.seconds, on_gpu_event=on_gpu_event)
     torch.cuda.reset_peak_memory_stats()
     settings = ProbeSettings(max_vram_gb=s.max_vram_gb, min_tokens=CAP, max_tokens=s.max_budget,
@@ -130,6 +130,7 @@ def run_ours(
         "stack": "ours",
         "label": label,
         "profile": prof,
+        "prompt_share": s.prompt_share,
         "batch": f"packed {budget} tok",
         "grad_ckpt": "unsloth" if s.ours_ckpt else "off",
         **win.result(),
