@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -80,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = NightConfig.model_validate_json(raw)
     logs.route_transformers_logging()
+    # the imports' objects (~425k with torch, transformers and peft; more with Unsloth) live as long as the
+    # night: out of the collector's sight, its passes stop walking them (an in-process pull of 60,000 records
+    # on a 2-core box: 11.7-12.0 s -> 10.6-10.9 s)
+    gc.freeze()
     woke = PROCESS_STARTED
     if args.start_at is not None and not args.plan_only:
         if int(os.environ.get("RANK", "0")) == 0:  # the rank that pulls
