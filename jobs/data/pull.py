@@ -176,12 +176,12 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
             log.info("file_already_ingested", source=src.name, file=f.display, sha256=digest[:12])
             return
         counts, reasons = Counter[str](), Counter[str]()
-        started, waits = time.monotonic(), Counter[str]()
+        started, waited = time.monotonic(), [0.0]
         with ledger.tx() as conn:
             file_id = ledger.record_file(conn, source=src.name, path=f.display, size=st.st_size, mtime=st.st_mtime,
                                          sha256=digest, run_id=p.run_id, stat_key=key)
             for checked in _timed(p.checked(src, read_stream(fh, f.path.suffix, src.limits(excerpt_bytes)), st.st_size),
-                                  waits):
+                                  waited):
                 kept = []
                 for c in checked:
                     counts["records"] += 1
@@ -206,7 +206,7 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
     # where a file's seconds went: reading and checking (by the workers: waiting for them), the rest is the
     # ledger, the quarantine and the token cache, written here
     log.info("file_ingested", source=src.name, file=f.display, **counts, seconds=round(time.monotonic() - started, 2),
-             check_seconds=round(waits["seconds"], 2), workers=_workers_used(p, st.st_size))
+             check_seconds=round(waited[0], 2), workers=_workers_used(p, st.st_size))
     if src.move_processed:
         _move_processed(ledger, src, f, file_id, digest)
 
@@ -217,12 +217,12 @@ def _workers_used(p: _Pull, size: int) -> int:
     return p.workers if pooled else 0
 
 
-def _timed(it: Iterator[list[Checked]], waits: Counter[str]) -> Iterator[list[Checked]]:
-    """The chunks of `it`, with the seconds spent getting each added to waits["seconds"]."""
+def _timed(it: Iterator[list[Checked]], waited: list[float]) -> Iterator[list[Checked]]:
+    """The chunks of `it`, with the seconds spent getting each added to waited[0]."""
     while True:
         t = time.monotonic()
         chunk = next(it, None)
-        waits["seconds"] += time.monotonic() - t
+        waited[0] += time.monotonic() - t
         if chunk is None:
             return
         yield chunk

@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if launched():
         die_with_parent()  # the launcher SIGKILLed must not leave this worker holding its card
-    owner = int(os.environ.get("RANK", "0")) == 0
+    rank = int(os.environ.get("RANK", "0"))
+    owner = rank == 0
     events = os.fdopen(os.dup(1), "w", buffering=1) if owner else None  # one writer of events: rank 0
     os.dup2(2, 1)  # stray prints from libraries must not corrupt the event stream
     sys.stdout = sys.stderr
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logs.configure(os.environ.get("NIGHTSHIFT_LOG_LEVEL", "INFO"))
     if launched():  # [distributed] every log line says which rank wrote it
-        structlog.contextvars.bind_contextvars(rank=int(os.environ.get("RANK", "0")))
+        structlog.contextvars.bind_contextvars(rank=rank)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before the process group: an early SIGTERM must not kill
         signal.signal(sig, lambda *_: stop.set())
@@ -81,13 +82,13 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = NightConfig.model_validate_json(raw)
     logs.route_transformers_logging()
-    # the imports' objects (~425k with torch, transformers and peft; more with Unsloth) live as long as the
-    # night: out of the collector's sight, its passes stop walking them (an in-process pull of 60,000 records
-    # on a 2-core box: 11.7-12.0 s -> 10.6-10.9 s)
+    # the imports' objects live as long as the night: out of the collector's sight, its passes stop walking
+    # them (with torch, transformers and peft imported, ~425k objects: an in-process pull of 60,000 records
+    # on a 2-core box took 11.7-12.0 s, 10.6-10.9 s frozen)
     gc.freeze()
     woke = PROCESS_STARTED
     if args.start_at is not None and not args.plan_only:
-        if int(os.environ.get("RANK", "0")) == 0:  # the rank that pulls
+        if owner:  # the rank that pulls
             from jobs.night.intake import start_pull_workers
 
             start_pull_workers(cfg)

@@ -35,8 +35,8 @@ def sample_lengths(profile: str, n: int, *, seed: int = 0, sigma: float = 0.8, c
 def make_samples(profile: str, n_tokens: int, *, vocab: int, seed: int = 0, cap: int = CAP,
                  prompt_share: float = 0.0) -> list[TokenizedSample]:
     """Enough random-token samples for about `n_tokens` real tokens. `prompt_share`: that share of each
-    sample's first tokens is not trained on (labels IGNORE_INDEX), as a night's prompts are not: a loss
-    that skips ignored positions does less work on such a sample (at least one token stays trained)."""
+    sample's first tokens is not trained on (labels IGNORE_INDEX), as a night's prompts are not, to time
+    whether a loss that skips ignored positions makes such steps faster (at least one token stays trained)."""
     rng = random.Random(seed)
     out: list[TokenizedSample] = []
     total, i = 0, 0
