@@ -22,16 +22,20 @@ train the rest of the backlog, so every night has held-out data.
 When recent throughput measurements differ by more than 10 %, the plan uses a low quantile of
 them (`throughput_quantile`) instead of the median, and says so in its basis. A measurement that timed
 under a quarter of the longest recent one and under a minute (a killed night's few steps after its
-restart) is left out first: its rate is the start-up's, not the card's.
+restart) is left out first: its rate is the start-up's, not the card's. Nights measured since the newest
+calibrate replace it: they trained the real data, calibrate random tokens (on the GPU it read 5-12 % below the
+nights that followed it). A rate is taken at the pending samples' mean length: calibrate timed two length
+profiles, and a measurement is moved along that line from the length it was measured at (`rate_at_length`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -94,23 +98,78 @@ def _timed_seconds(row: Any) -> float | None:
     return float(v) if isinstance(v, int | float) else None
 
 
+def _is_calibrate(row: Any) -> bool:
+    return str(row["origin"]).startswith("calibrate")  # "calibrate scaled x0.93" too (jobs.training.shape)
+
+
 def substantial(rows: list[Any]) -> tuple[list[Any], list[float]]:
     """The rows that timed at least THIN of the longest row's seconds (or TRUSTED_SECONDS), and the seconds
-    of those left out. Rows that recorded no seconds are kept (nothing to judge them by)."""
-    timed = [_timed_seconds(r) for r in rows]
+    of those left out. Rows that recorded no seconds are kept (nothing to judge them by), and calibrate's
+    (a short window, but timed after its warm-up and without its stalls)."""
+    timed = [None if _is_calibrate(r) else _timed_seconds(r) for r in rows]
     floor = min(THIN * max((t for t in timed if t is not None), default=0.0), TRUSTED_SECONDS)
     keep = [r for r, t in zip(rows, timed, strict=True) if t is None or t >= floor]
     return keep, [t for t in timed if t is not None and t < floor]
 
 
-def estimate(history: list[Any], cfg: PlanConfig) -> tuple[float, float, str, bool]:
-    """tokens/s, overhead seconds, basis text, measured? from throughput history rows (newest first)."""
+def since_calibrate(rows: list[Any]) -> tuple[list[Any], int]:
+    """The rows without calibrate's when a night measured after the newest calibrate (newest first), and how
+    many were left out."""
+    first = next((i for i, r in enumerate(rows) if _is_calibrate(r)), None)
+    if not first:  # no calibrate, or it is the newest measurement
+        return rows, 0
+    keep = [r for r in rows if not _is_calibrate(r)]
+    return keep, len(rows) - len(keep)
+
+
+def rate_at_length(curve: Mapping[float, float], mean_tokens: float) -> float:
+    """tokens/s for samples averaging `mean_tokens`, log-linear between the timed profiles' mean lengths
+    (`curve`: mean tokens -> tokens/s), the nearest profile's outside them."""
+    pts = sorted(curve.items())
+    if mean_tokens <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
+        if mean_tokens <= x1:
+            w = math.log(mean_tokens / x0) / math.log(x1 / x0)
+            return y0 + w * (y1 - y0)
+    return pts[-1][1]
+
+
+def _measured_length(row: Any) -> float | None:
+    d = _details([row])
+    v = d[0].get("mean_sample_tokens") if d else None
+    return float(v) if _number(v) and v > 0 else None
+
+
+def at_length(rows: list[Any], curve: Mapping[float, float] | None, mean_tokens: float | None) -> list[Any]:
+    """Each row's rate moved along calibrate's length line to `mean_tokens`: calibrate's row holds its slower
+    profile, a night's the mean length it trained (older rows that do not say stay as they are)."""
+    if not curve or not mean_tokens or min(curve.values()) <= 0:
+        return rows
+    to = rate_at_length(curve, mean_tokens)
+    out = []
+    for r in rows:
+        frm = min(curve.values()) if _is_calibrate(r) else _measured_length(r)
+        factor = to / rate_at_length(curve, frm) if frm is not None else 1.0
+        d = {k: r[k] for k in r.keys()}  # noqa: SIM118  (sqlite3.Row has no items())
+        d["tokens_per_second"] = float(r["tokens_per_second"]) * factor
+        out.append(d)
+    return out
+
+
+def estimate(history: list[Any], cfg: PlanConfig, *, curve: Mapping[float, float] | None = None,
+             mean_tokens: float | None = None) -> tuple[float, float, str, bool]:
+    """tokens/s, overhead seconds, basis text, measured? from throughput history rows (newest first);
+    `curve` (calibrate's mean tokens -> tokens/s) and `mean_tokens` (tonight's samples) take each rate to
+    tonight's length."""
     rows, thin = substantial(history[: cfg.history_runs])
+    rows, superseded = since_calibrate(rows)
     if not rows:
         return (cfg.prior_tokens_per_second, cfg.prior_overhead_seconds,
                 f"prior from config ({cfg.prior_tokens_per_second:g} tok/s, "
                 f"{cfg.prior_overhead_seconds:g} s overhead): nothing measured yet for this model/device/config",
                 False)
+    rows = at_length(rows, curve, mean_tokens)
     values = sorted(float(r["tokens_per_second"]) for r in rows)
     tps = statistics.median(values)
     overheads = [float(r["overhead_seconds"]) for r in rows if r["overhead_seconds"] is not None]
@@ -118,6 +177,9 @@ def estimate(history: list[Any], cfg: PlanConfig) -> tuple[float, float, str, bo
     origins = ", ".join(sorted({str(r["origin"]) for r in rows}))
     left_out = (f"; left out {len(thin)} that timed {', '.join(f'{t:.1f}' for t in thin)} s, under "
                 f"{THIN:.0%} of the longest") if thin else ""
+    left_out += "; calibrate left out: nights measured since" if superseded else ""
+    left_out += (f"; at {mean_tokens:,.0f} tokens a sample (calibrate's length line)"
+                 if curve and mean_tokens else "")
     spread = (values[-1] - values[0]) / tps if tps > 0 else 0.0
     if len(values) > 1 and spread > VARY:
         median, tps = tps, quantile(values, cfg.throughput_quantile)
@@ -168,11 +230,16 @@ def quantile(sorted_values: list[float], q: float) -> float:
 
 def make_plan(pending: list[SampleRow], *, now: float, deadline: float, history: list[Any], cfg: PlanConfig,
               epochs: int, key: str, replay_pool: Sequence[SampleRow] = (), seed: str = "",
-              min_heldout: int = 0, checkpoint_every_seconds: float | None = None) -> Plan:
+              min_heldout: int = 0, checkpoint_every_seconds: float | None = None,
+              curve: Mapping[float, float] | None = None) -> Plan:
     """`replay_pool`: samples trained on earlier nights (jobs.store.learning.replay_pool); `seed`: the
     night; `min_heldout`: held-out samples a night under a backlog takes at least (when there are);
-    `checkpoint_every_seconds`: the training's save interval (its saves are added to the predicted time)."""
-    tps, overhead, basis, measured = estimate(history, cfg)
+    `checkpoint_every_seconds`: the training's save interval (its saves are added to the predicted time);
+    `curve`: calibrate's mean tokens a sample -> tokens/s (the rate is taken at the pending samples' length)."""
+    candidates = [s for s in pending if is_heldout(s.hash, cfg.heldout_share)]
+    trainable = [s for s in pending if not is_heldout(s.hash, cfg.heldout_share)]
+    mean_tokens = sum(s.n_tokens for s in trainable) / len(trainable) if trainable else None
+    tps, overhead, basis, measured = estimate(history, cfg, curve=curve, mean_tokens=mean_tokens)
     details = _details(history[: cfg.history_runs])  # the recent runs' detail, parsed once
     warmup = expected_warmup(details)
     every = checkpoint_every_seconds or 0.0
@@ -182,8 +249,6 @@ def make_plan(pending: list[SampleRow], *, now: float, deadline: float, history:
     total_capacity = available * tps * saving * cfg.safety_factor / max(1, epochs)  # real tokens we may plan
     share = cfg.replay_share if replay_pool else 0.0
     capacity = total_capacity * (1 - share)  # what the new samples may take
-    candidates = [s for s in pending if is_heldout(s.hash, cfg.heldout_share)]
-    trainable = [s for s in pending if not is_heldout(s.hash, cfg.heldout_share)]
     train: list[int] = []
     tokens = 0
     cut = len(trainable)

@@ -19,7 +19,7 @@ from jobs.night.context import RunContext
 from jobs.store import learning
 from jobs.store.ledger import SampleRow
 from jobs.training.compute import with_compute
-from jobs.training.shape import history_for_shape, resolve_step
+from jobs.training.shape import history_for_shape, length_curve, resolve_step
 
 log = structlog.get_logger("nightshift.night")
 
@@ -119,7 +119,8 @@ def plan_night(ctx: RunContext, *, key: str, backend: str, device: str,
             plan = budget.make_plan(pending, now=ctx.clock(), deadline=ctx.deadline, history=history, cfg=cfg.plan,
                                     epochs=cfg.train.epochs, key=key, replay_pool=learning.replay_pool(ledger),
                                     seed=ctx.night, min_heldout=cfg.eval.min_eval_samples,
-                                    checkpoint_every_seconds=cfg.train.checkpoint_every_seconds)
+                                    checkpoint_every_seconds=cfg.train.checkpoint_every_seconds,
+                                    curve=length_curve(cal))
             plan = plan.model_copy(update={"version": ledger.next_version(),
                                            "parent_version": ctx.parent,
                                            "backend": backend, "device": device, "step_shape": shape,

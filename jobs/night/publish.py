@@ -33,6 +33,7 @@ from jobs.contract import (
     HotswapOutcome,
     Losses,
     Phase,
+    Plan,
     nightshift_version,
     version_name,
 )
@@ -213,12 +214,19 @@ def close_run(ctx: RunContext, planned: PlannedRun, result: TrainResult, publish
                                          "device": planned.plan.device,
                                          "tokens_per_step": result.detail.get("tokens_per_step"),
                                          "gradient_checkpointing": result.detail.get("gradient_checkpointing"),
+                                         "mean_sample_tokens": mean_sample_tokens(planned.plan),
                                          "warmup_tokens": result.warmup_tokens,
                                          "warmup_seconds": round(result.warmup_seconds, 3),
                                          "checkpoints": result.checkpoints,
                                          "checkpoint_seconds": round(result.checkpoint_seconds, 3)})
     ctx.finish("succeeded" if published.promoted else "rejected")
     remove_checkpoints(ctx)
+
+
+def mean_sample_tokens(plan: Plan) -> float | None:
+    """The length the night's rate was measured at (the planner moves it along calibrate's length line)."""
+    n = len(plan.train_ids) + len(plan.replay_ids)
+    return round(plan.train_tokens / n, 1) if n else None
 
 
 def finish_published(ctx: RunContext, row: Any) -> None:

@@ -144,6 +144,16 @@ def measured_rates(cal: CalibrationRecord) -> list[ShapeRate]:
     return [main, *cal.rates]
 
 
+def length_curve(cal: CalibrationRecord | None) -> dict[float, float]:
+    """Calibrate's rates by the mean tokens a sample of each timed length profile: how the speed moves with
+    the data's length (the planner takes tonight's rate on it)."""
+    from jobs.training.synthetic import PROFILES
+
+    if cal is None:
+        return {}
+    return {PROFILES[p]: tps for p, tps in cal.tokens_per_second.items() if p in PROFILES and tps > 0}
+
+
 def rate_for_shape(rates: Sequence[ShapeRate], tokens: int, checkpointing: bool) -> tuple[float, str, bool]:
     """(tokens/s, how it was obtained, measured?) of a shape, from timed shapes."""
     same = [r for r in rates if r.gradient_checkpointing == checkpointing]

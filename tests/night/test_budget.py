@@ -1,3 +1,7 @@
+import json
+
+import pytest
+
 from jobs.plan import PlanConfig, estimate, is_heldout, make_plan
 from jobs.store.ledger import SampleRow
 
@@ -102,12 +106,13 @@ def timed(tps, seconds, origin="run", overhead=40.0):
 def test_a_few_steps_after_a_restart_do_not_drag_the_next_plan_down():
     """The H100 acceptance run (2026-11-23): calibrate 67,478 tok/s over 6 s, night 1 72,756 over ~21 s, the killed
     night 2's restart 51,468 over ~4 s. Night 3 planned with the 20 % quantile of the three, 57,872, and trained its
-    2,883,258 tokens in 40.2 s against 51.8 s predicted (-22 %). The restart's rate is left out and said so."""
+    2,883,258 tokens in 40.2 s against 51.8 s predicted (-22 %). The restart's rate is left out and said so, and
+    calibrate's is too: a night has measured since."""
     cfg = PlanConfig(heldout_share=0, safety_factor=1)
     history = [timed(51_468, 3.8), timed(72_756, 20.6), timed(67_478, 6.0, origin="calibrate")]
     tps, _, basis, measured = estimate(history, cfg)
-    assert measured and tps == (72_756 + 67_478) / 2
-    assert "median of 2" in basis and "left out 1 that timed 3.8 s" in basis
+    assert measured and tps == 72_756
+    assert "median of 1" in basis and "left out 1 that timed 3.8 s" in basis and "calibrate left out" in basis
     assert abs(2_883_258 / tps - 40.2) / 40.2 < 0.03  # the night's own training seconds, warm-up aside
 
 
@@ -169,9 +174,45 @@ def test_a_runs_checkpoint_saves_are_left_out_of_the_rate_it_records(monkeypatch
 
     result = TrainResult(trained_ids=[], tokens=12_000, seconds=20.0, steps=12, mean_loss=1.0, stopped=None,
                          warmup_tokens=2_000, warmup_seconds=4.0, checkpoints=8, checkpoint_seconds=6.0)
-    planned = type("P", (), {"key": "k", "plan": type("Q", (), {"backend": "hf", "device": "cpu"})()})()
+    plan = type("Q", (), {"backend": "hf", "device": "cpu", "train_ids": [1, 2, 3], "replay_ids": [4],
+                          "train_tokens": 1_000})()
+    planned = type("P", (), {"key": "k", "plan": plan})()
     published = type("Pub", (), {"promoted": True})()
     monkeypatch.setattr(publish, "remove_checkpoints", lambda ctx: None)
     publish.close_run(Ctx(), planned, result, published)
     assert recorded["tokens"] == 10_000 and recorded["seconds"] == 10.0  # 20 s - 4 warm-up - 6 saving
     assert recorded["detail"]["checkpoints"] == 8 and recorded["detail"]["checkpoint_seconds"] == 6.0
+    assert recorded["detail"]["mean_sample_tokens"] == 250.0  # the length the rate was measured at
+
+
+def test_nights_measured_since_calibrate_replace_it_and_a_newer_calibrate_counts_again():
+    """The H200 (2026-11-26): calibrate 14,768 tok/s (random tokens), the 5-minute night after it 16,556; the
+    two vary by 11 %, so the next plan would have taken their low quantile. The night alone is the basis."""
+    cfg = PlanConfig(heldout_share=0, safety_factor=1)
+    night, cal = timed(16_556, 290.0), timed(14_768, 10.0, origin="calibrate")
+    tps, _, basis, _ = estimate([night, cal], cfg)
+    assert tps == 16_556 and "calibrate left out: nights measured since" in basis
+    tps, _, basis, _ = estimate([{**cal, "origin": "calibrate scaled x0.95"}, night], cfg)  # re-calibrated since
+    assert tps < 16_556 and "calibrate left out" not in basis
+    assert estimate([cal], cfg)[0] == 14_768
+
+
+def test_a_rate_is_taken_at_tonights_sample_length_on_calibrates_line():
+    """calibrate timed 117-token and 861-token samples; a night of short samples plans with the short
+    profile's rate (calibrate's row holds the slower one), a night's own rate moves along the same line."""
+    from jobs.plan import rate_at_length
+
+    curve = {117.0: 15_288.0, 861.0: 14_768.0}
+    assert rate_at_length(curve, 85) == 15_288 and rate_at_length(curve, 5_000) == 14_768
+    mid = rate_at_length(curve, (117 * 861) ** 0.5)  # halfway on a log scale
+    assert mid == pytest.approx((15_288 + 14_768) / 2)
+    cfg = PlanConfig(heldout_share=0, safety_factor=1)
+    cal = timed(14_768, 10.0, origin="calibrate")
+    tps, _, basis, _ = estimate([cal], cfg, curve=curve, mean_tokens=85.0)
+    assert tps == pytest.approx(15_288) and "at 85 tokens a sample" in basis
+    night = {**timed(16_000, 300.0), "detail": json.dumps({"mean_sample_tokens": 861.0})}
+    assert estimate([night], cfg, curve=curve, mean_tokens=117.0)[0] == pytest.approx(16_000 * 15_288 / 14_768)
+    old = timed(16_000, 300.0)  # a row from before nights said their length: as it is
+    assert estimate([old], cfg, curve=curve, mean_tokens=117.0)[0] == 16_000
+    p = make_plan(rows(100, tokens=85), now=0, deadline=1e6, history=[cal], cfg=cfg, epochs=1, key="k", curve=curve)
+    assert p.tokens_per_second == pytest.approx(15_288)
