@@ -7,8 +7,9 @@ history the configured conservative prior is used, and the plan says so.
 
 Replay (against forgetting): `replay_share` of the night's training tokens are samples
 already trained on earlier nights, mixed in with the new ones. New samples get
-(1 - replay_share) of the capacity; replay tokens then top the night up to the share
-(replay = new x share / (1 - share)), so a small night gets a small replay and the
+(1 - replay_share) of the capacity, or all that the replay pool cannot fill when it holds fewer
+tokens than its share (a second night after a short first one); replay tokens then top the night up
+to the share (replay = new x share / (1 - share)), so a small night gets a small replay and the
 total still fits the capacity. The choice is stratified by night and source, with a minimum
 per stratum, and seeded by the night (jobs/replay.py). A night with no new sample trains
 nothing (no replay-only nights).
@@ -248,7 +249,8 @@ def make_plan(pending: list[SampleRow], *, now: float, deadline: float, history:
     saving = every / (every + per_save) if per_save else 1.0  # the share of training time not spent saving
     total_capacity = available * tps * saving * cfg.safety_factor / max(1, epochs)  # real tokens we may plan
     share = cfg.replay_share if replay_pool else 0.0
-    capacity = total_capacity * (1 - share)  # what the new samples may take
+    # what the new samples may take: all but the replay's share, or all but the pool when it holds less
+    capacity = total_capacity - min(total_capacity * share, sum(s.n_tokens for s in replay_pool))
     train: list[int] = []
     tokens = 0
     cut = len(trainable)

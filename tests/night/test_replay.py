@@ -65,6 +65,17 @@ def test_a_small_night_gets_a_small_replay():
     assert p.replay_tokens / p.train_tokens <= 0.1
 
 
+def test_new_samples_take_what_a_small_pool_cannot_fill():
+    """The H200 (2026-11-26): night 2 after a 5-minute first night had a pool of 4.4 M tokens against a replay
+    share of 9.7 M; the new samples were held to half the capacity all the same, 17,086 of them were deferred
+    and the night ended 7.5 minutes before its window. The new samples now take what the pool cannot fill."""
+    small = POOL[:20]  # 1,000 tokens against a share of 0.5 x 10,000
+    p = plan(share=0.5, pool=small)
+    assert p.replay_tokens == 1000 and len(p.replay_ids) == 20
+    assert len(p.train_ids) == 90 and p.train_tokens == 10_000  # 9,000 new: the whole capacity is used
+    assert plan(share=0.5).replay_tokens == 5000 and len(plan(share=0.5).train_ids) == 50  # a pool that can fill
+
+
 def test_no_pool_no_share_or_nothing_new_means_no_replay():
     assert plan(pool=[]).replay_ids == [] and len(plan(pool=[]).train_ids) == 100  # the whole capacity is new
     assert plan(share=0).replay_ids == []
