@@ -3,10 +3,11 @@ validate`, so that what validate accepts is what the inbox accepts."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from jobs.data.batching import TokenizedSample
 from jobs.data.formats import Normalised, RecordError, normalise
@@ -14,6 +15,7 @@ from jobs.data.inbox import printable
 from jobs.data.readers import RawRecord
 from jobs.data.render import OverlongPolicy, SpecialTokens, tokenize_record, tokenize_records
 from jobs.data.sources import SourceConfig, read_records
+from jobs.data.token_cache import encode
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,35 @@ def check_records(raws: Sequence[RawRecord], src: SourceConfig, tokenizer: Any, 
             t = toks[j]
             out[k] = Checked(raws[k], error=t) if isinstance(t, RecordError) else Checked(raws[k], norm, t)
     return [c for c in out if c is not None]
+
+
+class Stored(NamedTuple):
+    """An accepted record as the ledger and the token cache keep it, made where it was checked (a pull
+    worker), so the night's process only writes it: unpickling whole checked records (their decoded
+    record, normal form and token lists) cost the night's process more than writing them (a tuple
+    unpickles fastest)."""
+
+    line: int
+    hash: str
+    record_json: str
+    n_tokens: int
+    ids: bytes
+    labels: bytes
+    reply: bytes | None
+
+
+def stored(c: Checked) -> Checked | Stored:
+    """An accepted record as Stored; a refused one stays as it was checked (its quarantine keeps the raw)."""
+    if c.error is not None or c.norm is None or c.tokens is None:
+        return c
+    return Stored(c.raw.line or 0, c.norm.hash, json.dumps(c.norm.record, ensure_ascii=False), c.tokens.n_tokens,
+                  *encode(c.tokens))
+
+
+def check_for_store(raws: Sequence[RawRecord], src: SourceConfig, tokenizer: Any,
+                    **options: Any) -> list[Checked | Stored]:
+    """check_records, each accepted record made Stored: what pull writes, in a worker or in its own process."""
+    return [stored(c) for c in check_records(raws, src, tokenizer, **options)]
 
 
 def checked_records(path: Path, src: SourceConfig, tokenizer: Any, *, max_seq_length: int,

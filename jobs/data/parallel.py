@@ -22,7 +22,7 @@ from typing import Any
 
 import structlog
 
-from jobs.data.check import Checked, check_records
+from jobs.data.check import Checked, Stored, check_for_store
 from jobs.data.readers import RawRecord
 from jobs.data.sources import SourceConfig
 
@@ -52,7 +52,7 @@ def _start(tokenizer: bytes) -> None:
 def _check(raws: list[RawRecord], src: SourceConfig, options: dict[str, Any]) -> bytes:
     """Pickled here, unpickled by the caller inside its guard: a result that cannot be rebuilt there costs
     its chunk (checked again by the caller), not the pool (the executor breaks on a result it cannot read)."""
-    return pickle.dumps(check_records(raws, src, _tokenizer, **options))
+    return pickle.dumps(check_for_store(raws, src, _tokenizer, **options))
 
 
 def _ready() -> None:
@@ -120,7 +120,8 @@ class CheckPool:
         except Exception:
             return False
 
-    def checked(self, chunks: Iterable[list[RawRecord]], src: SourceConfig, **options: Any) -> Iterator[list[Checked]]:
+    def checked(self, chunks: Iterable[list[RawRecord]], src: SourceConfig,
+                **options: Any) -> Iterator[list[Checked | Stored]]:
         in_flight: collections.deque[tuple[list[RawRecord], Future[bytes] | None]] = collections.deque()
         for chunk in chunks:
             in_flight.append((chunk, self._submit(chunk, src, options)))
@@ -140,7 +141,7 @@ class CheckPool:
             return None
 
     def _result(self, chunk: list[RawRecord], fut: Future[bytes] | None, src: SourceConfig,
-                options: dict[str, Any]) -> list[Checked]:
+                options: dict[str, Any]) -> list[Checked | Stored]:
         if fut is not None:
             try:
                 return pickle.loads(fut.result())
@@ -149,7 +150,7 @@ class CheckPool:
             except Exception as e:  # this chunk's result did not come back whole: this process checks it
                 log.warning("pull_worker_chunk_failed", error=f"{type(e).__name__}: {e}"[:300], records=len(chunk),
                             detail="the chunk is checked in this process")
-        return check_records(chunk, src, self.tokenizer, **options)
+        return check_for_store(chunk, src, self.tokenizer, **options)
 
     def _broken(self, e: Exception) -> None:
         if self.pool is not None:

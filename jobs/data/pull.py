@@ -16,6 +16,7 @@ other files go on). Only errors of the ledger itself (a full disk) stop the pull
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import sqlite3
@@ -28,7 +29,7 @@ from typing import IO, Any
 
 import structlog
 
-from jobs.data.check import Checked, check_records
+from jobs.data.check import Checked, Stored, check_for_store
 from jobs.data.formats import RecordError
 from jobs.data.inbox import InboxFile, list_inbox, open_inbox_file, printable, roots
 from jobs.data.parallel import PARALLEL_MIN_BYTES, CheckPool, close_early, default_workers, pool_for
@@ -72,7 +73,7 @@ class _Pull:
     workers: int = 0  # processes that check a large file's records (jobs/data/parallel.py); 0: this one
     pool: CheckPool | None = None  # started by the first large file, shared by the rest
 
-    def checked(self, src: SourceConfig, raws: Iterator[RawRecord], size: int) -> Iterator[list[Checked]]:
+    def checked(self, src: SourceConfig, raws: Iterator[RawRecord], size: int) -> Iterator[list[Checked | Stored]]:
         """The file's records checked, chunk by chunk, in order: by the workers if it is large."""
         options = {"max_seq_length": self.max_seq_length, "overlong": self.overlong,
                    "special_tokens": self.special_tokens}
@@ -80,7 +81,7 @@ class _Pull:
         if self.workers > 0 and size >= PARALLEL_MIN_BYTES:
             self.pool = self.pool or pool_for(self.tokenizer, self.workers)
             return self.pool.checked(chunks, src, **options)
-        return (check_records(c, src, self.tokenizer, **options) for c in chunks)
+        return (check_for_store(c, src, self.tokenizer, **options) for c in chunks)
 
     def reject(self, conn: sqlite3.Connection | None, src: SourceConfig, file: str, raw: RawRecord,
                err: RecordError) -> None:
@@ -189,10 +190,10 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
                     counts[outcome] += 1
                     if reason:
                         reasons[reason] += 1
-                    elif outcome == "accepted" and c.norm is not None and c.tokens is not None:
-                        kept.append((c.norm.hash, c.tokens))
+                    elif outcome == "accepted" and isinstance(c, Stored):
+                        kept.append((c.hash, c.ids, c.labels, c.reply))
                 if p.token_cache is not None and kept:
-                    p.token_cache.put(kept)
+                    p.token_cache.put_encoded(kept)
             after = os.fstat(fh.fileno())
             if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
                 raise _Retry("it changed while it was read")
@@ -217,7 +218,7 @@ def _workers_used(p: _Pull, size: int) -> int:
     return p.workers if pooled else 0
 
 
-def _timed(it: Iterator[list[Checked]], waited: list[float]) -> Iterator[list[Checked]]:
+def _timed(it: Iterator[list[Checked | Stored]], waited: list[float]) -> Iterator[list[Checked | Stored]]:
     """The chunks of `it`, with the seconds spent getting each added to waited[0]."""
     while True:
         t = time.monotonic()
@@ -240,19 +241,20 @@ def _chunks(it: Iterator[RawRecord], n: int) -> Iterator[list[RawRecord]]:
 
 
 def _store(p: _Pull, conn: sqlite3.Connection, src: SourceConfig, file: str, file_id: int,
-           c: Checked) -> tuple[str, str | None]:
+           c: Checked | Stored) -> tuple[str, str | None]:
     """One checked record into the ledger, inside its own guard: ('accepted' | 'duplicates' | 'quarantined', reason)."""
-    err, raw = c.error, c.raw
-    if err is None and c.norm is not None and c.tokens is not None:
-        try:
-            new = p.ledger.add_sample(conn, hash=c.norm.hash, source=src.name, file_id=file_id,
-                                      line=raw.line or 0, record=c.norm.record, n_tokens=c.tokens.n_tokens)
-        except sqlite3.Error:
-            raise  # the ledger (disk full, I/O): stops the pull, the file's transaction is rolled back
-        except Exception as e:  # unforeseen (a record the database cannot take): kept aside, the file goes on
-            err = RecordError("internal_error", f"{type(e).__name__}: {printable(str(e), 200)}")
-    if err is not None:
-        p.reject(conn, src, file, raw, err)
+    if isinstance(c, Checked):  # refused where it was checked
+        err = c.error or RecordError("internal_error", "checked without a result")
+        p.reject(conn, src, file, c.raw, err)
+        return "quarantined", err.reason
+    try:
+        new = p.ledger.add_sample(conn, hash=c.hash, source=src.name, file_id=file_id, line=c.line,
+                                  record_json=c.record_json, n_tokens=c.n_tokens)
+    except sqlite3.Error:
+        raise  # the ledger (disk full, I/O): stops the pull, the file's transaction is rolled back
+    except Exception as e:  # unforeseen (a record the database cannot take): kept aside, the file goes on
+        err = RecordError("internal_error", f"{type(e).__name__}: {printable(str(e), 200)}")
+        p.reject(conn, src, file, RawRecord(c.line, json.loads(c.record_json)), err)
         return "quarantined", err.reason
     return ("accepted" if new else "duplicates"), None
 

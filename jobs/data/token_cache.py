@@ -38,6 +38,12 @@ def tokenizer_identity(tokenizer: Any, max_seq_length: int, overlong: str, speci
     return h.hexdigest()[:16]
 
 
+def encode(s: TokenizedSample) -> tuple[bytes, bytes, bytes | None]:
+    """A sample's ids, labels and reply mask as the cache stores them."""
+    return (array("i", s.input_ids).tobytes(), array("i", s.labels).tobytes(),
+            None if s.reply_mask is None else bytes(map(int, s.reply_mask)))
+
+
 class TokenCache:
     def __init__(self, root: Path, tokenizer: Any, *, max_seq_length: int, overlong: OverlongPolicy,
                  special_tokens: SpecialTokens = "escape") -> None:
@@ -67,10 +73,13 @@ class TokenCache:
             self.db = None
 
     def put(self, items: Iterable[tuple[str, TokenizedSample]]) -> None:
+        self.put_encoded((h, *encode(s)) for h, s in items)
+
+    def put_encoded(self, items: Iterable[tuple[str, bytes, bytes, bytes | None]]) -> None:
+        """(hash, ids, labels, reply) rows as `encode` made them (a pull worker makes them for its records)."""
         if self.db is None:
             return
-        rows = [(h, array("i", s.input_ids).tobytes(), array("i", s.labels).tobytes(),
-                 None if s.reply_mask is None else bytes(map(int, s.reply_mask))) for h, s in items]
+        rows = list(items)
         try:
             self.db.execute("BEGIN")
             self.db.executemany("INSERT OR REPLACE INTO tokens (hash, ids, labels, reply) VALUES (?,?,?,?)", rows)

@@ -92,12 +92,13 @@ class Ledger:
 
     # ---- samples -----------------------------------------------------------------------------
     def add_sample(self, conn: sqlite3.Connection, *, hash: str, source: str, file_id: int, line: int,
-                   record: dict[str, Any], n_tokens: int) -> bool:
-        """Insert a pending sample; False when the same content is already known (from any file)."""
+                   record_json: str, n_tokens: int) -> bool:
+        """Insert a pending sample (its record as JSON text, made where it was checked); False when the same
+        content is already known (from any file)."""
         cur = conn.execute(
             "INSERT OR IGNORE INTO samples (hash, source, file_id, line, record, n_tokens, status, created_at)"
             " VALUES (?,?,?,?,?,?, 'pending', ?)",
-            (hash, source, file_id, line, json.dumps(record, ensure_ascii=False), n_tokens, self.clock()),
+            (hash, source, file_id, line, record_json, n_tokens, self.clock()),
         )
         return cur.rowcount == 1
 

@@ -16,7 +16,8 @@ def test_status_shows_set_aside_samples_with_their_reason_the_regression_set_and
     led = Ledger(tmp_path / "state" / "ledger.sqlite")
     with led.tx() as c:
         for i in range(10):
-            led.add_sample(c, hash=f"{i:064x}", source="inbox", file_id=1, line=i, record={"text": "x"}, n_tokens=3)
+            led.add_sample(c, hash=f"{i:064x}", source="inbox", file_id=1, line=i,
+                           record_json='{"text": "x"}', n_tokens=3)
         for version, reason in ((2, "regression.exact_match 1 -> 0.2"), (3, "again")):
             learning.return_rejected(led, c, [1, 2, 3], version=version, reason=reason, mode="pending",
                                      set_aside_after=2)

@@ -198,3 +198,24 @@ def test_a_night_that_cannot_start_them_early_goes_on(tmp_path, tiny_model, monk
         assert parallel._early is not None and parallel._early.workers == 2
     finally:
         parallel.close_early()
+
+
+def test_a_worker_sends_back_rows_ready_to_write(tokenizer):
+    """An accepted record comes back from a worker as the ledger's JSON text and the token cache's bytes
+    (the night's process only writes them); a refused one comes back whole, for its quarantine."""
+    import pickle
+
+    from jobs.data.check import Checked, Stored, check_for_store, check_records
+    from jobs.data.readers import RawRecord
+    from jobs.data.token_cache import encode
+
+    src = SourceConfig(name="s", inbox="/nonexistent", settle_seconds=0)
+    raws = [RawRecord(1, alpaca(1)), RawRecord(2, {"instruction": "x"}), RawRecord(3, alpaca(3))]
+    options = {"max_seq_length": 64, "overlong": "reject"}
+    out = pickle.loads(pickle.dumps(check_for_store(raws, src, tokenizer, **options)))
+    whole = check_records(raws, src, tokenizer, **options)
+    assert [type(c) for c in out] == [Stored, Checked, Stored] and out[1].error.reason == whole[1].error.reason
+    for s, c in ((out[0], whole[0]), (out[2], whole[2])):
+        assert (s.line, s.hash, json.loads(s.record_json), s.n_tokens) == (c.raw.line, c.norm.hash, c.norm.record,
+                                                                           c.tokens.n_tokens)
+        assert (s.ids, s.labels, s.reply) == encode(c.tokens)

@@ -108,7 +108,8 @@ def test_ledger_pool_roles_and_replayed_samples_stay_in_their_version(tmp_path: 
     led = Ledger(tmp_path / "ledger.sqlite")
     with led.tx() as c:
         for i in range(6):
-            led.add_sample(c, hash=f"{i:064x}", source="s", file_id=1, line=i, record={"text": f"t{i}"}, n_tokens=10)
+            led.add_sample(c, hash=f"{i:064x}", source="s", file_id=1, line=i,
+                           record_json=f'{{"text": "t{i}"}}', n_tokens=10)
         led.mark_trained(c, [1, 2, 3], version=1)
     pool = led.replay_pool()
     assert [s.id for s in pool] == [1, 2, 3] and all(s.record == {} and s.n_tokens == 10 for s in pool)
@@ -183,7 +184,8 @@ def test_the_pool_leaves_out_samples_of_rejected_versions(tmp_path: Path):
     led = Ledger(tmp_path / "ledger.sqlite")
     with led.tx() as c:
         for i in range(6):
-            led.add_sample(c, hash=f"{i:064x}", source="s", file_id=1, line=i, record={"text": f"t{i}"}, n_tokens=10)
+            led.add_sample(c, hash=f"{i:064x}", source="s", file_id=1, line=i,
+                           record_json=f'{{"text": "t{i}"}}', n_tokens=10)
         led.mark_trained(c, [1, 2], version=1)
         led.mark_trained(c, [3, 4], version=2)
     for v, status in ((1, "promoted"), (2, "rejected")):

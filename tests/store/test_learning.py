@@ -16,7 +16,8 @@ from jobs.store.ledger import SCHEMA, Ledger
 def add(led: Ledger, n: int, source: str = "s", start: int = 0) -> None:
     with led.tx() as c:
         for i in range(start, start + n):
-            led.add_sample(c, hash=f"{i:064x}", source=source, file_id=1, line=i, record={"text": f"t{i}"},
+            led.add_sample(c, hash=f"{i:064x}", source=source, file_id=1, line=i,
+                           record_json=f'{{"text": "t{i}"}}',
                            n_tokens=10)
 
 
