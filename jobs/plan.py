@@ -147,11 +147,12 @@ def at_length(rows: list[Any], curve: Mapping[float, float] | None, mean_tokens:
     profile, a night's the mean length it trained (older rows that do not say stay as they are)."""
     if not curve or not mean_tokens or min(curve.values()) <= 0:
         return rows
-    to = rate_at_length(curve, mean_tokens)
+    to, slowest = rate_at_length(curve, mean_tokens), min(curve.values())
     out = []
     for r in rows:
-        frm = min(curve.values()) if _is_calibrate(r) else _measured_length(r)
-        factor = to / rate_at_length(curve, frm) if frm is not None else 1.0
+        length = None if _is_calibrate(r) else _measured_length(r)
+        frm = slowest if _is_calibrate(r) else rate_at_length(curve, length) if length is not None else None
+        factor = to / frm if frm else 1.0
         d = {k: r[k] for k in r.keys()}  # noqa: SIM118  (sqlite3.Row has no items())
         d["tokens_per_second"] = float(r["tokens_per_second"]) * factor
         out.append(d)
@@ -176,18 +177,18 @@ def estimate(history: list[Any], cfg: PlanConfig, *, curve: Mapping[float, float
     overheads = [float(r["overhead_seconds"]) for r in rows if r["overhead_seconds"] is not None]
     overhead = statistics.median(overheads) if overheads else cfg.prior_overhead_seconds
     origins = ", ".join(sorted({str(r["origin"]) for r in rows}))
-    left_out = (f"; left out {len(thin)} that timed {', '.join(f'{t:.1f}' for t in thin)} s, under "
+    notes = (f"; left out {len(thin)} that timed {', '.join(f'{t:.1f}' for t in thin)} s, under "
                 f"{THIN:.0%} of the longest") if thin else ""
-    left_out += "; calibrate left out: nights measured since" if superseded else ""
-    left_out += (f"; at {mean_tokens:,.0f} tokens a sample (calibrate's length line)"
+    notes += "; calibrate left out: nights measured since" if superseded else ""
+    notes += (f"; at {mean_tokens:,.0f} tokens a sample (calibrate's length line)"
                  if curve and mean_tokens else "")
     spread = (values[-1] - values[0]) / tps if tps > 0 else 0.0
     if len(values) > 1 and spread > VARY:
         median, tps = tps, quantile(values, cfg.throughput_quantile)
         return tps, overhead, (f"measured: {len(rows)} ({origins}) vary by {spread:.0%}: their "
                                f"{cfg.throughput_quantile:.0%} quantile {tps:,.0f} tok/s (median {median:,.0f})"
-                               f"{left_out}"), True
-    return tps, overhead, f"measured: median of {len(rows)} ({origins}): {tps:,.0f} tok/s{left_out}", True
+                               f"{notes}"), True
+    return tps, overhead, f"measured: median of {len(rows)} ({origins}): {tps:,.0f} tok/s{notes}", True
 
 
 def _details(rows: list[Any]) -> list[dict[str, Any]]:

@@ -216,3 +216,8 @@ def test_a_rate_is_taken_at_tonights_sample_length_on_calibrates_line():
     assert estimate([old], cfg, curve=curve, mean_tokens=117.0)[0] == 16_000
     p = make_plan(rows(100, tokens=85), now=0, deadline=1e6, history=[cal], cfg=cfg, epochs=1, key="k", curve=curve)
     assert p.tokens_per_second == pytest.approx(15_288)
+    # a card where the short profile is the slower one: calibrate's row holds that rate, long samples go faster
+    short_slow = {117.0: 70_000.0, 861.0: 80_000.0}
+    cal = timed(70_000, 10.0, origin="calibrate")
+    assert estimate([cal], cfg, curve=short_slow, mean_tokens=861.0)[0] == pytest.approx(80_000)
+    assert estimate([cal], cfg, curve=short_slow, mean_tokens=50.0)[0] == pytest.approx(70_000)
