@@ -150,8 +150,11 @@ def at_length(rows: list[Any], curve: Mapping[float, float] | None, mean_tokens:
     to, slowest = rate_at_length(curve, mean_tokens), min(curve.values())
     out = []
     for r in rows:
-        length = None if _is_calibrate(r) else _measured_length(r)
-        frm = slowest if _is_calibrate(r) else rate_at_length(curve, length) if length is not None else None
+        if _is_calibrate(r):
+            frm: float | None = slowest
+        else:
+            length = _measured_length(r)
+            frm = rate_at_length(curve, length) if length is not None else None
         factor = to / frm if frm else 1.0
         d = {k: r[k] for k in r.keys()}  # noqa: SIM118  (sqlite3.Row has no items())
         d["tokens_per_second"] = float(r["tokens_per_second"]) * factor
