@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-share", type=float, default=0.0,
                    help="ours: the share of each sample's first tokens not trained on, as a night's prompts "
                         "(calibrate trains on every token; default: 0)")
+    p.add_argument("--token-file", help="ours: cut the samples from this file's records (JSONL, tokenised by "
+                                        "the model's tokenizer) instead of random ids")
     p.add_argument("--state-dir", help="nightshift state dir: NF4 base cache and compile caches")
     p.add_argument("--deadline", type=float, default=0, help="seconds for all stacks; later ones are skipped")
     p.add_argument("--smi-log", help="also log nvidia-smi readings (CSV) to this file")

@@ -58,6 +58,7 @@ class BenchSettings(BaseModel):
     peak_flops: float = Field(PEAK_BF16, gt=0)
     seed: int = 0
     prompt_share: float = Field(0.0, ge=0, lt=1, description="ours: share of each sample's tokens not trained on")
+    token_file: Path | None = Field(None, description="ours: samples cut from this file's tokens, not random ids")
     state_dir: Path | None = None
     deadline: float = Field(0.0, ge=0, description="seconds for all stacks; later ones are skipped (0: none)")
     smi_log: Path | None = None

@@ -208,6 +208,9 @@ def close_run(ctx: RunContext, planned: PlannedRun, result: TrainResult, publish
         overhead += result.warmup_seconds
     if result.checkpoint_seconds < seconds:  # saves are planned per save (make_plan), not in the rate
         seconds -= result.checkpoint_seconds
+    if result.ramp_seconds < seconds:  # the settling steps' excess: overhead, planned again as warm-up
+        seconds -= result.ramp_seconds
+        overhead += result.ramp_seconds
     ctx.ledger.record_throughput(key=planned.key, run_id=ctx.run_id, origin="run", tokens=tokens,
                                  seconds=seconds, overhead_seconds=overhead,
                                  detail={"steps": result.steps, "backend": planned.plan.backend,
@@ -216,7 +219,8 @@ def close_run(ctx: RunContext, planned: PlannedRun, result: TrainResult, publish
                                          "gradient_checkpointing": result.detail.get("gradient_checkpointing"),
                                          "mean_sample_tokens": mean_sample_tokens(planned.plan),
                                          "warmup_tokens": result.warmup_tokens,
-                                         "warmup_seconds": round(result.warmup_seconds, 3),
+                                         "warmup_seconds": round(result.warmup_seconds + result.ramp_seconds, 3),
+                                         "ramp_seconds": round(result.ramp_seconds, 3),
                                          "checkpoints": result.checkpoints,
                                          "checkpoint_seconds": round(result.checkpoint_seconds, 3)})
     ctx.finish("succeeded" if published.promoted else "rejected")

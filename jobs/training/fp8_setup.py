@@ -22,6 +22,7 @@ import structlog
 
 from jobs.contract import FP8Numerics
 from jobs.data.batching import TokenizedSample
+from jobs.training.sample_data import data_files, sample_tokens
 
 log = structlog.get_logger("nightshift.train")
 CAPTURE_TOKENS = 1024  # tokens of the capture forward
@@ -166,43 +167,10 @@ def _self_test(units: list[Any], unsloth: bool) -> dict[tuple[Any, ...], str | N
     return test_units(units, swiglu=swiglu)
 
 
-def sample_tokens(tokenizer: Any, files: list[Path], *, n: int = CAPTURE_TOKENS) -> tuple[list[int], str]:
-    """One row of real sample tokens for the capture forward, and where they came from; random token
-    ids when there is no data or the tokenizer does not cover it (a random-initialised bench model)."""
-    import random
-
-    from jobs.evaluate import load_regression_set
-    from jobs.training.numerics import activation_tokens
-
-    for f in files:
-        try:
-            samples = load_regression_set(f, tokenizer, max_seq_length=4096, limit=256)
-        except Exception as e:
-            log.info("fp8_sample_file_skipped", file=str(f), error=str(e)[:200])
-            continue
-        ids = activation_tokens(samples, n)
-        unk = getattr(tokenizer, "unk_token_id", None)
-        if len(ids) >= 64 and (unk is None or sum(i == unk for i in ids) < len(ids) / 2):
-            return ids, f"{len(ids)} tokens of {f.name}"
-    vocab = len(tokenizer)
-    rng = random.Random(0)
-    return [rng.randrange(16, vocab - 16) for _ in range(n)], "random token ids (no sample data the tokenizer covers)"
-
-
-def data_files(regression_set: Path | None, inboxes: list[Path]) -> list[Path]:
-    """Where calibrate finds real samples: the regression set, the sources' inboxes, the shipped samples."""
-    files = [regression_set] if regression_set else []
-    for d in inboxes:
-        files += sorted(p for pat in ("*.jsonl", "*.json") for p in Path(d).glob(pat))[:2]
-    shipped = Path(__file__).resolve().parents[2] / "config" / "sample-inbox"
-    files += sorted(shipped.glob("*.jsonl"))
-    return [f for f in files if f is not None and Path(f).is_file()]
-
-
 def enable_for_run(model: Any, tokenizer: Any, cfg: Any, *, unsloth: bool, device: str) -> dict[str, Any]:
     """The night's FP8 (StepShape.compute == "fp8", decided from the config and calibration): per-layer
     check on the shipped sample data, no loss comparison (calibrate did it); the load info's "fp8"."""
-    ids, label = sample_tokens(tokenizer, data_files(None, []))
+    ids, label = sample_tokens(tokenizer, data_files(None, []), n=CAPTURE_TOKENS)
     out = enable_fp8(model, device=device, tokens=ids, activations=label, unsloth=unsloth,
                      keep_transposed=cfg.fp8_keep_transposed)
     info = out.info()
@@ -222,7 +190,7 @@ def calibrate_fp8(loaded: Any, cfg: Any, model_path: Path, learnable: Learnable 
         log.info("fp8_refused", reason=why)
         return decide_calibration(cfg.train.compute, False, why, None, None), None
     files = data_files(cfg.eval.regression_set, [Path(s.inbox) for s in cfg.sources])
-    ids, label = sample_tokens(loaded.tokenizer, files)
+    ids, label = sample_tokens(loaded.tokenizer, files, n=CAPTURE_TOKENS)
     out = enable_fp8(loaded.model, device=loaded.device, tokens=ids, activations=label,
                      unsloth=loaded.backend == "unsloth", keep_transposed=cfg.train.fp8_keep_transposed,
                      source_dir=model_path, learnable=learnable or Learnable(), vocab=len(loaded.tokenizer))

@@ -9,6 +9,7 @@ CUDA only (the peaks come from torch's allocator).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -120,10 +121,12 @@ SETTLED = 0.05  # two warm-up steps this close in seconds per token: compiled, t
 
 
 def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step: int, optimizer: Any, *,
-                warmup: int = 3, max_steps: int = 30, seconds: float = 30.0, group: Any = None,
+                warmup: int = 3, max_steps: int | None = 30, seconds: float = 30.0, group: Any = None,
                 max_warmup: int = 12) -> Throughput:
     """Packed steps at the budget: at least `warmup` untimed, more (up to `max_warmup`) until two steps
-    in a row take the same time per token within SETTLED, then up to `max_steps` or `seconds` timed.
+    in a row take the same time per token within SETTLED, then up to `max_steps` or `seconds` timed
+    (`max_steps=None`: `seconds` alone, the samples' rows reused as often as that takes; calibrate's
+    `--seconds 60` once timed 30 steps, ~15 s of an 8B on an H200).
 
     A timed step over STALL x the median time per token is taken for a one-off, not the rate: its excess
     is left out and counted in `stalls`. On an H200 (1B, calibrate's first profile) one step took 5x the
@@ -138,12 +141,15 @@ def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step:
 
     world = group.world if group is not None else 1
     rows = list(packed_batches(samples, tokens_per_step=tokens_per_step))
+    steps = [rows[k: k + world] for k in range(0, len(rows) - world + 1, world)]  # one row per rank
+    if not steps:
+        raise ValueError(f"not one step of {tokens_per_step} tokens for {world} rank(s) in the samples")
     timed: list[tuple[int, float]] = []  # (tokens, seconds) of each timed step
     warm = 0
     started = None
     last = None  # seconds per token of the previous warm-up step
-    for k in range(0, len(rows) - world + 1, world):
-        step = rows[k: k + world]
+    for k in itertools.count():
+        step = steps[k % len(steps)]
         st = group.step(model, step, optimizer) if group is not None else train_step(model, step[0], optimizer)
         if started is None:
             warm += 1
@@ -156,7 +162,7 @@ def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step:
                 started = time.perf_counter()
             continue
         timed.append((st.tokens, st.seconds))
-        done = len(timed) >= max_steps or time.perf_counter() - started >= seconds
+        done = (max_steps is not None and len(timed) >= max_steps) or time.perf_counter() - started >= seconds
         if (group.agree(done)[0] if group is not None else done):  # every rank ends at the same step
             break
     wall = time.perf_counter() - started if started else 0.0

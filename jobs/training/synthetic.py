@@ -1,14 +1,17 @@
-"""Random-token samples with the published benchmark's length profiles.
+"""Samples with the published benchmark's length profiles: log-normal lengths with the mean of the
+two published data sets ("alpaca": 117 tokens, "wiki": 861), capped.
 
-Throughput and memory do not depend on what the tokens say, only on how many there are and how
-they are cut into samples, so calibration and the benchmark train on these: log-normal lengths
-with the mean of the two published data sets ("alpaca": 117 tokens, "wiki": 861), capped.
+Neither memory nor speed depends on what the tokens say: on one H200 an 8B's packed steps ran at 15,505
+tok/s cut from a night's records and 15,596 / 15,720 on uniform random ids (bench runs bracketing it,
+results/h200-2026-11-26/token-content/). So the ids are random, or cut from a `pool` of real sample
+tokens (`nightshift bench --token-file`, to check that on another card or model).
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 
 from jobs.data.batching import IGNORE_INDEX, TokenizedSample
 
@@ -33,17 +36,23 @@ def sample_lengths(profile: str, n: int, *, seed: int = 0, sigma: float = 0.8, c
 
 
 def make_samples(profile: str, n_tokens: int, *, vocab: int, seed: int = 0, cap: int = CAP,
-                 prompt_share: float = 0.0) -> list[TokenizedSample]:
-    """Enough random-token samples for about `n_tokens` real tokens. `prompt_share`: that share of each
-    sample's first tokens is not trained on (labels IGNORE_INDEX), as a night's prompts are not, to time
-    whether a loss that skips ignored positions makes such steps faster (at least one token stays trained)."""
+                 prompt_share: float = 0.0, pool: Sequence[int] | None = None) -> list[TokenizedSample]:
+    """Enough samples for about `n_tokens` real tokens: random ids, or each a run of `pool` from a random
+    offset (wrapping). `prompt_share`: that share of each sample's first tokens is not trained on (labels
+    IGNORE_INDEX), as a night's prompts are not (at least one token stays trained)."""
     rng = random.Random(seed)
+    if pool is not None and not pool:
+        raise ValueError("an empty pool of sample tokens")
     out: list[TokenizedSample] = []
     total, i = 0, 0
     lengths = sample_lengths(profile, max(64, int(3 * n_tokens / PROFILES[profile])), seed=seed, cap=cap)
     while total < n_tokens:
         n = lengths[i % len(lengths)]
-        ids = [rng.randrange(16, vocab - 16) for _ in range(n)]
+        if pool is None:
+            ids = [rng.randrange(16, vocab - 16) for _ in range(n)]
+        else:
+            at = rng.randrange(len(pool))
+            ids = [pool[(at + j) % len(pool)] for j in range(n)]
         masked = min(n - 1, int(n * prompt_share))
         out.append(TokenizedSample(i, ids, [IGNORE_INDEX] * masked + ids[masked:]))
         total += n

@@ -154,7 +154,8 @@ def test_checkpoint_saves_are_planned_per_save_not_read_into_the_rate():
 
 
 def test_a_runs_checkpoint_saves_are_left_out_of_the_rate_it_records(monkeypatch):
-    """close_run records the steady rate: warm-up and periodic saves out, both in the run's detail."""
+    """close_run records the steady rate: warm-up, the settling steps' excess and periodic saves out, all in
+    the run's detail."""
     import jobs.night.publish as publish
 
     recorded = {}
@@ -173,15 +174,19 @@ def test_a_runs_checkpoint_saves_are_left_out_of_the_rate_it_records(monkeypatch
     from jobs.training.loop import TrainResult
 
     result = TrainResult(trained_ids=[], tokens=12_000, seconds=20.0, steps=12, mean_loss=1.0, stopped=None,
-                         warmup_tokens=2_000, warmup_seconds=4.0, checkpoints=8, checkpoint_seconds=6.0)
+                         warmup_tokens=2_000, warmup_seconds=4.0, checkpoints=8, checkpoint_seconds=6.0,
+                         ramp_seconds=1.5)
     plan = type("Q", (), {"backend": "hf", "device": "cpu", "train_ids": [1, 2, 3], "replay_ids": [4],
                           "train_tokens": 1_000})()
     planned = type("P", (), {"key": "k", "plan": plan})()
     published = type("Pub", (), {"promoted": True})()
     monkeypatch.setattr(publish, "remove_checkpoints", lambda ctx: None)
     publish.close_run(Ctx(), planned, result, published)
-    assert recorded["tokens"] == 10_000 and recorded["seconds"] == 10.0  # 20 s - 4 warm-up - 6 saving
+    assert recorded["tokens"] == 10_000 and recorded["seconds"] == 8.5  # 20 s - 4 warm-up - 6 saving - 1.5 ramp
     assert recorded["detail"]["checkpoints"] == 8 and recorded["detail"]["checkpoint_seconds"] == 6.0
+    # the settling steps' excess is planned again with the warm-up (expected_warmup), and said apart
+    assert recorded["detail"]["warmup_seconds"] == 5.5 and recorded["detail"]["ramp_seconds"] == 1.5
+    assert recorded["overhead_seconds"] == 5.5
     assert recorded["detail"]["mean_sample_tokens"] == 250.0  # the length the rate was measured at
 
 

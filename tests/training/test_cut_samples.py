@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -104,18 +105,16 @@ def test_a_cut_keeps_the_batches_already_trained():
     assert plan_batches(data, CFG, 0, 4096, cuts=[]) == whole
 
 
-class WarmClock(StepClock):
-    """One second per step, except the attempt's first step (a compile): `first` seconds; and `slow` at
-    step index `slow_at`."""
+class ScriptedClock(StepClock):
+    """Each step takes `seconds(n)` for the n-th step of the run (from 0)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, first: float, slow_at: int | None = None,
-                 slow: float = 0.0) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, seconds: Callable[[int], float]) -> None:
         self.t, self.n = 1000.0, 0
         real = step_module.train_step
 
         def timed(*args, **kwargs):
             st = real(*args, **kwargs)
-            dt = first if self.n == 0 else slow if self.n == slow_at else 1.0
+            dt = seconds(self.n)
             self.n += 1
             self.t += dt
             st.seconds = dt
@@ -124,10 +123,17 @@ class WarmClock(StepClock):
         monkeypatch.setattr(step_module, "train_step", timed)
 
 
+def warm_clock(monkeypatch: pytest.MonkeyPatch, first: float, slow_at: int | None = None,
+              slow: float = 0.0) -> ScriptedClock:
+    """One second per step, except the attempt's first step (a compile): `first` seconds; and `slow` at
+    step index `slow_at`."""
+    return ScriptedClock(monkeypatch, lambda n: first if n == 0 else slow if n == slow_at else 1.0)
+
+
 def test_the_first_step_of_an_attempt_is_warm_up_not_the_rate_a_cut_is_sized_by(monkeypatch, tmp_path: Path):
     """30 one-second steps and a 10-second compile in the first fit a 42-second deadline: nothing may be
     cut (counting the compile in the rate would have cut a third of the samples)."""
-    clock = WarmClock(monkeypatch, first=10.0)
+    clock = warm_clock(monkeypatch, first=10.0)
     res = train(tiny(), samples(40), CFG, ckpt_root=tmp_path, deadline=clock.t + 42, stop=threading.Event(),
                 shape=SHAPE, clock=clock, save_seconds=0)
     assert not res.cut_ids and res.stopped is None and res.steps == 30
@@ -136,7 +142,7 @@ def test_the_first_step_of_an_attempt_is_warm_up_not_the_rate_a_cut_is_sized_by(
 
 
 def test_a_step_far_slower_than_the_others_is_noted_with_its_typical_time(monkeypatch, tmp_path: Path):
-    clock = WarmClock(monkeypatch, first=1.0, slow_at=6, slow=9.0)
+    clock = warm_clock(monkeypatch, first=1.0, slow_at=6, slow=9.0)
     res = train(tiny(), samples(40), CFG, ckpt_root=tmp_path, deadline=clock.t + 1e6, stop=threading.Event(),
                 shape=SHAPE, clock=clock, save_seconds=0)
     assert res.detail["slow_steps"] == [[7, 9.0, 1.0]]  # optimizer step 7 took 9 s where 1 s was typical
@@ -193,3 +199,12 @@ def test_repacking_after_a_cut_is_not_training_time_so_a_cut_does_not_cascade(mo
     cuts = res.detail["cuts"]  # the first, and at most a sample or two for the half second its repacking really took
     assert len(cuts) <= 2 and sum(len(ids) for _, ids in cuts[1:]) <= 2, cuts
     assert len(res.cut_ids) <= 12 and len(res.trained_ids) >= 24  # about what 24 one-second steps hold
+
+
+def test_the_steps_before_an_attempts_rate_settles_are_counted_apart(monkeypatch, tmp_path: Path):
+    clock = ScriptedClock(monkeypatch, lambda n: max(1.0, 2.0 - 0.2 * n))  # settling to 1 s (a cold cache)
+    res = train(tiny(), samples(80), CFG, ckpt_root=tmp_path, deadline=clock.t + 1e6, stop=threading.Event(),
+                shape=SHAPE, clock=clock, save_seconds=0)
+    assert res.steps == 60 and res.warmup_seconds == 2.0  # the first step: warm-up, whole
+    # steps 2-4 beyond the settled 1 s: from the 5th, 8 steps in a row are within 3 % of it on average
+    assert res.ramp_seconds == pytest.approx(0.8 + 0.6 + 0.4)

@@ -33,14 +33,15 @@ def _fp8_bases(model) -> int:
 def test_every_frozen_projection_converts_measured_and_the_model_still_trains_and_saves(tiny_model, tmp_path):
     from peft import get_peft_model_state_dict
 
-    from jobs.training.fp8_setup import data_files, enable_fp8, sample_tokens
+    from jobs.training.fp8_setup import CAPTURE_TOKENS, enable_fp8
     from jobs.training.numerics import bigram_samples
     from jobs.training.packing import packed_batches
+    from jobs.training.sample_data import data_files, sample_tokens
     from jobs.training.step import make_optimizer, train_step
 
     loaded = _load(tiny_model)
     keys = set(get_peft_model_state_dict(loaded.model))
-    ids, source = sample_tokens(loaded.tokenizer, data_files(None, []))
+    ids, source = sample_tokens(loaded.tokenizer, data_files(None, []), n=CAPTURE_TOKENS)
     assert "alpaca" in source  # real sample data, tokenised by the model's tokenizer
     out = enable_fp8(loaded.model, device="cpu", tokens=ids, activations=source, unsloth=False,
                      source_dir=tiny_model)

@@ -37,15 +37,16 @@ def test_functions_on_the_card_match_fp32_and_the_emulation(kind, shapes):
 
 def test_an_unsloth_model_runs_fp8_patched_checked_and_trains(small_model, tmp_path):
     from jobs.training.fp8 import STATS, FP8Base
-    from jobs.training.fp8_setup import Learnable, data_files, enable_fp8, sample_tokens
+    from jobs.training.fp8_setup import CAPTURE_TOKENS, Learnable, enable_fp8
     from jobs.training.numerics import bigram_samples
     from jobs.training.packing import packed_batches
+    from jobs.training.sample_data import data_files, sample_tokens
     from jobs.training.step import make_optimizer, train_step
     from jobs.training.unsloth_backend import LoraSpec, load_unsloth
 
     model, tok, _info = load_unsloth(small_model, lora=LoraSpec(r=16, alpha=16), max_seq_length=4096,
                                      gradient_checkpointing=False, cache_dir=tmp_path)
-    ids, source = sample_tokens(tok, data_files(None, []))
+    ids, source = sample_tokens(tok, data_files(None, []), n=CAPTURE_TOKENS)
     out = enable_fp8(model, device="cuda", tokens=ids, activations=source, unsloth=True, source_dir=small_model,
                      learnable=Learnable(steps=10, tokens_per_step=1024), vocab=len(tok))
     assert out.error is None, out.error

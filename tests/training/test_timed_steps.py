@@ -83,3 +83,23 @@ def test_synthetic_samples_can_leave_a_prompt_share_untrained():
     for s in half:
         k = min(s.n_tokens - 1, int(s.n_tokens * 0.5))
         assert s.labels[:k] == [IGNORE_INDEX] * k and s.labels[k:] == s.input_ids[k:] and s.labels[-1] != IGNORE_INDEX
+
+
+def test_without_a_step_cap_the_window_lasts_its_seconds_reusing_the_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """calibrate's `--seconds 60` timed 30 steps (~15 s on an H200): with max_steps=None the window is
+    the seconds asked for, the samples' rows taken again from the first once they run out."""
+    monkeypatch.setattr(probe.time, "perf_counter", _clock := _FakeClock())
+    calls: list[int] = []
+
+    def fake_step(model, batch, optimizer):
+        calls.append(batch.real_tokens)
+        _clock.now += 0.001 * batch.real_tokens  # ~1 s a step
+        return StepStat(tokens=batch.real_tokens, seconds=0.001 * batch.real_tokens, loss=1.0)
+
+    monkeypatch.setattr(probe, "train_step", fake_step)
+    samples = make_samples("alpaca", 10 * 1024, vocab=1000, seed=1)  # ~10 rows of 1,024 tokens
+    got = probe.timed_steps(None, samples, 1024, None, seconds=60.0, max_steps=None)
+    assert 55 <= got.seconds <= 62 and got.steps > 50  # far more steps than the rows
+    assert got.tokens_per_second == pytest.approx(1000.0, rel=1e-3)
+    with pytest.raises(ValueError, match="not one step"):
+        probe.timed_steps(None, [], 1024, None, seconds=1.0)

@@ -40,8 +40,9 @@ def run(s: BenchSettings, job: Job) -> None:
     label = base if fp8 is None else base + (", FP8 base" + (" + transposed copy" if s.ours_compute == "fp8t" else "")
                                              if compute == "fp8" else ", FP8 refused: bf16")
     events: list[GpuEvent] = []
+    pool, tokens = token_pool(tok, s)
     for prof in s.profiles:
-        row = run_ours(model, s, prof, vocab_size(job.model), label=label,
+        row = run_ours(model, s, prof, vocab_size(job.model), label=label, pool=pool,
                        on_gpu_event=events.append if s.gpu_events else None)
         row["stack"] = job.stack
         first = row.pop("first_step_end", None)
@@ -51,6 +52,7 @@ def run(s: BenchSettings, job: Job) -> None:
             first_step_s=round(first - job.t_launch, 1) if first and prof == s.profiles[0] else None,
             compute=compute,
             variant=s.ours_compute,
+            tokens=tokens,
         )
         if fp8 is not None:
             row["fp8"] = {**fp8, "stats": STATS.as_dict()}
@@ -68,9 +70,10 @@ def run(s: BenchSettings, job: Job) -> None:
 def setup_fp8(model: Any, tok: Any, s: BenchSettings, job: Job) -> dict[str, Any]:
     """The frozen base to FP8 with the numerics check (issue 16): a "numerics" row (JSON, and the table
     under the main one), every projection's errors in fp8-layers-<variant>.json; returns the outcome."""
-    from jobs.training.fp8_setup import Learnable, data_files, enable_fp8, sample_tokens
+    from jobs.training.fp8_setup import CAPTURE_TOKENS, Learnable, enable_fp8
+    from jobs.training.sample_data import data_files, sample_tokens
 
-    ids, source = sample_tokens(tok, data_files(None, []))
+    ids, source = sample_tokens(tok, data_files(None, []), n=CAPTURE_TOKENS)
     out = enable_fp8(model, device="cuda", tokens=ids, activations=source, unsloth=True,
                      keep_transposed=s.ours_compute == "fp8t", source_dir=job.model,
                      learnable=Learnable(steps=s.fp8_learnable_steps) if s.fp8_learnable_steps else None,
@@ -85,6 +88,19 @@ def setup_fp8(model: Any, tok: Any, s: BenchSettings, job: Job) -> dict[str, Any
     return info
 
 
+def token_pool(tok: Any, s: BenchSettings) -> tuple[list[int] | None, str]:
+    """`--token-file`: the tokens the samples are cut from, and where they came from (a file the model's
+    tokenizer does not cover is refused: random ids under its name would mislead)."""
+    from jobs.training.sample_data import RANDOM, sample_tokens
+
+    if s.token_file is None:
+        return None, "random token ids"
+    ids, where = sample_tokens(tok, [s.token_file], n=65536)
+    if where == RANDOM:
+        raise ValueError(f"--token-file {s.token_file}: no records the model's tokenizer covers")
+    return ids, where
+
+
 def run_ours(
     model: Any,
     s: BenchSettings,
@@ -92,6 +108,7 @@ def run_ours(
     vocab: int,
     *,
     label: str,
+    pool: list[int] | None = None,
     on_gpu_event: Callable[[GpuEvent], None] | None = None,
 ) -> dict[str, Any]:
     """Probe memory, choose the budget, then the timed window of packed steps: one result row."""
@@ -102,7 +119,7 @@ def run_ours(
     from jobs.training.step import make_optimizer, train_step
 
     opt = make_optimizer(model)
-    samples = make_samples(prof, s.data_tokens * 3, vocab=vocab, seed=s.seed, prompt_share=s.prompt_share)
+    samples = make_samples(prof, s.data_tokens * 3, vocab=vocab, seed=s.seed, prompt_share=s.prompt_share, pool=pool)
     win = Window(warmup=s.warmup + 3, max_steps=s.max_steps, seconds=s.seconds, on_gpu_event=on_gpu_event)
     torch.cuda.reset_peak_memory_stats()
     settings = ProbeSettings(max_vram_gb=s.max_vram_gb, min_tokens=CAP, max_tokens=s.max_budget,
