@@ -52,6 +52,7 @@ class NightRow(BaseModel):
     trained_tokens: int = 0
     planned_tokens: int | None = None
     planned_tokens_from: str | None = None  # "summary" (the night recorded it) or "plan" (tokens x epochs)
+    first_step_seconds: float | None = None  # wake -> the first training step (from the opening, if prewarmed)
     # quality
     losses: dict[str, float | None] = Field(default_factory=dict)
     metrics: dict[str, dict[str, float] | None] = Field(default_factory=dict)  # "<data>_<before|after>"
@@ -105,6 +106,7 @@ def night_row(run: Any, summ: dict[str, Any], manifest: dict[str, Any]) -> Night
         predicted_train_seconds=summ.get("predicted_train_seconds"),
         actual_train_seconds=summ.get("actual_train_seconds"),
         trained_tokens=tokens, planned_tokens=planned, planned_tokens_from=planned_from,
+        first_step_seconds=summ.get("first_step_seconds"),
         losses=summ.get("losses") or {}, metrics=summ.get("metrics") or {},
         gate=GateView(passed=gate.get("passed"), held_back=gate.get("held_back"), checks=gate.get("checks") or [])
         if gate else None,

@@ -65,6 +65,15 @@ def test_collect_reads_every_figure_of_the_last_nights(three_nights):
     assert collect(three_nights / "state", 2).nights[0].night == "2026-11-20"
 
 
+def test_a_nights_row_carries_its_wake_to_first_step():
+    """The summary's `first_step_seconds` (a night run as a child: from the opening, or the child's start)."""
+    from daemon.report_data import night_row
+
+    run_row = {"night": "n", "id": "r", "status": "succeeded", "started_at": 0.0, "ended_at": 1.0, "error": None}
+    assert night_row(run_row, {"first_step_seconds": 16.5}, {}).first_step_seconds == 16.5
+    assert night_row(run_row, {}, {}).first_step_seconds is None  # an in-process night (tests) has none
+
+
 def test_report_json_and_the_state_untouched(three_nights, tmp_path):
     ledger = three_nights / "state" / "ledger.sqlite"
     before = ledger.read_bytes()
