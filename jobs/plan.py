@@ -24,9 +24,10 @@ When recent throughput measurements differ by more than 10 %, the plan uses a lo
 them (`throughput_quantile`) instead of the median, and says so in its basis. A measurement that timed
 under a quarter of the longest recent one and under a minute (a killed night's few steps after its
 restart) is left out first: its rate is the start-up's, not the card's. Nights measured since the newest
-calibrate replace it: they trained the real data, calibrate random tokens (on the GPU it read 5-12 % below the
-nights that followed it). A rate is taken at the pending samples' mean length: calibrate timed two length
-profiles, and a measurement is moved along that line from the length it was measured at (`rate_at_length`).
+calibrate replace it: they timed the night's own data and loop for minutes, calibrate a few seconds of
+synthetic samples (on an H200 it read 5-12 % below the nights that followed it, for reasons only partly
+known). A rate is taken at the pending samples' mean length: calibrate timed two length profiles, and a
+measurement is moved along that line from the length it was measured at (`rate_at_length`).
 """
 
 from __future__ import annotations

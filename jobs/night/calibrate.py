@@ -158,8 +158,7 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
         emit(ProgressEvent(fraction=i / len(profiles), eta=time.time() + (len(profiles) - i) * seconds,
                            tokens_per_second=rates[profiles[i - 1]].tokens_per_second if i else 0.0))
         data = make_samples(p, 40 * budget * group.world, vocab=vocab, cap=cap_len, seed=1)
-        rates[p] = timed_steps(loaded.model, data, budget, optimizer, seconds=seconds, max_steps=None,
-                               group=together)
+        rates[p] = timed_steps(loaded.model, data, budget, optimizer, seconds=seconds, group=together)
         if rates[p].stalls:  # a one-off (compile, autotune) inside the window: said, not counted in the rate
             print(f"calibrate: {p}: {rates[p].stalls} of {rates[p].steps} timed steps stalled, "
                   f"{rates[p].stall_seconds:.2f} s beyond the median rate, left out", file=sys.stderr, flush=True)
@@ -169,7 +168,7 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     half = max(t.max_seq_length, budget // 2 // 256 * 256)
     if half < budget:  # a second size: the night's smaller steps are predicted through both
         r = timed_steps(loaded.model, make_samples(slow, 40 * half * group.world, vocab=vocab, cap=cap_len, seed=2),
-                        half, optimizer, seconds=max(3.0, seconds / 3), max_steps=None, group=together)
+                        half, optimizer, seconds=max(3.0, seconds / 3), group=together)
         extra.append(ShapeRate(tokens_per_step=half, gradient_checkpointing=gc, tokens_per_second=r.tokens_per_second))
     overheads = measure_overheads(loaded, cfg, load_seconds=load_seconds, vocab=vocab, cap=cap_len)
     emit(PhaseEvent(phase=Phase.train, state="end", seconds=time.perf_counter() - t0))
@@ -227,7 +226,7 @@ def _checkpointing_line(cfg: NightConfig, model_path: Path, settings, profile: s
         assert loaded is not None and probe is not None
         tokens = group.smallest(probe.tokens_per_step or t.max_seq_length)  # [distributed] what every card holds
         data = make_samples(profile, 40 * tokens * group.world, vocab=vocab, cap=cap_len, seed=3)
-        r = timed_steps(loaded.model, data, tokens, optimizer, seconds=seconds, max_steps=None,
+        r = timed_steps(loaded.model, data, tokens, optimizer, seconds=seconds,
                         group=group if group.world > 1 else None)
         return probe.memory, ShapeRate(tokens_per_step=tokens, gradient_checkpointing=True,
                                        tokens_per_second=r.tokens_per_second)

@@ -121,12 +121,12 @@ SETTLED = 0.05  # two warm-up steps this close in seconds per token: compiled, t
 
 
 def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step: int, optimizer: Any, *,
-                warmup: int = 3, max_steps: int | None = 30, seconds: float = 30.0, group: Any = None,
+                warmup: int = 3, max_steps: int | None = None, seconds: float = 30.0, group: Any = None,
                 max_warmup: int = 12) -> Throughput:
     """Packed steps at the budget: at least `warmup` untimed, more (up to `max_warmup`) until two steps
-    in a row take the same time per token within SETTLED, then up to `max_steps` or `seconds` timed
-    (`max_steps=None`: `seconds` alone, the samples' rows reused as often as that takes; calibrate's
-    `--seconds 60` once timed 30 steps, ~15 s of an 8B on an H200).
+    in a row take the same time per token within SETTLED, then `seconds` timed (or `max_steps`, if given,
+    first), the samples' rows reused as often as that takes: a cap of 30 steps once cut calibrate's
+    `--seconds 60` to ~15 s of an 8B's steps on an H200.
 
     A timed step over STALL x the median time per token is taken for a one-off, not the rate: its excess
     is left out and counted in `stalls`. On an H200 (1B, calibrate's first profile) one step took 5x the

@@ -1,5 +1,5 @@
 """A night's recorded rate is its settled rate: steps that ran slower at an attempt's start (the H200's
-first night in a new state directory: ~10k tok/s, then ~16.5k after ~30 s) are overhead, not the rate."""
+first night in a new state directory: ~10k tok/s, then ~16.4k after ~31 s) are overhead, not the rate."""
 
 from __future__ import annotations
 

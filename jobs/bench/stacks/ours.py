@@ -88,6 +88,9 @@ def setup_fp8(model: Any, tok: Any, s: BenchSettings, job: Job) -> dict[str, Any
     return info
 
 
+TOKEN_FILE_TOKENS = 65536  # tokens of `--token-file` the samples are cut from (runs of it, wrapping)
+
+
 def token_pool(tok: Any, s: BenchSettings) -> tuple[list[int] | None, str]:
     """`--token-file`: the tokens the samples are cut from, and where they came from (a file the model's
     tokenizer does not cover is refused: random ids under its name would mislead)."""
@@ -95,7 +98,7 @@ def token_pool(tok: Any, s: BenchSettings) -> tuple[list[int] | None, str]:
 
     if s.token_file is None:
         return None, "random token ids"
-    ids, where = sample_tokens(tok, [s.token_file], n=65536)
+    ids, where = sample_tokens(tok, [s.token_file], n=TOKEN_FILE_TOKENS)
     if where == RANDOM:
         raise ValueError(f"--token-file {s.token_file}: no records the model's tokenizer covers")
     return ids, where
