@@ -113,7 +113,13 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     from jobs.training.distributed import SOLO
     from jobs.training.load import device_name, load_for_training
     from jobs.training.optim import build_optimizer
-    from jobs.training.probe import ProbeSettings, calibration_record, probe_memory, timed_steps
+    from jobs.training.probe import (
+        PROCESS_WARMUP_SECONDS,
+        ProbeSettings,
+        calibration_record,
+        probe_memory,
+        timed_steps,
+    )
     from jobs.training.synthetic import PROFILES, make_samples
 
     t = cfg.train
@@ -155,10 +161,15 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     budget = agreed
     rates, profiles = {}, list(PROFILES)
     for i, p in enumerate(profiles):  # progress: a profile at a time, each about `seconds` long
-        emit(ProgressEvent(fraction=i / len(profiles), eta=time.time() + (len(profiles) - i) * seconds,
+        emit(ProgressEvent(fraction=i / len(profiles), eta=time.time() + (len(profiles) - i) * seconds
+                           + (0.0 if i else PROCESS_WARMUP_SECONDS),
                            tokens_per_second=rates[profiles[i - 1]].tokens_per_second if i else 0.0))
         data = make_samples(p, 40 * budget * group.world, vocab=vocab, cap=cap_len, seed=1)
-        rates[p] = timed_steps(loaded.model, data, budget, optimizer, seconds=seconds, group=together)
+        # the first profile's window waits out the process's warm-up: on an H200 (8B) a 10-s window right after
+        # two steps in a row agreed read 15,203 tok/s and planned the next night 9.0 % long; after 30 s of
+        # warm-up 15,839 and 4.6 % (results/h200-2026-11-26/calibrate-warmup)
+        rates[p] = timed_steps(loaded.model, data, budget, optimizer, seconds=seconds, group=together,
+                               warmup_seconds=0.0 if i else PROCESS_WARMUP_SECONDS)
         if rates[p].stalls:  # a one-off (compile, autotune) inside the window: said, not counted in the rate
             print(f"calibrate: {p}: {rates[p].stalls} of {rates[p].steps} timed steps stalled, "
                   f"{rates[p].stall_seconds:.2f} s beyond the median rate, left out", file=sys.stderr, flush=True)

@@ -157,9 +157,10 @@ def _import_unsloth_first(cfg: dict[str, Any]) -> None:
 
         if torch.cuda.is_available():
             from jobs.training.unsloth_backend import setup_caches
+            from jobs.training.unsloth_import import import_unsloth
 
             setup_caches(Path(cfg["state_dir"]) / "models")  # Unsloth reads its cache locations when imported
-            import unsloth  # noqa: F401
+            import_unsloth()
 
 
 if __name__ == "__main__":

@@ -116,17 +116,18 @@ class Throughput:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+PROCESS_WARMUP_SECONDS = 30.0  # a process's first steps: untimed this long, whatever two steps in a row say
 STALL = 2.0  # a step this many times slower per token than the window's median: a one-off (compile, autotune)
 SETTLED = 0.05  # two warm-up steps this close in seconds per token: compiled, tuned, allocator grown
 
 
 def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step: int, optimizer: Any, *,
                 warmup: int = 3, max_steps: int | None = None, seconds: float = 30.0, group: Any = None,
-                max_warmup: int = 12) -> Throughput:
-    """Packed steps at the budget: at least `warmup` untimed, more (up to `max_warmup`) until two steps
-    in a row take the same time per token within SETTLED, then `seconds` timed (or `max_steps`, if given,
-    first), the samples' rows reused as often as that takes: a cap of 30 steps once cut calibrate's
-    `--seconds 60` to ~15 s of an 8B's steps on an H200.
+                max_warmup: int = 12, warmup_seconds: float = 0.0) -> Throughput:
+    """Packed steps at the budget: at least `warmup` untimed and `warmup_seconds` of them, more (up to
+    `max_warmup`) until two steps in a row take the same time per token within SETTLED, then `seconds`
+    timed (or `max_steps`, if given, first), the samples' rows reused as often as that takes: a cap of 30
+    steps once cut calibrate's `--seconds 60` to ~15 s of an 8B's steps on an H200.
 
     A timed step over STALL x the median time per token is taken for a one-off, not the rate: its excess
     is left out and counted in `stalls`. On an H200 (1B, calibrate's first profile) one step took 5x the
@@ -147,6 +148,7 @@ def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step:
     timed: list[tuple[int, float]] = []  # (tokens, seconds) of each timed step
     warm = 0
     started = None
+    warm_from = time.perf_counter()
     last = None  # seconds per token of the previous warm-up step
     for k in itertools.count():
         step = steps[k % len(steps)]
@@ -156,7 +158,8 @@ def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step:
             per_token = st.seconds / max(1, st.tokens)
             settled = last is not None and abs(per_token - last) <= SETTLED * last
             last = per_token
-            done = warm >= max_warmup or (warm >= warmup and settled)
+            done = (warm >= max_warmup or (warm >= warmup and settled)) and \
+                time.perf_counter() - warm_from >= warmup_seconds
             if group.agree(done)[0] if group is not None else done:
                 _synchronize(torch)
                 started = time.perf_counter()

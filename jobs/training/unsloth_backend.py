@@ -186,13 +186,17 @@ def load_unsloth(
     model_path = Path(model_path)
     setup_caches(cache_dir)
     import torch
-    import unsloth  # noqa: F401  (patches transformers/peft/trl on import: must come first)
+
+    from jobs.training.unsloth_import import import_unsloth
+
+    trl_skipped = import_unsloth()  # patches transformers/peft on import: must come first
     from unsloth import FastLanguageModel
 
     from jobs.training.step import UNSLOTH_FLAG
 
     t_import = time.perf_counter() - t0
-    info: dict[str, Any] = {"backend": "unsloth", "import_seconds": round(t_import, 2)}
+    info: dict[str, Any] = {"backend": "unsloth", "import_seconds": round(t_import, 2),
+                            "trl_trainer_rewrite": "skipped" if trl_skipped else "as shipped"}
     info["packed_attention"] = enable_varlen_attention() if varlen else "unsloth-as-shipped"
 
     gc_arg: bool | str = "unsloth" if gradient_checkpointing is True else gradient_checkpointing

@@ -45,6 +45,16 @@ def test_warm_up_never_outlasts_its_cap(monkeypatch: pytest.MonkeyPatch) -> None
     assert len(calls) == 6 + 5
 
 
+def test_warm_up_lasts_its_seconds_even_once_settled(monkeypatch: pytest.MonkeyPatch) -> None:
+    # calibrate's first profile: a window right after two steps in a row agreed read 4 % under one after 30 s
+    # of steps, and planned the next night 9.0 % long instead of 4.6 % (results/h200-2026-11-26/calibrate-warmup)
+    monkeypatch.setattr(probe.time, "perf_counter", _clock := _FakeClock())
+    _, calls = _run(monkeypatch, [0.001], clock=_clock, warmup_seconds=5.0, max_warmup=3)
+    warm = len(calls) - 5
+    assert sum(calls[:warm]) * 0.001 >= 5.0 > sum(calls[:warm - 1]) * 0.001  # just past 5 s, then timed
+    assert warm > 3  # the step minimum and the cap give way to the seconds
+
+
 def test_a_one_off_stall_in_the_window_is_left_out_of_the_rate_and_counted(monkeypatch: pytest.MonkeyPatch) -> None:
     # the H200 calibrate run: settled at once, then one step 5x slower (results/h200-2026-11-23/calibrate-steps)
     monkeypatch.setattr(probe.time, "perf_counter", _clock := _FakeClock())
