@@ -12,12 +12,14 @@ whole (an error in the worker, a result that cannot be rebuilt) is checked there
 from __future__ import annotations
 
 import collections
+import hashlib
 import multiprocessing
 import os
 import pickle
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -29,6 +31,7 @@ from jobs.data.sources import SourceConfig
 log = structlog.get_logger("nightshift.pull")
 PARALLEL_MIN_BYTES = 4 << 20  # smaller files (~50k short records) are checked here: workers take seconds to start
 MAX_WORKERS = 8
+READY_SECONDS = 120.0  # for early workers to say which tokenizer they hold (loading it: ~2 s)
 AHEAD = 2  # chunks in flight per worker: enough to keep each busy, few enough to bound memory
 
 _tokenizer: Any = None  # a worker's own copy
@@ -49,23 +52,39 @@ def _start(tokenizer: bytes) -> None:
     _tokenizer = pickle.loads(tokenizer)
 
 
+def _start_from(model_path: str) -> None:
+    """A worker started before its night has a tokenizer (the night's process imports Unsloth before
+    transformers) loads it from the model's directory itself."""
+    global _tokenizer
+    from jobs.training.loaded import load_tokenizer
+
+    _tokenizer = load_tokenizer(Path(model_path))
+
+
+def _digest(blob: bytes) -> str:
+    return hashlib.sha256(blob).hexdigest()
+
+
 def _check(raws: list[RawRecord], src: SourceConfig, options: dict[str, Any]) -> bytes:
     """Pickled here, unpickled by the caller inside its guard: a result that cannot be rebuilt there costs
     its chunk (checked again by the caller), not the pool (the executor breaks on a result it cannot read)."""
     return pickle.dumps(check_for_store(raws, src, _tokenizer, **options))
 
 
-def _ready() -> None:
-    """A worker's first task: it has spawned, imported and taken the tokenizer."""
+def _ready() -> str:
+    """A worker's first task: it has spawned, imported and taken the tokenizer; which one (its digest)."""
+    return _digest(pickle.dumps(_tokenizer))
 
 
-def start_early(tokenizer: Any, workers: int | None = None) -> None:
-    """Start the pull's workers now, while a prewarmed night waits for its window: each spawns, imports and
-    unpickles the tokenizer (2 s on a 2-core box), which the pull at the opening would otherwise wait for."""
+def start_early(model_path: Path, workers: int | None = None) -> None:
+    """Start the pull's workers now, as the night's process starts: each spawns, imports and loads the
+    model's tokenizer (2 s on a 2-core box) while that process imports Unsloth (~20 s on an H200 host)
+    or waits for its window; a night's pull on an H200 host took 7.1-8.3 s starting its own workers,
+    3.7 s with workers that were ready (results/h200-2026-11-26/)."""
     global _early
     n = default_workers() if workers is None else workers
     if n >= 2 and _early is None:
-        _early = CheckPool(tokenizer, n)
+        _early = CheckPool(None, n, model_path=model_path)
         _early.warm()
 
 
@@ -75,6 +94,7 @@ def pool_for(tokenizer: Any, workers: int) -> CheckPool:
     pool, _early = _early, None
     if pool is not None and pool.serves(tokenizer, workers):
         log.info("pull_workers_started_early", workers=workers)
+        pool.tokenizer = tokenizer  # what this process checks a chunk with if the workers fail it
         return pool
     if pool is not None:
         pool.close()
@@ -92,15 +112,19 @@ def close_early() -> None:
 class CheckPool:
     """Workers that check chunks of records; `checked` yields each chunk's results in order."""
 
-    def __init__(self, tokenizer: Any, workers: int) -> None:
+    def __init__(self, tokenizer: Any, workers: int, *, model_path: Path | None = None) -> None:
+        """Workers holding `tokenizer`, or (`model_path`) the tokenizer each loads from that directory."""
         self.tokenizer, self.workers = tokenizer, workers
         self.pool: ProcessPoolExecutor | None = None
         self.blob = b""
+        self.ready: Future[str] | None = None  # a worker's tokenizer digest (warm)
         try:
-            self.blob = pickle.dumps(tokenizer)
+            if model_path is None:
+                self.blob = pickle.dumps(tokenizer)
+            start, args = (_start, (self.blob,)) if model_path is None else (_start_from, (str(model_path),))
             self.pool = ProcessPoolExecutor(
                 max_workers=workers, mp_context=multiprocessing.get_context("spawn"),  # no fork of a CUDA process
-                initializer=_start, initargs=(self.blob,))
+                initializer=start, initargs=args)
         except Exception as e:  # a tokenizer that cannot be pickled, no processes left: this one checks
             log.warning("pull_workers_unavailable", error=f"{type(e).__name__}: {e}"[:300])
 
@@ -109,14 +133,21 @@ class CheckPool:
         for _ in range(self.workers):
             if self.pool is not None:
                 try:
-                    self.pool.submit(_ready)
+                    fut = self.pool.submit(_ready)
+                    self.ready = self.ready or fut
                 except Exception as e:
                     self._broken(e)
 
     def serves(self, tokenizer: Any, workers: int) -> bool:
-        """Running, with `workers` workers holding this tokenizer (the same pickled bytes)."""
+        """Running, with `workers` workers holding this tokenizer: the same pickled bytes, or for workers that
+        loaded it themselves, the same digest (a worker that could not load it: not served)."""
         try:
-            return self.pool is not None and workers == self.workers and pickle.dumps(tokenizer) == self.blob
+            if self.pool is None or workers != self.workers:
+                return False
+            mine = pickle.dumps(tokenizer)
+            if self.blob:
+                return mine == self.blob
+            return self.ready is not None and self.ready.result(timeout=READY_SECONDS) == _digest(mine)
         except Exception:
             return False
 

@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
 
     raw = Path(args.config).read_text() if args.config else sys.stdin.read()
+    if owner and not args.plan_only:  # the rank that pulls: its workers start while this process imports
+        _start_pull_workers(json.loads(raw))
     bind_device()  # [distributed] this rank's card, before Unsloth's import looks at CUDA
     _import_unsloth_first(json.loads(raw))
     from jobs.night.config import NightConfig
@@ -88,10 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     gc.freeze()
     woke = PROCESS_STARTED
     if args.start_at is not None and not args.plan_only:
-        if owner:  # the rank that pulls
-            from jobs.night.intake import start_pull_workers
-
-            start_pull_workers(cfg)
         woke = _wait_for_opening(args.start_at, stop, args.run_id)
         if stop.is_set() and time.time() < args.start_at:  # stopped before the window opened: nothing started
             emit(ResultEvent(summary=RunSummary(night=args.night, outcome=Outcome.interrupted,
@@ -146,6 +144,15 @@ def _holds_night_lock(state_dir: str | Path) -> bool:
 
     return inherited_night_lock(Path(state_dir)) or (
         launched() and inherited_night_lock(Path(state_dir), holder_pid=os.getppid()))
+
+
+def _start_pull_workers(cfg: dict[str, Any]) -> None:
+    """Before the imports: the config is only parsed after them (JSON here, a night's config is checked later)."""
+    from jobs.night.intake import start_pull_workers
+
+    path = (cfg.get("model") or {}).get("path") if isinstance(cfg, dict) else None
+    if isinstance(path, str) and path:
+        start_pull_workers(Path(path))
 
 
 def _import_unsloth_first(cfg: dict[str, Any]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -14,7 +15,6 @@ from jobs.data.preview import preview
 from jobs.data.pull import PullResult, Quarantine, pull
 from jobs.data.quarantine import prune_quarantine
 from jobs.data.token_cache import TokenCache
-from jobs.night.config import NightConfig
 from jobs.night.context import RunContext
 from jobs.store import learning
 from jobs.store.ledger import SampleRow
@@ -30,17 +30,18 @@ def token_cache(ctx: RunContext, tokenizer: Any) -> TokenCache:
                       overlong=ctx.cfg.train.overlong, special_tokens=ctx.cfg.train.special_tokens)
 
 
-def start_pull_workers(cfg: NightConfig) -> None:
-    """A prewarmed night (rank 0): the pull's workers spawn while it waits for the window, not after it opens.
-    Nothing fails the night here: the pull starts its own workers where these cannot serve it."""
-    from pathlib import Path
-
+def start_pull_workers(model_path: Path) -> None:
+    """The pull's workers spawn as the night's process starts (rank 0), not after the window opens and
+    the imports are done. Nothing fails the night here: the pull starts its own workers where these
+    cannot serve it (a tokenizer they could not load, another one)."""
     from jobs.data.parallel import start_early
-    from jobs.training.loaded import load_tokenizer
 
+    if not model_path.is_dir():  # a model not there yet (built at the night): the pull's own workers
+        log.info("pull_workers_not_started_early", error=f"no model directory at {model_path}")
+        return
     try:
-        start_early(load_tokenizer(Path(cfg.model.path)))
-    except Exception as e:  # a model not there yet (built at the night), a tokenizer that does not load
+        start_early(model_path)
+    except Exception as e:
         log.info("pull_workers_not_started_early", error=f"{type(e).__name__}: {e}"[:300])
 
 

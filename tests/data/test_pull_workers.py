@@ -2,6 +2,8 @@
 their order, token ids, quarantine reasons — is the same as when this process checks every record."""
 
 import json
+import pickle
+from pathlib import Path
 
 from structlog.testing import capture_logs
 
@@ -150,15 +152,15 @@ def pools_made(monkeypatch) -> list[int]:
     made: list[int] = []
     init = parallel.CheckPool.__init__
     monkeypatch.setattr(parallel.CheckPool, "__init__",
-                        lambda self, tok, workers: made.append(workers) or init(self, tok, workers))
+                        lambda self, tok, workers, **kw: made.append(workers) or init(self, tok, workers, **kw))
     return made
 
 
-def test_workers_started_early_serve_the_pull_and_go_with_it(tmp_path, tokenizer, monkeypatch):
-    """A prewarmed night starts them while it waits for its window; the pull at the opening takes them."""
+def test_workers_started_early_serve_the_pull_and_go_with_it(tmp_path, tokenizer, tiny_model, monkeypatch):
+    """A night starts them with its process, each loading the model's tokenizer itself; the pull takes them."""
     monkeypatch.setattr(pull_mod, "PARALLEL_MIN_BYTES", 0)
     made = pools_made(monkeypatch)
-    parallel.start_early(tokenizer, 2)
+    parallel.start_early(tiny_model, 2)
     early = parallel._early
     with capture_logs() as logs:
         res = pulled(tmp_path, tokenizer, "early", lines(300), workers=2)
@@ -167,18 +169,41 @@ def test_workers_started_early_serve_the_pull_and_go_with_it(tmp_path, tokenizer
     assert res[1:] == pulled(tmp_path, tokenizer, "alone", lines(300), workers=0)[1:]
 
 
-def test_early_workers_that_cannot_serve_the_pull_are_stopped_and_new_ones_started(tmp_path, tokenizer,
+def test_early_workers_that_cannot_serve_the_pull_are_stopped_and_new_ones_started(tmp_path, tokenizer, tiny_model,
                                                                                   monkeypatch):
     monkeypatch.setattr(pull_mod, "PARALLEL_MIN_BYTES", 0)
     made = pools_made(monkeypatch)
-    parallel.start_early(tokenizer, 3)  # another count than the pull's
+    parallel.start_early(tiny_model, 3)  # another count than the pull's
     early = parallel._early
     pulled(tmp_path, tokenizer, "other", lines(100), workers=2)
     assert made == [3, 2] and early is not None and early.pool is None and parallel._early is None
 
 
-def test_a_pull_of_small_files_alone_stops_the_early_workers(tmp_path, tokenizer):
-    parallel.start_early(tokenizer, 2)
+def test_early_workers_holding_another_tokenizer_are_not_taken(tmp_path, tokenizer, tiny_model, monkeypatch):
+    """Loaded from the model's directory, not handed over: the pull checks that they hold its own tokenizer."""
+    monkeypatch.setattr(pull_mod, "PARALLEL_MIN_BYTES", 0)
+    made = pools_made(monkeypatch)
+    parallel.start_early(tiny_model, 2)
+    other = pickle.loads(pickle.dumps(tokenizer))
+    other.add_tokens(["<a-token-the-workers-do-not-have>"])
+    with capture_logs() as logs:
+        got = pulled(tmp_path, other, "another", lines(100), workers=2)
+    assert made == [2, 2] and not any(e["event"] == "pull_workers_started_early" for e in logs)
+    assert got[1:] == pulled(tmp_path, other, "alone", lines(100), workers=0)[1:]
+
+
+def test_early_workers_that_could_not_load_a_tokenizer_are_not_taken(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setattr(pull_mod, "PARALLEL_MIN_BYTES", 0)
+    made = pools_made(monkeypatch)
+    (tmp_path / "not-a-model").mkdir()
+    parallel.start_early(tmp_path / "not-a-model", 2)  # each worker's start fails: the pool is broken
+    got = pulled(tmp_path, tokenizer, "broken", lines(100), workers=2)
+    assert made == [2, 2] and parallel._early is None
+    assert got[1:] == pulled(tmp_path, tokenizer, "alone", lines(100), workers=0)[1:]
+
+
+def test_a_pull_of_small_files_alone_stops_the_early_workers(tmp_path, tokenizer, tiny_model):
+    parallel.start_early(tiny_model, 2)
     early = parallel._early
     pulled(tmp_path, tokenizer, "small", lines(50), workers=2)  # under 4 MB: checked in this process
     assert early is not None and early.pool is None and parallel._early is None  # not held through the night
@@ -191,9 +216,9 @@ def test_a_night_that_cannot_start_them_early_goes_on(tmp_path, tiny_model, monk
     monkeypatch.setattr(parallel, "default_workers", lambda: 2)
     cfg = NightConfig.model_validate({"state_dir": str(tmp_path), "model": {"path": str(tmp_path / "absent")}})
     with capture_logs() as logs:
-        start_pull_workers(cfg)  # no model there yet: nothing started, nothing raised
+        start_pull_workers(Path(cfg.model.path))  # no model there yet: nothing started, nothing raised
     assert parallel._early is None and [e["event"] for e in logs] == ["pull_workers_not_started_early"]
-    start_pull_workers(cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(tiny_model)})}))
+    start_pull_workers(tiny_model)
     try:
         assert parallel._early is not None and parallel._early.workers == 2
     finally:

@@ -108,3 +108,21 @@ def test_unsloth_is_imported_with_its_cache_locations_already_set(tmp_path, monk
     child._import_unsloth_first({"state_dir": str(tmp_path / "state"), "train": {"backend": "auto"}})
     assert seen["compile_location"] == str(tmp_path / "state" / "models" / "compile" / "unsloth_compiled_cache")
     assert seen["offline"] == "1"
+
+
+def test_the_pull_workers_start_from_the_night_config_before_any_import(tmp_path, tiny_model, monkeypatch):
+    """The child starts them before it imports Unsloth (~20 s on an H200 host), from the config's JSON: each
+    worker loads the model's tokenizer itself, as this process may not import transformers before Unsloth."""
+    import jobs.data.parallel as parallel
+    from jobs.night import child
+
+    monkeypatch.setattr(parallel, "default_workers", lambda: 2)
+    child._start_pull_workers({"model": {"path": str(tmp_path / "absent")}})  # built at the night: not yet
+    child._start_pull_workers({"model": {}})
+    assert parallel._early is None
+    child._start_pull_workers({"model": {"path": str(tiny_model)}})
+    try:
+        assert parallel._early is not None and parallel._early.workers == 2
+        assert parallel._early.ready is not None and parallel._early.ready.result(timeout=120)
+    finally:
+        parallel.close_early()
