@@ -5,12 +5,15 @@ of earlier promoted nights from the ledger, round-robin under `max_eval_samples`
 fixed `[eval] regression_set` file as slice "file"). A set with fewer than `min_eval_samples`
 samples is not evaluated, and says why.
 
-Models (the stage names of the metrics "<data>_<stage>"): `before` (the adapter in service),
-`base` (its adapter disabled), `reference` (the best promoted version so far: its weights loaded
-into the adapter for the measurement, then the service's put back; the base while there is none),
-then `after` (the candidate). Everything measured before training is kept next to the checkpoints,
-so a resumed night is judged against what it started from. Per-sample scores of the base and of
-published versions are kept across nights (jobs/night/scores.py): a model is scored once on a sample.
+Models (the stage names of the metrics "<data>_<stage>"): `before` (the adapter in service) and
+`reference` (the best promoted version so far: its weights loaded into the adapter for the measurement,
+then the service's put back), before training; `after` (the candidate) and `base` (the adapter
+disabled; the reference while none is promoted) after it: training does not change the base, and
+scoring it before training was about half of the 7.6-7.8 s an 8B's night spent evaluating before its
+first step on an H200 (results/h200-2026-11-26/nights-after-fixes). Everything measured before
+training is kept next to the checkpoints, so a resumed night is judged against what it started from.
+Per-sample scores of the base and of published versions are kept across nights (jobs/night/scores.py):
+a model is scored once on a sample.
 """
 
 from __future__ import annotations
@@ -104,6 +107,12 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
 
     if when == "after":
         run("after")
+        if hasattr(model, "disable_adapter"):  # the base: training does not change it, so off the wake's path
+            with model.disable_adapter():
+                run("base", BASE_MODEL)
+            if sets.reference is None:  # none promoted yet (or of another shape): the base is the reference
+                for data in sized:
+                    measured[f"{data}_reference"] = measured[f"{data}_base"]
         return measured, slices
     run("before", version_model(sets.service) if sets.service is not None else None)
     if not hasattr(model, "disable_adapter"):  # full fine-tuning: the model is whole, no adapter to switch off
@@ -116,18 +125,14 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
         _keep_before(ctx, {"metrics": measured, "slices": slices, "reference": None,
                            "not_evaluated": ctx.summary.not_evaluated})
         return measured, slices
-    with model.disable_adapter():
-        run("base", BASE_MODEL)
-    if sets.reference is None or sets.reference == sets.service:
+    if sets.reference is not None and sets.reference == sets.service:
         for data in sized:
-            measured[f"{data}_reference"] = measured[f"{data}_{'base' if sets.reference is None else 'before'}"]
-    else:
+            measured[f"{data}_reference"] = measured[f"{data}_before"]
+    elif sets.reference is not None:
         service = _swap_in(model, sets.reference_path)
         if service is None:  # another adapter shape (rank, targets): compare with the base instead
             log.warning("reference_incompatible", version=sets.reference, note="the base model serves instead")
             sets.reference, sets.reference_path = None, None
-            for data in sized:
-                measured[f"{data}_reference"] = measured[f"{data}_base"]
         else:
             try:
                 run("reference", version_model(sets.reference))

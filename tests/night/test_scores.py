@@ -44,6 +44,41 @@ def test_night_two_scores_only_what_no_model_was_scored_on_before(night_env, mon
     assert sorted(passes.values()) == [1] * n_regression + [3] * n_heldout
 
 
+def test_the_base_is_scored_after_training_off_the_first_steps_path(night_env, monkeypatch):
+    """Before the first step only the adapter in service is scored on tonight's held-out samples; the base
+    (which training does not change) comes after, with the candidate, and still serves as night 1's reference."""
+    import jobs.night.measure as measure
+    import jobs.night.run as night_run
+
+    inbox, make = night_env
+    cfg = make(eval={"min_eval_samples": 1}, plan={"heldout_share": 0.2})
+    events: list[tuple[str, int]] = []
+    real_scores, real_train = measure._scores, night_run.train_candidate
+
+    def scores(ctx, loaded, samples):
+        events.append(("score", len(samples)))
+        return real_scores(ctx, loaded, samples)
+
+    def train(*a, **kw):
+        events.append(("train", 0))
+        return real_train(*a, **kw)
+
+    monkeypatch.setattr(measure, "_scores", scores)
+    monkeypatch.setattr(night_run, "train_candidate", train)
+    write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(30)])
+    s1 = run(cfg)
+    assert s1["outcome"] == "succeeded" and s1["metrics"]["heldout_reference"] == s1["metrics"]["heldout_base"]
+    events.clear()
+    write_jsonl(inbox / "b.jsonl", [alpaca(i, " please") for i in range(20)])
+    s2 = run(cfg, night="2026-11-22")
+    n_heldout = int(s2["metrics"]["heldout_after"]["samples"])
+    at = events.index(("train", 0))
+    assert events[:at] == [("score", n_heldout)]  # the service adapter only
+    assert sum(n for _, n in events[at + 1:]) >= 2 * n_heldout  # the candidate and the base
+    assert s2["metrics"]["heldout_base"] is not None and s2["metrics"]["heldout_reference"] == s2["metrics"][
+        "heldout_before"]
+
+
 IDENT = LoadIdentity(base="/models/x", method="qlora", compute="bf16", backend="unsloth", max_seq_length=512,
                      special_tokens="escape")
 
