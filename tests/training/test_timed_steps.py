@@ -47,7 +47,8 @@ def test_warm_up_never_outlasts_its_cap(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_warm_up_lasts_its_seconds_even_once_settled(monkeypatch: pytest.MonkeyPatch) -> None:
     # calibrate's first profile: a window right after two steps in a row agreed read 4 % under one after 30 s
-    # of steps, and planned the next night 9.0 % long instead of 4.6 % (results/h200-2026-11-26/calibrate-warmup)
+    # of steps, and the night planned from it ran 9.0 % under its plan instead of 4.6 %
+    # (results/h200-2026-11-26/calibrate-warmup)
     monkeypatch.setattr(probe.time, "perf_counter", _clock := _FakeClock())
     _, calls = _run(monkeypatch, [0.001], clock=_clock, warmup_seconds=5.0, max_warmup=3)
     warm = len(calls) - 5
