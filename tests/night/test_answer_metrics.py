@@ -59,3 +59,20 @@ def test_exact_match_counts_samples_token_accuracy_counts_reply_tokens():
     assert summarize([]) is None
     without_mask = S(4, [1, 2, 3], [IGNORE_INDEX, IGNORE_INDEX, 3])  # raw text: every trained token is reply
     assert metrics(without_mask)["token_accuracy"] == 1.0
+
+
+def test_samples_are_batched_shortest_first_so_little_is_padding():
+    """A long sample among short ones pads only the batch it is in; every sample keeps its own score."""
+    seen: list[tuple[int, int]] = []
+
+    class Spy(NextIsPlusOne):
+        def forward(self, input_ids, **kw):
+            seen.append(tuple(input_ids.shape))
+            return super().forward(input_ids, **kw)
+
+    samples = [sample(i, [3, 4, 5] if i % 2 else [3] * 40) for i in range(128)]  # 6 and 43 tokens, mixed
+    scores = score_samples(Spy(), samples, pad_id=0, device="cpu", max_tokens_per_batch=4096)
+    assert sorted(scores) == list(range(128))
+    assert sorted(seen) == [(64, 6), (64, 43)]  # in arrival order: two batches padded to 43
+    alone = score_samples(NextIsPlusOne(), [samples[1]], pad_id=0, device="cpu", max_tokens_per_batch=4096)
+    assert scores[1] == alone[1]
