@@ -5,7 +5,8 @@ of earlier promoted nights from the ledger, round-robin under `max_eval_samples`
 fixed `[eval] regression_set` file as slice "file"). A set with fewer than `min_eval_samples`
 samples is not evaluated, and says why.
 
-Models (the stage names of the metrics "<data>_<stage>"): `before` (the adapter in service) and
+Models (the stage names of the metrics "<data>_<stage>"): `before` (the adapter in service; a new
+adapter, whose lora_B weights are all zero, scores as the base and takes the base's figures) and
 `reference` (the best promoted version so far: its weights loaded into the adapter for the measurement,
 then the service's put back), before training; `after` (the candidate) and `base` (the adapter
 disabled; the reference while none is promoted) after it: training does not change the base, and
@@ -49,6 +50,7 @@ class EvalSets:
     reference_path: Path | None = None
     service: int | None = None  # the version in service the candidate was trained from
     after: dict[int, evaluate.SampleScore] = field(default_factory=dict)  # the candidate's, kept once published
+    before_is_base: bool = False  # a new adapter (every lora_B zero): it scores as the base, measured after
 
 
 def score_cache(ctx: RunContext, loaded: Any, compute: str) -> ScoreCache:
@@ -89,6 +91,7 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
     if saved is not None:
         ctx.summary.not_evaluated.update(saved.get("not_evaluated", {}))
         sets.reference = saved.get("reference")
+        sets.before_is_base = bool(saved.get("before_is_base"))
         return saved["metrics"], saved["slices"]
     sized = _sized(ctx, {"heldout": sets.heldout, "regression": sets.regression})
     model = loaded.model
@@ -110,11 +113,19 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
         if hasattr(model, "disable_adapter"):  # the base: training does not change it, so off the wake's path
             with model.disable_adapter():
                 run("base", BASE_MODEL)
-            if sets.reference is None:  # none promoted yet (or of another shape): the base is the reference
-                for data in sized:
+            for data in sized:
+                if sets.reference is None:  # none promoted yet (or of another shape): the base is the reference
                     measured[f"{data}_reference"] = measured[f"{data}_base"]
+                if sets.before_is_base:
+                    measured[f"{data}_before"] = measured[f"{data}_base"]
+            if sets.before_is_base:
+                for stages in slices.values():
+                    stages["before"] = stages.get("base")
         return measured, slices
-    run("before", version_model(sets.service) if sets.service is not None else None)
+    if hasattr(model, "disable_adapter") and _new_adapter(model):
+        sets.before_is_base = True  # adds nothing to the base yet: no pass over the samples before the first step
+    else:
+        run("before", version_model(sets.service) if sets.service is not None else None)
     if not hasattr(model, "disable_adapter"):  # full fine-tuning: the model is whole, no adapter to switch off
         why = "full fine-tuning: the base and the reference are whole models, not measured in the night"
         for data in sized:
@@ -140,8 +151,15 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
                 _restore(model, service)
     if when == "before":
         _keep_before(ctx, {"metrics": measured, "slices": slices, "reference": sets.reference,
-                           "not_evaluated": ctx.summary.not_evaluated})
+                           "before_is_base": sets.before_is_base, "not_evaluated": ctx.summary.not_evaluated})
     return measured, slices
+
+
+def _new_adapter(model: Any) -> bool:
+    """A LoRA as initialised (every lora_B zero: PEFT's and Unsloth's default) outputs exactly what the base
+    does, so the night's first attempt without a version in service need not score it apart."""
+    bs = [p for n, p in model.named_parameters() if "lora_B" in n]
+    return bool(bs) and not any(bool(p.detach().any()) for p in bs)
 
 
 def keep_candidate_scores(ctx: RunContext, sets: EvalSets, version: int) -> None:

@@ -45,8 +45,9 @@ def test_night_two_scores_only_what_no_model_was_scored_on_before(night_env, mon
 
 
 def test_the_base_is_scored_after_training_off_the_first_steps_path(night_env, monkeypatch):
-    """Before the first step only the adapter in service is scored on tonight's held-out samples; the base
-    (which training does not change) comes after, with the candidate, and still serves as night 1's reference."""
+    """Before the first step only the adapter in service is scored on tonight's held-out samples (night 1's new
+    adapter not even that); the base (which training does not change) comes after, with the candidate, and
+    still serves as night 1's reference."""
     import jobs.night.measure as measure
     import jobs.night.run as night_run
 
@@ -67,7 +68,11 @@ def test_the_base_is_scored_after_training_off_the_first_steps_path(night_env, m
     monkeypatch.setattr(night_run, "train_candidate", train)
     write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(30)])
     s1 = run(cfg)
-    assert s1["outcome"] == "succeeded" and s1["metrics"]["heldout_reference"] == s1["metrics"]["heldout_base"]
+    m1 = s1["metrics"]
+    assert s1["outcome"] == "succeeded" and m1["heldout_reference"] == m1["heldout_base"]
+    # night 1's new adapter adds nothing to the base yet: not scored apart, its figures are the base's
+    assert events[0] == ("train", 0) and m1["heldout_before"] == m1["heldout_base"]
+    assert s1["losses"]["heldout_before"] == m1["heldout_base"]["loss"]
     events.clear()
     write_jsonl(inbox / "b.jsonl", [alpaca(i, " please") for i in range(20)])
     s2 = run(cfg, night="2026-11-22")
@@ -116,3 +121,27 @@ def test_the_cache_rescores_a_changed_sample_another_load_and_an_unreadable_file
     assert oct((tmp_path / "cache" / "scores").stat().st_mode & 0o777) == "0o700"
     cache.forget_versions_except({2})
     assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache" / "scores").glob("*.json")) == ["v2"]
+
+
+def test_a_new_adapter_scores_exactly_as_the_base(tiny_model):
+    """Why night 1 takes the base's figures for its `before`: PEFT's LoRA starts with every lora_B zero."""
+    import torch
+
+    from jobs.contract import StepShape
+    from jobs.evaluate import score_samples
+    from jobs.night.measure import _new_adapter
+    from jobs.training.config import TrainConfig
+    from jobs.training.load import load_for_training
+
+    cfg = TrainConfig(backend="hf", lora_rank=4, lora_alpha=8, max_seq_length=128, gradient_checkpointing=False)
+    loaded = load_for_training(tiny_model, cfg, adapter=None,
+                               shape=StepShape(tokens_per_step=256, gradient_checkpointing=False, basis="test"))
+    model, samples = loaded.model, [sample(i, [5 + i, 9, 11 + i, 7, 3, 8 + i]) for i in range(6)]
+    assert _new_adapter(model)
+    kw = {"pad_id": 0, "device": "cpu", "max_tokens_per_batch": 512}
+    with model.disable_adapter():
+        base = score_samples(model, samples, **kw)
+    assert score_samples(model, samples, **kw) == base
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "lora_B" in n)[0, 0] = 0.5
+    assert not _new_adapter(model)
