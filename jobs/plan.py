@@ -25,9 +25,10 @@ them (`throughput_quantile`) instead of the median, and says so in its basis. A 
 under a quarter of the longest recent one and under a minute (a killed night's few steps after its
 restart) is left out first: its rate is the start-up's, not the card's. Nights measured since the newest
 calibrate replace it: they timed the night's own data and loop for minutes, calibrate a few seconds of
-synthetic samples (on an H200 it read 5-12 % below the nights that followed it, for reasons only partly
-known). A rate is taken at the pending samples' mean length: calibrate timed two length profiles, and a
-measurement is moved along that line from the length it was measured at (`rate_at_length`).
+synthetic samples (on an H200 it read 5-12 % below the nights that followed it, 4.6 % once its first
+window waited out 30 s of steps; the rest is not explained). A rate is taken at the pending samples'
+mean length: calibrate timed two length profiles, and a measurement is moved along that line from the
+length it was measured at (`rate_at_length`).
 """
 
 from __future__ import annotations
@@ -182,10 +183,10 @@ def estimate(history: list[Any], cfg: PlanConfig, *, curve: Mapping[float, float
     overhead = statistics.median(overheads) if overheads else cfg.prior_overhead_seconds
     origins = ", ".join(sorted({str(r["origin"]) for r in rows}))
     notes = (f"; left out {len(thin)} that timed {', '.join(f'{t:.1f}' for t in thin)} s, under "
-                f"{THIN:.0%} of the longest") if thin else ""
+             f"{THIN:.0%} of the longest") if thin else ""
     notes += "; calibrate left out: nights measured since" if superseded else ""
     notes += (f"; at {mean_tokens:,.0f} tokens a sample (calibrate's length line)"
-                 if curve and mean_tokens else "")
+              if curve and mean_tokens else "")
     spread = (values[-1] - values[0]) / tps if tps > 0 else 0.0
     if len(values) > 1 and spread > VARY:
         median, tps = tps, quantile(values, cfg.throughput_quantile)

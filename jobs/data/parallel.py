@@ -78,7 +78,8 @@ def _ready() -> str:
 
 def start_early(model_path: Path, workers: int | None = None) -> None:
     """Start the pull's workers now, as the night's process starts: each spawns, imports and loads the
-    model's tokenizer (2 s on a 2-core box) while that process imports Unsloth (~20 s on an H200 host)
+    model's tokenizer (3.5 s for 2 workers with the test tokenizer on a 2-core box) while that process
+    imports Unsloth (~21 s on an H200 host)
     or waits for its window; a night's pull of 60,000 records on an H200 host took 7.1-8.3 s starting its
     own workers, 3.7 s with workers that were ready (results/h200-2026-11-26/)."""
     global _early

@@ -75,10 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
 
     raw = Path(args.config).read_text() if args.config else sys.stdin.read()
+    early = json.loads(raw)  # what is needed before the imports; the config is checked after them
     if owner and not args.plan_only:  # the rank that pulls: its workers start while this process imports
-        _start_pull_workers(json.loads(raw))
+        _start_pull_workers(early)
     bind_device()  # [distributed] this rank's card, before Unsloth's import looks at CUDA
-    _import_unsloth_first(json.loads(raw))
+    _import_unsloth_first(early)
     from jobs.night.config import NightConfig
     from jobs.night.run import failure_text, run_night
 
@@ -147,11 +148,11 @@ def _holds_night_lock(state_dir: str | Path) -> bool:
 
 
 def _start_pull_workers(cfg: dict[str, Any]) -> None:
-    """Before the imports: the config is only parsed after them (JSON here, a night's config is checked later)."""
+    """From the config's JSON: NightConfig is validated after the imports."""
     from jobs.night.intake import start_pull_workers
 
-    path = (cfg.get("model") or {}).get("path") if isinstance(cfg, dict) else None
-    if isinstance(path, str) and path:
+    path = (cfg.get("model") or {}).get("path")
+    if path:
         start_pull_workers(Path(path))
 
 

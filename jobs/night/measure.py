@@ -6,15 +6,15 @@ fixed `[eval] regression_set` file as slice "file"). A set with fewer than `min_
 samples is not evaluated, and says why.
 
 Models (the stage names of the metrics "<data>_<stage>"): `before` (the adapter in service; a new
-adapter, whose lora_B weights are all zero, scores as the base and takes the base's figures) and
-`reference` (the best promoted version so far: its weights loaded into the adapter for the measurement,
-then the service's put back), before training; `after` (the candidate) and `base` (the adapter
-disabled; the reference while none is promoted) after it: training does not change the base, and
-scoring it before training was about half of the 7.6-7.8 s an 8B's night spent evaluating before its
-first step on an H200 (results/h200-2026-11-26/nights-after-fixes). Everything measured before
-training is kept next to the checkpoints, so a resumed night is judged against what it started from.
-Per-sample scores of the base and of published versions are kept across nights (jobs/night/scores.py):
-a model is scored once on a sample.
+adapter, whose lora_B weights are all zero, takes the base's figures) and `reference` (the best promoted
+version so far: its weights loaded into the adapter for the measurement, then the service's put back),
+before training; `after` (the candidate) and `base` (the adapter disabled; the reference while none is
+promoted) after it: training does not change the base, and its pass over tonight's held-out samples was
+one of the two (in service, base) in the 7.6-7.8 s an 8B's night spent evaluating before its first step
+on an H200 (results/h200-2026-11-26/nights-after-fixes; the two were not timed apart). Everything
+measured before training is kept next to the checkpoints, so a resumed night is judged against what it
+started from. Per-sample scores of the base and of published versions are kept across nights
+(jobs/night/scores.py): a model is scored once on a sample.
 """
 
 from __future__ import annotations
@@ -156,8 +156,10 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
 
 
 def _new_adapter(model: Any) -> bool:
-    """A LoRA as initialised (every lora_B zero: PEFT's and Unsloth's default) outputs exactly what the base
-    does, so the night's first attempt without a version in service need not score it apart."""
+    """A LoRA as initialised (every lora_B zero, checked here) adds zero to every projection, so a night's
+    first attempt without a version in service takes the base's scores for it. On the CPU's PEFT path the
+    scores are the base's exactly (tests/night/test_scores.py); Unsloth's fused LoRA kernels may round
+    their base product differently from the adapter-disabled path (not measured)."""
     bs = [p for n, p in model.named_parameters() if "lora_B" in n]
     return bool(bs) and not any(bool(p.detach().any()) for p in bs)
 

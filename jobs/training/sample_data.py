@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 
 log = structlog.get_logger("nightshift.train")
+RANDOM = "random token ids (no sample data the tokenizer covers)"  # where sample_tokens' fallback came from
 
 
 def data_files(regression_set: Path | None, inboxes: list[Path]) -> list[Path]:
@@ -46,6 +47,3 @@ def sample_tokens(tokenizer: Any, files: list[Path], *, n: int) -> tuple[list[in
     vocab = len(tokenizer)
     rng = random.Random(0)
     return [rng.randrange(16, vocab - 16) for _ in range(n)], RANDOM
-
-
-RANDOM = "random token ids (no sample data the tokenizer covers)"
