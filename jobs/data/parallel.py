@@ -81,7 +81,8 @@ def start_early(model_path: Path, workers: int | None = None) -> None:
     model's tokenizer (3.5 s for 2 workers with the test tokenizer on a 2-core box) while that process
     imports Unsloth (~21 s on an H200 host)
     or waits for its window; a night's pull of 60,000 records on an H200 host took 7.1-8.3 s starting its
-    own workers, 3.7 s with workers that were ready (results/h200-2026-11-26/)."""
+    own workers, 3.6-4.5 s with these in a child started inside its window (results/h200-2026-11-26/
+    wake-restart), 3.7 s in a prewarmed one."""
     global _early
     n = default_workers() if workers is None else workers
     if n >= 2 and _early is None:
@@ -192,6 +193,9 @@ class CheckPool:
             self.pool = None
 
     def close(self) -> None:
+        """Every result is in: the workers exit on their own while the night goes on. Waiting for them (each
+        tears down an interpreter holding transformers) took 2.1 s for 4 workers on the 2-core box, on the
+        wake's path between the pull and the plan."""
         if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool.shutdown(wait=False, cancel_futures=True)
             self.pool = None

@@ -244,3 +244,23 @@ def test_a_worker_sends_back_rows_ready_to_write(tokenizer):
         assert (s.line, s.hash, json.loads(s.record_json), s.n_tokens) == (c.raw.line, c.norm.hash, c.norm.record,
                                                                            c.tokens.n_tokens)
         assert (s.ids, s.labels, s.reply) == encode(c.tokens)
+
+
+def test_the_pull_does_not_wait_for_its_workers_to_exit(tmp_path, tokenizer, tiny_model, monkeypatch):
+    """Every result is in when the pull closes its pool: the workers' exit (an interpreter's teardown each,
+    2.1 s for 4 on the 2-core box) goes on beside the night, not on the wake's path before the plan."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    monkeypatch.setattr(pull_mod, "PARALLEL_MIN_BYTES", 0)
+    waits: list[bool] = []
+    shutdown = ProcessPoolExecutor.shutdown
+
+    def spy(self, wait=True, *, cancel_futures=False):
+        waits.append(wait)
+        return shutdown(self, wait=wait, cancel_futures=cancel_futures)
+
+    monkeypatch.setattr(ProcessPoolExecutor, "shutdown", spy)
+    parallel.start_early(tiny_model, 2)
+    got = pulled(tmp_path, tokenizer, "early", lines(300), workers=2)
+    assert waits == [False] and parallel._early is None
+    assert got[1:] == pulled(tmp_path, tokenizer, "alone", lines(300), workers=0)[1:]
