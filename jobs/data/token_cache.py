@@ -14,12 +14,13 @@ import contextlib
 import hashlib
 import sqlite3
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import structlog
 
+from jobs.collector import collector_paused
 from jobs.data.batching import TokenizedSample
 from jobs.data.formats import RecordError
 from jobs.data.render import OverlongPolicy, SpecialTokens, tokenize_records
@@ -97,27 +98,35 @@ class TokenCache:
                 q = f"SELECT hash, ids, labels, reply FROM tokens WHERE hash IN ({','.join('?' * len(chunk))})"
                 for h, ids, labels, reply in self.db.execute(q, chunk):
                     out[h] = (array("i", ids).tolist(), array("i", labels).tolist(),
-                              None if reply is None else [bool(x) for x in reply])
+                              None if reply is None else list(map(bool, reply)))
         except sqlite3.Error as e:
             self._broken(e)
             return {}
         return out
 
-    def samples(self, rows: Sequence[Any]) -> list[TokenizedSample]:
-        """The ledger's SampleRows (id, hash, record) as TokenizedSamples, in order: cached ids where
-        there are any, the rest tokenised in one batch (and cached). A record that no longer
-        tokenises (it did at pull) raises its RecordError, as the unbatched path did."""
-        hit = self._get([r.hash for r in rows])
-        missing = [r for r in rows if r.hash not in hit]
+    def samples(self, keys: Sequence[tuple[int, str]],
+                records: Callable[[list[int]], Sequence[Any]]) -> list[TokenizedSample]:
+        """(sample id, content hash) pairs as TokenizedSamples, in order: cached ids where there are any; the
+        rest read through `records` (the ledger's SampleRows of those ids: only a miss parses its record)
+        and tokenised in one batch (and cached). A record that no longer tokenises (it did at pull) raises
+        its RecordError, as the unbatched path did."""
+        with collector_paused():  # ~180k lists and 60,000 samples for 60,000 records: jobs/collector.py
+            return self._samples(keys, records)
+
+    def _samples(self, keys: Sequence[tuple[int, str]],
+                 records: Callable[[list[int]], Sequence[Any]]) -> list[TokenizedSample]:
+        hit = self._get([h for _, h in keys])
+        missing = [(sid, h) for sid, h in keys if h not in hit]
         fresh: dict[str, TokenizedSample] = {}
         if missing:
-            done = tokenize_records(self.tokenizer, [(r.id, r.record) for r in missing],
+            rows = records([sid for sid, _ in missing])
+            done = tokenize_records(self.tokenizer, [(r.id, r.record) for r in rows],
                                     max_seq_length=self.max_seq_length, overlong=self.overlong,
                                     special_tokens=self.special_tokens)
-            for r, s in zip(missing, done, strict=True):
+            for r, s in zip(rows, done, strict=True):
                 if isinstance(s, RecordError):
                     raise s
                 fresh[r.hash] = s
             self.put(fresh.items())
-        log.info("tokens_loaded", samples=len(rows), cached=len(rows) - len(missing), tokenised=len(missing))
-        return [fresh[r.hash] if r.hash in fresh else TokenizedSample(r.id, *hit[r.hash]) for r in rows]
+        log.info("tokens_loaded", samples=len(keys), cached=len(keys) - len(missing), tokenised=len(missing))
+        return [fresh[h] if h in fresh else TokenizedSample(sid, *hit[h]) for sid, h in keys]

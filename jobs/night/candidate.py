@@ -1,9 +1,9 @@
 """The torch steps of a night: load the model and the night's data, evaluate, train the candidate.
 
 Kept apart from intake (pull, plan) so that those never import torch. A run killed while
-training resumes from its last checkpoint; the "before" evaluation of an interrupted attempt is
-kept next to the checkpoints, so the candidate is always judged against the adapter it started from
-(what is measured, under which models: jobs/night/measure.py).
+training resumes from its last checkpoint; what its first attempt decided before training (the
+reference, what is measured after) is kept next to the checkpoints, so the candidate is always judged
+against the adapter it started from (what is measured, under which models: jobs/night/measure.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import structlog
 
 from jobs.contract import ChildEvent, EvalMetrics, Phase, ProgressEvent, StepShape
 from jobs.data.batching import TokenizedSample
+from jobs.data.token_cache import tokenizer_identity
 from jobs.night import lineage
+from jobs.night.background import in_background
 from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun, token_cache
 from jobs.night.measure import EvalSets, build_sets, kept_before, measure_all, score_cache
@@ -44,27 +46,31 @@ class Prepared:
     slices: dict[str, dict[str, Any]] = field(default_factory=dict)  # regression slice -> stage -> metrics
 
 
-def load_model_and_data(ctx: RunContext, planned: PlannedRun) -> Prepared:
+def load_model_and_data(ctx: RunContext, planned: PlannedRun, tokenizer: Any) -> Prepared:
+    """`tokenizer`: the one pull tokenised with (the base's own files); the night's token ids are read back
+    with it while the model loads, and read again only where the loader's tokenizer is another."""
     cfg, ledger = ctx.cfg, ctx.ledger
     parent_path = (verified(ctx.registry, ledger, planned.parent, role="parent adapter")  # sha256 checked
                    if planned.parent else None)
-    # a checkpoint continues the adapter the "before" figures were measured on: without them, start over
+    # a checkpoint continues only where the attempt before it kept what it is judged against: else start over
     resume = latest_checkpoint(ctx.checkpoints) if kept_before(ctx) is not None else None
     shape = planned.shape  # chosen at plan time from the memory free then (jobs/night/intake.py)
     ctx.summary.method = cfg.train.method
     lineage.check_parent(ledger, cfg.train, planned.parent)  # refused before anything is loaded
     lineage.check_checkpoint(ctx.checkpoints, cfg.train.method, resuming=resume is not None)
+    train_ids = [sid for sid, role in planned.roles if role in ("train", "replay")]
+    heldout_ids = [sid for sid, role in planned.roles if role == "heldout"]
     with ctx.phase(Phase.load):
-        loaded = load_for_training(ctx.model_path, cfg.train, adapter=resume or parent_path, shape=shape,
-                                   cache_dir=ctx.state / "models", max_vram_gb=cfg.gpu.max_vram_gb)
+        # the ids in a thread, the model here, in the thread that trains, as it always loaded (another thread was
+        # measured not to slow the first step's compile: results/h200-2026-11-26/wake-restart/run3)
+        with in_background(_train_set, ctx, tokenizer, train_ids) as reading:
+            loaded = load_for_training(ctx.model_path, cfg.train, adapter=resume or parent_path, shape=shape,
+                                       cache_dir=ctx.state / "models", max_vram_gb=cfg.gpu.max_vram_gb)
+        train_set = reading.result()
         tok = loaded.tokenizer
-        train_ids = [sid for sid, role in planned.roles if role in ("train", "replay")]
-        heldout_ids = [sid for sid, role in planned.roles if role == "heldout"]
-        cache = token_cache(ctx, tok)  # pull left the ids there: no second tokenisation of the night's data
-        try:
-            train_set = cache.samples(ledger.samples_by_id(train_ids))
-        finally:
-            cache.close()
+        if _identity(ctx, tok) != _identity(ctx, tokenizer):  # the loader's tokenizer is another: its own ids
+            log.info("tokens_reread", why="the loaded model's tokenizer differs from the base's")
+            train_set = _train_set(ctx, tok, train_ids)
         prepared = Prepared(
             loaded=loaded, shape=shape,
             train_set=train_set,
@@ -75,9 +81,24 @@ def load_model_and_data(ctx: RunContext, planned: PlannedRun) -> Prepared:
     return prepared
 
 
+def _train_set(ctx: RunContext, tokenizer: Any, ids: list[int]) -> list[TokenizedSample]:
+    """Pull left the ids in the token cache: no second tokenisation of the night's data."""
+    cache = token_cache(ctx, tokenizer)
+    try:
+        return cache.samples(ctx.ledger.sample_hashes(ids), ctx.ledger.samples_by_id)
+    finally:
+        cache.close()
+
+
+def _identity(ctx: RunContext, tokenizer: Any) -> str:
+    t = ctx.cfg.train
+    return tokenizer_identity(tokenizer, t.max_seq_length, t.overlong, t.special_tokens)
+
+
 def evaluate_candidate(ctx: RunContext, prep: Prepared, when: Literal["before", "after"]) -> Measured:
-    """Held-out and regression metrics: of the adapter in service, the base and the reference before
-    training (measured once per run, kept across attempts); of the candidate after."""
+    """Held-out and regression metrics. Before training: what the candidate is compared with, decided once
+    per run and kept across attempts (for an adapter nothing is scored yet). After: the candidate, the base,
+    the adapter in service and the reference (jobs/night/measure.py)."""
     with ctx.phase(Phase.evaluate):
         measured, slices = measure_all(ctx, prep.loaded, prep.sets, when)
     for name, stages in slices.items():

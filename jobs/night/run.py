@@ -88,7 +88,8 @@ def _steps(ctx: RunContext) -> None:
     check_registry_known(ctx.registry, ctx.ledger, ctx.cfg.model.name)  # refused: a ledger behind the registry
     ctx.parent = parent_for_night(ctx.registry, ctx.ledger, repair=not ctx.plan_only)  # refused: damaged lineage
     backend, device = resolve_backend(ctx.cfg.train), device_name()
-    pulled = pull_new_data(ctx, load_tokenizer(ctx.model_path))
+    tokenizer = load_tokenizer(ctx.model_path)
+    pulled = pull_new_data(ctx, tokenizer)
     ranks = ctx.group.world if not ctx.plan_only else night_size(ctx.cfg.train)  # a plan runs alone
     key = throughput_key(ctx.cfg, ctx.fingerprint, backend, device, gpus=ranks)  # measured per count
     planned = plan_night(ctx, key=key, backend=backend, device=device, incoming=pulled.incoming)
@@ -104,7 +105,7 @@ def _steps(ctx: RunContext) -> None:
     if row is not None and row["status"] in ("promoted", "rejected"):
         finish_published(ctx, row)
         return
-    prep = load_model_and_data(ctx, planned)
+    prep = load_model_and_data(ctx, planned, tokenizer)
     share_prepared(ctx, prep, planned)  # [distributed] the other ranks get their night (a no-op for one)
     evaluate_candidate(ctx, prep, "before")
     result = train_candidate(ctx, prep, planned)

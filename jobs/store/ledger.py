@@ -125,6 +125,14 @@ class Ledger:
             f"SELECT id, hash, n_tokens, source FROM samples WHERE status=? ORDER BY id {direction}", (status,))
         return [SampleRow(int(r["id"]), r["hash"], {}, int(r["n_tokens"]), r["source"]) for r in rows]
 
+    def sample_hashes(self, ids: Sequence[int]) -> list[tuple[int, str]]:
+        """(id, content hash) of each, in order: what the token cache is keyed by, without parsing records."""
+        out: dict[int, str] = {}
+        for chunk in _chunks(list(ids), 500):
+            q = f"SELECT id, hash FROM samples WHERE id IN ({','.join('?' * len(chunk))})"
+            out.update((r[0], r[1]) for r in self.db.execute(q, chunk))
+        return [(i, out[i]) for i in ids]
+
     def samples_by_id(self, ids: Sequence[int]) -> list[SampleRow]:
         out: dict[int, SampleRow] = {}
         for chunk in _chunks(list(ids), 500):
