@@ -6,20 +6,23 @@ fixed `[eval] regression_set` file as slice "file"). A set with fewer than `min_
 samples is not evaluated, and says why.
 
 Models (the stage names of the metrics "<data>_<stage>"): `before` (the adapter in service; a new
-adapter, whose lora_B weights are all zero, takes the base's figures) and `reference` (the best promoted
-version so far: its weights loaded into the adapter for the measurement, then the service's put back),
-before training; `after` (the candidate) and `base` (the adapter disabled; the reference while none is
-promoted) after it: training does not change the base, and its pass over tonight's held-out samples was
-one of the two (in service, base) in the 7.6-7.8 s an 8B's night spent evaluating before its first step
-on an H200 (results/h200-2026-11-26/nights-after-fixes; the two were not timed apart). Everything
-measured before training is kept next to the checkpoints, so a resumed night is judged against what it
-started from. Per-sample scores of the base and of published versions are kept across nights
+adapter, whose lora_B weights are all zero, takes the base's figures), `reference` (the best promoted
+version so far), `after` (the candidate) and `base` (the adapter disabled; the reference while none is
+promoted). All four are measured after training, so nothing but the first step waits on the wake: the
+base because training does not change it, the adapter in service and the reference by loading their
+weights into the trained adapter for the pass (the candidate's put back). Before this, an 8B's night 2
+spent 6.2 s scoring tonight's held-out samples (in service, then the base) before its first step on an
+H200 (results/h200-2026-11-26/nights-after-fixes). What the measurement before training decided (the
+reference, a new adapter, what is owed) is kept next to the checkpoints, so a resumed night is judged
+against what it started from. Full fine-tuning has no adapter to swap: its model in service is scored
+before training. Per-sample scores of the base and of published versions are kept across nights
 (jobs/night/scores.py): a model is scored once on a sample.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -49,8 +52,10 @@ class EvalSets:
     reference: int | None = None  # the reference version (None: the base model)
     reference_path: Path | None = None
     service: int | None = None  # the version in service the candidate was trained from
+    service_path: Path | None = None
     after: dict[int, evaluate.SampleScore] = field(default_factory=dict)  # the candidate's, kept once published
     before_is_base: bool = False  # a new adapter (every lora_B zero): it scores as the base, measured after
+    owed: list[str] = field(default_factory=list)  # stages measured after training by swapping weights in
 
 
 def score_cache(ctx: RunContext, loaded: Any, compute: str) -> ScoreCache:
@@ -62,6 +67,7 @@ def score_cache(ctx: RunContext, loaded: Any, compute: str) -> ScoreCache:
 
 def build_sets(ctx: RunContext, tokenizer: Any, heldout_ids: list[int], parent: int | None,
                cache: ScoreCache) -> EvalSets:
+    started = time.monotonic()
     cfg, ledger = ctx.cfg, ctx.ledger
     tk = {"max_seq_length": cfg.train.max_seq_length, "overlong": "truncate",
           "special_tokens": cfg.train.special_tokens}
@@ -81,7 +87,10 @@ def build_sets(ctx: RunContext, tokenizer: Any, heldout_ids: list[int], parent: 
     if ref_path is not None and not (ref_path / "adapter_model.safetensors").is_file():
         log.warning("reference_not_on_disk", version=ref, note="the base model serves as the reference")
         ref, ref_path = None, None
-    return EvalSets(heldout, regression, cache, slices, ref, ref_path, parent)
+    service_path = ctx.registry.path_of(cfg.model.name, parent) if parent is not None else None
+    log.info("eval_sets", heldout=len(heldout), regression=len(regression),
+             seconds=round(time.monotonic() - started, 2))
+    return EvalSets(heldout, regression, cache, slices, ref, ref_path, parent, service_path)
 
 
 def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
@@ -92,6 +101,7 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
         ctx.summary.not_evaluated.update(saved.get("not_evaluated", {}))
         sets.reference = saved.get("reference")
         sets.before_is_base = bool(saved.get("before_is_base"))
+        sets.owed = [str(x) for x in saved.get("owed", [])]  # an older night's file: everything was measured
         return saved["metrics"], saved["slices"]
     sized = _sized(ctx, {"heldout": sets.heldout, "regression": sets.regression})
     model = loaded.model
@@ -110,23 +120,21 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
 
     if when == "after":
         run("after")
-        if hasattr(model, "disable_adapter"):  # the base: training does not change it, so off the wake's path
+        if hasattr(model, "disable_adapter"):
             with model.disable_adapter():
                 run("base", BASE_MODEL)
-            for data in sized:
-                if sets.reference is None:  # none promoted yet (or of another shape): the base is the reference
-                    measured[f"{data}_reference"] = measured[f"{data}_base"]
-                if sets.before_is_base:
-                    measured[f"{data}_before"] = measured[f"{data}_base"]
-            if sets.before_is_base:
-                for stages in slices.values():
-                    stages["before"] = stages.get("base")
+            if "before" in sets.owed:
+                _run_swapped(ctx, model, sets.service_path, "before",
+                             lambda: run("before", version_model(sets.service)), sized)
+            if "reference" in sets.owed and sets.reference is not None and not _run_swapped(
+                    ctx, model, sets.reference_path, "reference",
+                    lambda: run("reference", version_model(sets.reference)), None):
+                log.warning("reference_incompatible", version=sets.reference, note="the base model serves instead")
+                sets.reference, sets.reference_path = None, None
+            _fill_from_others(measured, slices, sets, sized)
         return measured, slices
-    if hasattr(model, "disable_adapter") and _new_adapter(model):
-        sets.before_is_base = True  # adds nothing to the base yet: no pass over the samples before the first step
-    else:
-        run("before", version_model(sets.service) if sets.service is not None else None)
     if not hasattr(model, "disable_adapter"):  # full fine-tuning: the model is whole, no adapter to switch off
+        run("before", version_model(sets.service) if sets.service is not None else None)
         why = "full fine-tuning: the base and the reference are whole models, not measured in the night"
         for data in sized:
             measured[f"{data}_base"] = measured[f"{data}_reference"] = None
@@ -136,23 +144,55 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
         _keep_before(ctx, {"metrics": measured, "slices": slices, "reference": None,
                            "not_evaluated": ctx.summary.not_evaluated})
         return measured, slices
-    if sets.reference is not None and sets.reference == sets.service:
-        for data in sized:
-            measured[f"{data}_reference"] = measured[f"{data}_before"]
-    elif sets.reference is not None:
-        service = _swap_in(model, sets.reference_path)
-        if service is None:  # another adapter shape (rank, targets): compare with the base instead
-            log.warning("reference_incompatible", version=sets.reference, note="the base model serves instead")
-            sets.reference, sets.reference_path = None, None
-        else:
-            try:
-                run("reference", version_model(sets.reference))
-            finally:
-                _restore(model, service)
-    if when == "before":
-        _keep_before(ctx, {"metrics": measured, "slices": slices, "reference": sets.reference,
-                           "before_is_base": sets.before_is_base, "not_evaluated": ctx.summary.not_evaluated})
+    if _new_adapter(model):
+        sets.before_is_base = True  # adds nothing to the base yet: its figures are the base's
+    elif sets.service_path is not None:
+        sets.owed.append("before")  # the weights it starts from are the service's file: swapped back in after
+    else:  # an adapter that is neither new nor a published version's (not one a night loads): measured now
+        run("before")
+    if sets.reference is not None and sets.reference != sets.service:
+        sets.owed.append("reference")
+    _keep_before(ctx, {"metrics": measured, "slices": slices, "reference": sets.reference,
+                       "before_is_base": sets.before_is_base, "owed": sets.owed,
+                       "not_evaluated": ctx.summary.not_evaluated})
     return measured, slices
+
+
+def _run_swapped(ctx: RunContext, model: Any, path: Path | None, stage: str, run: Any,
+                 sized: dict[str, list[TokenizedSample]] | None) -> bool:
+    """`run` with another version's adapter weights in the model, the candidate's put back after.
+    False where they could not be loaded (another shape; `sized`: say so for each set)."""
+    try:
+        kept = _swap_in(model, path)
+    except (OSError, ValueError) as e:  # checked when the night loaded it; gone or damaged since
+        log.warning("adapter_not_swapped_in", stage=stage, path=str(path), error=f"{type(e).__name__}: {e}"[:300])
+        kept = None
+    if kept is None:
+        for data in sized or {}:
+            ctx.summary.not_evaluated.setdefault(f"{data}_{stage}", f"the {stage} adapter's weights could not be "
+                                                                    f"loaded into the model ({path})")
+        return False
+    try:
+        run()
+    finally:
+        _restore(model, kept)
+    return True
+
+
+def _fill_from_others(measured: Measured, slices: dict[str, dict[str, Any]], sets: EvalSets,
+                      sized: dict[str, list[TokenizedSample]]) -> None:
+    """The stages that are another's figures: the base as the reference while none is promoted, the base as
+    a new adapter's `before`, the service as the reference when it is the best promoted."""
+    for data in sized:
+        if sets.before_is_base:
+            measured[f"{data}_before"] = measured[f"{data}_base"]
+        if sets.reference is None:
+            measured[f"{data}_reference"] = measured[f"{data}_base"]
+        elif sets.reference == sets.service and f"{data}_before" in measured:  # else kept from before training
+            measured[f"{data}_reference"] = measured[f"{data}_before"]
+    if sets.before_is_base:
+        for stages in slices.values():
+            stages["before"] = stages.get("base")
 
 
 def _new_adapter(model: Any) -> bool:

@@ -97,6 +97,7 @@ def train(
 
     from jobs.training.optim import build_optimizer
 
+    entered = clock()
     model, device = loaded.model, loaded.device
     params = [p for p in model.parameters() if p.requires_grad]
     group.start(params)  # [distributed] wait for every rank, then take rank 0's weights
@@ -198,7 +199,10 @@ def train(
         loss, dt = st.loss, st.seconds
         step_rate = dt / max(1, _tokens(rows))  # seconds per token of the global step
         per_token = step_rate if per_token is None or i <= measured_from else 0.8 * per_token + 0.2 * step_rate
-        first_step_at = first_step_at or clock()
+        if first_step_at is None:  # the wake's last leg: setting up (optimizer, batches) and a first step's compile
+            first_step_at = clock()
+            log.info("first_step", seconds=round(dt, 2), setup_seconds=round(started - entered, 2),
+                     tokens=_tokens(rows))
         done = i + len(rows)  # rows consumed: the global position
         state["next_batch"] = done
         state["steps"] += 1

@@ -44,10 +44,10 @@ def test_night_two_scores_only_what_no_model_was_scored_on_before(night_env, mon
     assert sorted(passes.values()) == [1] * n_regression + [3] * n_heldout
 
 
-def test_the_base_is_scored_after_training_off_the_first_steps_path(night_env, monkeypatch):
-    """Before the first step only the adapter in service is scored on tonight's held-out samples (night 1's new
-    adapter not even that); the base (which training does not change) comes after, with the candidate, and
-    still serves as night 1's reference."""
+def test_every_model_is_scored_after_training_off_the_first_steps_path(night_env, monkeypatch):
+    """Nothing is scored before the first step: the base (which training does not change) comes after, with
+    the candidate, and still serves as night 1's reference; the adapter in service is scored after too, its
+    weights loaded into the trained adapter for the pass and the candidate's put back (what is published)."""
     import jobs.night.measure as measure
     import jobs.night.run as night_run
 
@@ -77,11 +77,12 @@ def test_the_base_is_scored_after_training_off_the_first_steps_path(night_env, m
     write_jsonl(inbox / "b.jsonl", [alpaca(i, " please") for i in range(20)])
     s2 = run(cfg, night="2026-11-22")
     n_heldout = int(s2["metrics"]["heldout_after"]["samples"])
-    at = events.index(("train", 0))
-    assert events[:at] == [("score", n_heldout)]  # the service adapter only
-    assert sum(n for _, n in events[at + 1:]) >= 2 * n_heldout  # the candidate and the base
-    assert s2["metrics"]["heldout_base"] is not None and s2["metrics"]["heldout_reference"] == s2["metrics"][
-        "heldout_before"]
+    assert events[0] == ("train", 0)
+    n_regression = int(s2["metrics"]["regression_after"]["samples"])
+    # the candidate on both sets, then the base and the service on tonight's held-out (their regression kept)
+    assert [n for _, n in events[1:]] == [n_heldout, n_regression, n_heldout, n_heldout]
+    m2 = s2["metrics"]
+    assert m2["heldout_reference"] == m2["heldout_before"] and m2["heldout_before"] != m2["heldout_after"]
 
 
 IDENT = LoadIdentity(base="/models/x", method="qlora", compute="bf16", backend="unsloth", max_seq_length=512,
@@ -145,3 +146,73 @@ def test_a_new_adapter_scores_exactly_as_the_base(tiny_model):
     with torch.no_grad():
         next(p for n, p in model.named_parameters() if "lora_B" in n)[0, 0] = 0.5
     assert not _new_adapter(model)
+
+
+def test_the_service_scored_after_training_is_the_service_and_the_candidate_is_put_back(tiny_model, tmp_path):
+    """The adapter in service is scored after training by loading its file's weights into the trained adapter:
+    its scores must be those of the service loaded as a night loads it, and the candidate's weights (what is
+    published) must come back bit for bit."""
+    import torch
+
+    from jobs.contract import StepShape
+    from jobs.evaluate import score_samples
+    from jobs.night.measure import _run_swapped
+    from jobs.training.config import TrainConfig
+    from jobs.training.load import load_for_training
+
+    cfg = TrainConfig(backend="hf", lora_rank=4, lora_alpha=8, max_seq_length=128, gradient_checkpointing=False)
+    shape = StepShape(tokens_per_step=256, gradient_checkpointing=False, basis="test")
+    samples = [sample(i, [5 + i, 9, 11 + i, 7, 3, 8 + i]) for i in range(6)]
+    kw = {"pad_id": 0, "device": "cpu", "max_tokens_per_batch": 512}
+    model = load_for_training(tiny_model, cfg, adapter=None, shape=shape).model
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    service = tmp_path / "v1"
+    model.save_pretrained(service)
+    expected = score_samples(load_for_training(tiny_model, cfg, adapter=service, shape=shape).model, samples, **kw)
+    with torch.no_grad():  # "training": the candidate moves away from the service
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.add_(0.25)
+    candidate = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    got: dict = {}
+    assert _run_swapped(None, model, service, "before", lambda: got.update(score_samples(model, samples, **kw)), None)
+    assert got == expected
+    assert all(torch.equal(p, candidate[n]) for n, p in model.named_parameters() if "lora_" in n)
+    assert score_samples(model, samples, **kw) != expected
+
+
+def test_a_resumed_night_two_still_scores_the_adapter_in_service_after_training(night_env, monkeypatch):
+    """What the first attempt owed (the service's scores) is kept beside its checkpoints: the attempt that
+    resumes from them measures it after training, against the service's own file."""
+    import json
+    import threading
+
+    import jobs.training.loop as loop_mod
+
+    inbox, make = night_env
+    cfg = make(eval={"min_eval_samples": 1}, plan={"heldout_share": 0.2},
+               train={"batch_size": 4, "epochs": 2, "checkpoint_every_seconds": 0.001})
+    write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(30)])
+    assert run(cfg)["promoted"]
+    write_jsonl(inbox / "b.jsonl", [alpaca(i, " please") for i in range(20)])
+    stop, real_save = threading.Event(), loop_mod.save_checkpoint
+
+    def save_then_stop(*a, **k):
+        real_save(*a, **k)
+        stop.set()
+
+    monkeypatch.setattr(loop_mod, "save_checkpoint", save_then_stop)
+    first = run(cfg, night="2026-11-22", stop=stop)
+    assert first["outcome"] == "interrupted" and first["metrics"].get("heldout_before") is None
+    kept = json.loads(next((cfg.state_dir / "checkpoints").glob("*/before.json")).read_text())
+    assert kept["owed"] == ["before"] and kept["metrics"] == {}
+    monkeypatch.setattr(loop_mod, "save_checkpoint", real_save)
+    second = run(cfg, night="2026-11-22")
+    m = second["metrics"]
+    assert second["outcome"] in ("succeeded", "rejected") and second["run_id"] == first["run_id"]
+    assert m["heldout_before"]["samples"] == m["heldout_after"]["samples"] > 0
+    assert m["heldout_reference"] == m["heldout_before"] != m["heldout_after"]
