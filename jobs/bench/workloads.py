@@ -2,6 +2,7 @@
 publication's way and ours on this GPU in one run, side by side.
 
     python -m jobs.bench workloads --quick --out DIR --state-dir S      (every workload's key rows, ~8 min, H200)
+    ... --compute bf16,fp8      (ours also with the frozen base on FP8, each beside the same recipe run)
 
 Models are random-initialised from the real configs (jobs/training/architectures.py) and built once per
 run: Llama-3.1-8B in bf16 (exxact, alpaca, full; Llama-3-8B has the same shapes), Qwen3-8B / Qwen3-32B
@@ -33,13 +34,19 @@ def plan(s: BenchSettings) -> list[Spawn]:
     """The worker processes (a --deadline skips the last ones): the 8B's LoRA workloads, the first
     Fixstars model, full fine-tuning (the longest loads), then any further Fixstars model (the 32B)."""
     out: list[Spawn] = []
+
+    def ours(stack: str, arch: str, build_4bit: bool, update: dict[str, Any] | None = None) -> list[Spawn]:
+        """One worker per `--compute` (issue 16: the frozen base in bf16 or FP8), each beside the same recipe."""
+        return [Spawn(stack, arch, build_4bit, {**(update or {}), **({"ours_compute": c} if c != "bf16" else {})})
+                for c in s.compute]
+
     if {"exxact", "alpaca"} & set(s.workloads):
-        out += [Spawn("w_hf", s.llama_arch, False), Spawn("w_ours_lora", s.llama_arch, False)]
+        out += [Spawn("w_hf", s.llama_arch, False), *ours("w_ours_lora", s.llama_arch, False)]
     fixstars = []
     if "fixstars" in s.workloads:
         for arch in s.fixstars_archs:
             cap = 72.0 if "32b" in arch and s.max_vram_gb == 40.0 else s.max_vram_gb
-            fixstars.append([Spawn("w_fixstars", arch, True), Spawn("w_ours_qlora", arch, True, {"max_vram_gb": cap})])
+            fixstars.append([Spawn("w_fixstars", arch, True), *ours("w_ours_qlora", arch, True, {"max_vram_gb": cap})])
     out += fixstars[0] if fixstars else []
     if "full" in s.workloads:
         out += [Spawn("w_ours_full", s.llama_arch, False), Spawn("w_full", s.llama_arch, False)]
@@ -62,7 +69,7 @@ def run_workloads(s: BenchSettings) -> int:
     with smi_log(s.smi_log, s.smi_fields):
         for sp in plan(s):
             left = s.deadline - (time.time() - t0) if s.deadline else 3600
-            key = f"{sp.stack}:{sp.arch}"
+            key = ":".join([sp.stack, sp.arch, *([sp.update["ours_compute"]] if "ours_compute" in sp.update else [])])
             if left < 45:
                 codes[key] = "skipped: no time left"
                 continue

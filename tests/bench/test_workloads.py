@@ -103,3 +103,17 @@ def test_nightshift_bench_passes_a_mode_through(monkeypatch, argv, mode):
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: seen.append(cmd) or subprocess.CompletedProcess(cmd, 0))
     assert daemon.cli.main(["--config", str(REPO / "config" / "nightshift.toml"), "bench", *argv]) == 0
     assert seen[0][1:] == ["-m", "jobs.bench", *mode, *argv]
+
+
+def test_ours_runs_once_per_compute_beside_one_recipe_run_and_each_gets_its_ratio():
+    """`--compute bf16,fp8` (issue 16 on the published workloads): ours twice, the recipe once."""
+    s = settings("--workloads", "exxact,fixstars", "--fixstars-archs", "qwen3-32b", "--compute", "bf16,fp8")
+    assert s.compute == ("bf16", "fp8")
+    assert [(p.stack, p.update) for p in plan(s)] == [
+        ("w_hf", {}), ("w_ours_lora", {}), ("w_ours_lora", {"ours_compute": "fp8"}),
+        ("w_fixstars", {}), ("w_ours_qlora", {"max_vram_gb": 72.0}),
+        ("w_ours_qlora", {"max_vram_gb": 72.0, "ours_compute": "fp8"})]
+    rows = summarise([row("exxact", "publication", real_tok_s=1000.0),
+                      row("exxact", "ours", real_tok_s=2000.0, compute="bf16"),
+                      row("exxact", "ours", real_tok_s=2500.0, compute="fp8")], matmul={"llama3.1-8b": B8})
+    assert [r.get("x_publication") for r in rows] == [None, 2.0, 2.5]

@@ -15,18 +15,27 @@ from typing import Any
 from jobs.bench.model import vocab_size
 from jobs.bench.settings import BenchSettings
 from jobs.bench.stacks.common import Job
-from jobs.bench.stacks.wcommon import LORA_FLOPS, fixed_samples, ours_window, profile_samples, timed, write
+from jobs.bench.stacks.wcommon import (
+    LORA_FLOPS,
+    fixed_samples,
+    ours_window,
+    profile_samples,
+    timed,
+    with_compute,
+    write,
+)
 
 LABEL = "nightshift, method lora (bf16 base, packed, budget from memory)"
 
 
-def load(s: BenchSettings, job: Job) -> tuple[Any, dict[str, Any]]:
+def load(s: BenchSettings, job: Job) -> tuple[Any, dict[str, Any], str]:
+    """The model, its load info and its label (with `--compute fp8`: the frozen base on FP8, checked)."""
     from jobs.training.unsloth_backend import LoraSpec, load_unsloth
 
-    model, _tok, info = load_unsloth(job.model, lora=LoraSpec(r=16, alpha=32, target_modules=["q_proj", "v_proj"]),
-                                     method="lora", max_seq_length=s.max_budget, gradient_checkpointing=False,
-                                     cache_dir=s.state_dir, cache_base=False)
-    return model, info
+    model, tok, info = load_unsloth(job.model, lora=LoraSpec(r=16, alpha=32, target_modules=["q_proj", "v_proj"]),
+                                    method="lora", max_seq_length=s.max_budget, gradient_checkpointing=False,
+                                    cache_dir=s.state_dir, cache_base=False)
+    return model, info, with_compute(LABEL, model, tok, s, job, info)
 
 
 def optimizer(model: Any) -> Any:
@@ -38,20 +47,21 @@ def optimizer(model: Any) -> Any:
 
 def run(s: BenchSettings, job: Job) -> None:
     t0 = time.time()
-    model, info = load(s, job)
+    model, info, label = load(s, job)
     load_s = time.time() - t0
     vocab = vocab_size(job.model)
     common = {"arch": s.arch, "flops": LORA_FLOPS, "grad_ckpt": "off", "load_seconds": round(load_s, 1),
-              "max_vram_gb": s.max_vram_gb, "load": info}
+              "max_vram_gb": s.max_vram_gb, "load": info, "compute": info["compute"]}
     if "exxact" in s.workloads:
         row = ours_window(model, fixed_samples(400, 512, vocab=vocab, seed=s.seed), s, optimizer(model),
                           max_vram_gb=s.max_vram_gb, min_tokens=512)
-        write(job, workload="exxact", side="ours", label=LABEL, profile="512-token sequences", **common, **row)
+        write(job, workload="exxact", side="ours", label=label, profile="512-token sequences", **common, **row)
     if "alpaca" in s.workloads:
-        alpaca(model, s, job, vocab, load_s, common)
+        alpaca(model, s, job, vocab, load_s, common, label)
 
 
-def alpaca(model: Any, s: BenchSettings, job: Job, vocab: int, load_s: float, common: dict[str, Any]) -> None:
+def alpaca(model: Any, s: BenchSettings, job: Job, vocab: int, load_s: float, common: dict[str, Any],
+           label: str) -> None:
     from jobs.evaluate import eval_metrics
 
     train = profile_samples("alpaca", s.alpaca_samples, vocab=vocab, seed=s.seed)
@@ -75,7 +85,7 @@ def alpaca(model: Any, s: BenchSettings, job: Job, vocab: int, load_s: float, co
             row.update(job_seconds=round(load_s + tokens / row["real_tok_s"] + 2 * eval_s, 1), eval_seconds=eval_s,
                        job_basis=(f"extrapolated: load {load_s:.1f} s + {tokens:,} tokens at the timed "
                                   f"{row['real_tok_s']:,.0f} tok/s + 2 evaluations x {eval_s:.2f} s (before, after)"))
-    write(job, workload="alpaca", side="ours", label=LABEL,
+    write(job, workload="alpaca", side="ours", label=label,
           profile=f"alpaca, {len(train)} + {len(evals)} eval, {s.alpaca_epochs} epochs", **common, **row)
 
 

@@ -9,7 +9,7 @@ import time
 from jobs.bench.model import vocab_size
 from jobs.bench.settings import BenchSettings
 from jobs.bench.stacks.common import Job
-from jobs.bench.stacks.wcommon import LORA_FLOPS, ours_window, write
+from jobs.bench.stacks.wcommon import LORA_FLOPS, ours_window, with_compute, write
 from jobs.training.synthetic import CAP, make_samples
 
 
@@ -21,13 +21,14 @@ def run(s: BenchSettings, job: Job) -> None:
 
     t0 = time.time()
     gc = "unsloth" if s.ours_ckpt else False
-    model, _tok, info = load_unsloth(job.model, lora=LoraSpec(r=8, alpha=16), method="qlora",
-                                     max_seq_length=s.max_budget, gradient_checkpointing=gc, cache_dir=s.state_dir)
+    model, tok, info = load_unsloth(job.model, lora=LoraSpec(r=8, alpha=16), method="qlora",
+                                    max_seq_length=s.max_budget, gradient_checkpointing=gc, cache_dir=s.state_dir)
+    label = with_compute("nightshift, method qlora (packed, budget from memory)", model, tok, s, job, info)
     load_s = time.time() - t0
     for prof in s.profiles:
         samples = make_samples(prof, s.data_tokens * 3, vocab=vocab_size(job.model), seed=s.seed)
         row = ours_window(model, samples, s, make_optimizer(model), max_vram_gb=s.max_vram_gb, min_tokens=CAP)
-        write(job, workload="fixstars", side="ours", label="nightshift, method qlora (packed, budget from memory)",
-              arch=s.arch, flops=LORA_FLOPS, profile=prof, grad_ckpt=gc or "off", max_vram_gb=s.max_vram_gb,
+        write(job, workload="fixstars", side="ours", label=label, arch=s.arch, flops=LORA_FLOPS, profile=prof,
+              grad_ckpt=gc or "off", max_vram_gb=s.max_vram_gb, compute=info["compute"],
               load_seconds=round(load_s, 1), trainable_parameters=info.get("trainable_parameters"), **row)
         torch.cuda.empty_cache()

@@ -193,3 +193,17 @@ def sft_window(model: Any, tok: Any, samples: Sequence[TokenizedSample], win: Wi
     trainer.train()
     return {"padding_free": getattr(trainer.args, "padding_free", None), "packing": getattr(trainer.args, "packing",
             None), "optim": str(trainer.args.optim), "max_length": getattr(trainer.args, "max_length", None)}
+
+
+def with_compute(label: str, model: Any, tok: Any, s: BenchSettings, job: Job, info: dict[str, Any]) -> str:
+    """`--compute fp8` (issue 16): ours' frozen base on FP8 tensor cores, through the bench's own setup and
+    its numerics check (a numerics row, each projection's errors beside the rows); `info["compute"]` and the
+    label say what ran. bf16: the label as it is."""
+    info["compute"] = "bf16"
+    if s.ours_compute == "bf16":
+        return label
+    from jobs.bench.stacks.ours import setup_fp8
+
+    fp8 = setup_fp8(model, tok, s, job)
+    info["fp8"], info["compute"] = fp8, fp8["compute"]
+    return label + (", FP8 base" if fp8["compute"] == "fp8" else ", FP8 refused: bf16")
