@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -89,12 +90,26 @@ def setup_caches(cache_dir: Path | str | None) -> dict[str, str]:
             os.chmod(d, 0o700)
             env[k] = str(d)
         env["UNSLOTH_MEGA_CACHE"] = "1"
+        env["TORCH_COMPILE_JOB_ID"] = compile_job_id(root)
     for k, v in env.items():
-        if k in ("PYTORCH_CUDA_ALLOC_CONF", "UNSLOTH_MOE_BACKEND"):
+        if k in ("PYTORCH_CUDA_ALLOC_CONF", "UNSLOTH_MOE_BACKEND", "TORCH_COMPILE_JOB_ID"):
             os.environ.setdefault(k, v)
         else:
             os.environ[k] = v
+    config = sys.modules.get("torch.compiler.config")  # torch already imported: it read its environment then
+    if "TORCH_COMPILE_JOB_ID" in env and config is not None and getattr(config, "job_id", None) is None:
+        config.job_id = os.environ["TORCH_COMPILE_JOB_ID"]
     return env
+
+
+def compile_job_id(root: Path) -> str:
+    """Dynamo keeps, beside the Inductor cache, which inputs of each compiled region turned out dynamic and
+    compiles them dynamic from a process's first call, but only under a job id (torch's local PGO); without
+    one every process compiles its first shapes static again. A night 2's first step on an H200 took 4.5-6.5 s
+    where a fresh process on the same caches took 1.3-1.5 s (results/h200-2026-11-26/wake-restart); whether
+    this closes it is not measured yet. One id per cache directory (one model, the same code night after
+    night); an operator's own TORCH_COMPILE_JOB_ID is kept."""
+    return "nightshift-" + hashlib.sha256(str(Path(root).resolve()).encode()).hexdigest()[:12]
 
 
 def base_cache_key(model_path: Path) -> str:

@@ -24,9 +24,12 @@ class Called(Exception):
 @pytest.fixture
 def fake_unsloth(monkeypatch: pytest.MonkeyPatch) -> None:
     """`unsloth` whose loaders stop at the call with its arguments (the environment setup_caches sets is restored)."""
+    import torch
+
     for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "UNSLOTH_DISABLE_STATISTICS",
-              "PYTORCH_CUDA_ALLOC_CONF"):
+              "PYTORCH_CUDA_ALLOC_CONF", "TORCH_COMPILE_JOB_ID"):
         monkeypatch.setenv(k, "x")
+    monkeypatch.setattr(torch.compiler.config, "job_id", torch.compiler.config.job_id)
 
     def loader(who: str) -> Any:
         def from_pretrained(**kwargs: Any) -> Any:
