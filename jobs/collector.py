@@ -14,7 +14,8 @@ from contextlib import contextmanager
 
 @contextmanager
 def collector_paused() -> Iterator[None]:
-    """Nested or concurrent uses leave the collector as the outermost found it."""
+    """Nested uses leave the collector as the outermost found it (one in another thread at the same time may
+    end the pause early: a cost, never garbage kept)."""
     was = gc.isenabled()
     gc.disable()
     try:

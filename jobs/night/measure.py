@@ -160,14 +160,20 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
 
 def _run_swapped(ctx: RunContext, model: Any, path: Path | None, stage: str, run: Any,
                  sized: dict[str, list[TokenizedSample]] | None) -> bool:
-    """`run` with another version's adapter weights in the model, the candidate's put back after.
-    False where they could not be loaded (another shape; `sized`: say so for each set)."""
+    """`run` with another version's adapter weights in the model, the candidate's put back after (whatever
+    happens: they are what the night publishes). False where they could not be loaded (another shape, a file
+    gone or damaged since the night loaded it: a measurement missing, never the night failed; `sized`: say
+    so for each set)."""
+    from peft import get_peft_model_state_dict
+
+    candidate = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
     try:
-        kept = _swap_in(model, path)
-    except (OSError, ValueError) as e:  # checked when the night loaded it; gone or damaged since
+        loaded = _load_into(model, path, candidate)
+    except Exception as e:
+        _restore(model, candidate)
         log.warning("adapter_not_swapped_in", stage=stage, path=str(path), error=f"{type(e).__name__}: {e}"[:300])
-        kept = None
-    if kept is None:
+        loaded = False
+    if not loaded:
         for data in sized or {}:
             ctx.summary.not_evaluated.setdefault(f"{data}_{stage}", f"the {stage} adapter's weights could not be "
                                                                     f"loaded into the model ({path})")
@@ -175,7 +181,7 @@ def _run_swapped(ctx: RunContext, model: Any, path: Path | None, stage: str, run
     try:
         run()
     finally:
-        _restore(model, kept)
+        _restore(model, candidate)
     return True
 
 
@@ -252,20 +258,19 @@ def _by_slice(scores: dict[int, evaluate.SampleScore], slices: dict[int, str]) -
     return {name: evaluate.summarize(g) for name, g in sorted(groups.items())}
 
 
-def _swap_in(model: Any, path: Path | None) -> dict[str, Any] | None:
-    """Load another version's adapter weights into the model's adapter; returns the weights it had
-    (to put back), or None when the shapes differ."""
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+def _load_into(model: Any, path: Path | None, current: dict[str, Any]) -> bool:
+    """Another version's adapter weights into the model's adapter; False (the model untouched) where there
+    is none or its shapes differ from `current`'s."""
+    from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
     if path is None:
-        return None
-    current = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+        return False
     other = load_file(str(path / "adapter_model.safetensors"))
     if set(other) != set(current) or any(other[k].shape != current[k].shape for k in other):
-        return None
+        return False
     set_peft_model_state_dict(model, other)
-    return current
+    return True
 
 
 def _restore(model: Any, weights: dict[str, Any]) -> None:

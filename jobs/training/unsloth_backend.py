@@ -103,12 +103,10 @@ def setup_caches(cache_dir: Path | str | None) -> dict[str, str]:
 
 
 def compile_job_id(root: Path) -> str:
-    """Dynamo keeps, beside the Inductor cache, which inputs of each compiled region turned out dynamic and
-    compiles them dynamic from a process's first call, but only under a job id (torch's local PGO); without
-    one every process compiles its first shapes static again. A night 2's first step on an H200 took 4.5-6.5 s
-    where a fresh process on the same caches took 1.3-1.5 s (results/h200-2026-11-26/wake-restart); whether
-    this closes it is not measured yet. One id per cache directory (one model, the same code night after
-    night); an operator's own TORCH_COMPILE_JOB_ID is kept."""
+    """One per cache directory (an operator's own kept): torch's local PGO, which lets a process compile
+    dynamic from its first call what earlier ones found dynamic, works only under a job id. A night 2's first
+    step on an H200: 4.5-6.5 s, 1.3-1.5 s in a fresh process on the same caches (results/h200-2026-11-26/
+    wake-restart); whether this closes it is not measured yet."""
     return "nightshift-" + hashlib.sha256(str(Path(root).resolve()).encode()).hexdigest()[:12]
 
 

@@ -216,3 +216,35 @@ def test_a_resumed_night_two_still_scores_the_adapter_in_service_after_training(
     assert second["outcome"] in ("succeeded", "rejected") and second["run_id"] == first["run_id"]
     assert m["heldout_before"]["samples"] == m["heldout_after"]["samples"] > 0
     assert m["heldout_reference"] == m["heldout_before"] != m["heldout_after"]
+
+
+def test_a_service_file_damaged_since_the_load_costs_its_figures_not_the_night_nor_the_candidate(tiny_model,
+                                                                                               tmp_path):
+    """Scored after training, the service's file may be gone or damaged since the night loaded it: its figures
+    are reported missing, the candidate's weights (what is published) stay as trained."""
+    import types
+
+    import torch
+
+    from jobs.contract import StepShape
+    from jobs.night.measure import _run_swapped
+    from jobs.training.config import TrainConfig
+    from jobs.training.load import load_for_training
+
+    cfg = TrainConfig(backend="hf", lora_rank=4, lora_alpha=8, max_seq_length=128, gradient_checkpointing=False)
+    model = load_for_training(tiny_model, cfg, adapter=None,
+                              shape=StepShape(tokens_per_step=256, gradient_checkpointing=False, basis="test")).model
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.add_(0.25)
+    trained = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    damaged = tmp_path / "v1"
+    damaged.mkdir()
+    (damaged / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not a header")
+    ctx = types.SimpleNamespace(summary=types.SimpleNamespace(not_evaluated={}))
+    ran: list[int] = []
+    for path in (damaged, tmp_path / "gone"):
+        assert not _run_swapped(ctx, model, path, "before", lambda: ran.append(1), {"heldout": [], "regression": []})
+    assert ran == [] and set(ctx.summary.not_evaluated) == {"heldout_before", "regression_before"}
+    assert all(torch.equal(p, trained[n]) for n, p in model.named_parameters() if "lora_" in n)

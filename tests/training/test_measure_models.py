@@ -1,6 +1,7 @@
 """What the gate measures, through both backends: scoring without labels returns logits, the base is the
-adapter disabled, and another version's adapter weights are swapped in for the reference's measurement
-and out again. The Unsloth variant runs through the device tool (skipped without CUDA/unsloth):
+adapter disabled, and another version's adapter weights are swapped in for its measurement (the service's,
+the reference's, after training) and the candidate's put back. The Unsloth variant runs through the device
+tool (skipped without CUDA/unsloth):
 
 python -m pytest tests/training/test_measure_models.py -q -m gpu
 """
@@ -18,9 +19,11 @@ torch = pytest.importorskip("torch")
 
 
 def check_base_and_reference(model: Any, pad_id: int, device: str, vocab: int, tmp_path: Path) -> None:
+    import types
+
     from jobs import evaluate
     from jobs.data.batching import TokenizedSample
-    from jobs.night.measure import _restore, _swap_in
+    from jobs.night.measure import _run_swapped
 
     rng = random.Random(0)
     samples = []
@@ -47,12 +50,11 @@ def check_base_and_reference(model: Any, pad_id: int, device: str, vocab: int, t
     with model.disable_adapter():
         assert loss() == pytest.approx(fresh, rel=1e-3)  # a fresh LoRA (B = 0) is the base
     assert other != pytest.approx(fresh, rel=1e-3)
-    set_b(None)  # the adapter in service: the base again
-    service = _swap_in(model, tmp_path / "v1")
-    assert service is not None
-    assert loss() == pytest.approx(other, rel=1e-3)  # the reference's weights
-    _restore(model, service)
-    assert loss() == pytest.approx(fresh, rel=1e-3)  # the service's weights are back
+    set_b(None)  # the candidate: the base again
+    ctx, seen = types.SimpleNamespace(summary=types.SimpleNamespace(not_evaluated={})), []
+    assert _run_swapped(ctx, model, tmp_path / "v1", "reference", lambda: seen.append(loss()), None)
+    assert seen == [pytest.approx(other, rel=1e-3)]  # the other version's weights
+    assert loss() == pytest.approx(fresh, rel=1e-3)  # the candidate's weights are back
 
 
 def test_base_and_reference_through_transformers_and_peft(tiny_model: Path, tmp_path: Path) -> None:
