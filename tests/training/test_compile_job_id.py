@@ -37,3 +37,52 @@ def test_an_operators_own_job_id_is_kept(tmp_path, clean_env, monkeypatch):
 def test_no_cache_directory_no_job_id(clean_env):
     setup_caches(None)
     assert "TORCH_COMPILE_JOB_ID" not in os.environ and torch.compiler.config.job_id is None
+
+
+COMPILED = """
+import sys
+from pathlib import Path
+
+from jobs.training.unsloth_backend import setup_caches
+
+if sys.argv[1] != "-":
+    setup_caches(Path(sys.argv[1]))
+import torch
+from torch._dynamo.utils import counters
+
+
+@torch.compile(backend="eager")
+def region(x, n):  # n: a Python int, as a packed batch's longest sample reaches a compiled layer
+    return x * n + 1
+
+
+for n in map(int, sys.argv[2:]):
+    region(torch.ones(3), n)
+print(counters["stats"]["unique_graphs"])
+"""
+
+
+def graphs(script, cache, *values, env):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(script), str(cache), *map(str, values)], capture_output=True, text=True,
+                         env=env, timeout=300, check=True)
+    return int(out.stdout.split()[-1])
+
+
+def test_the_next_process_compiles_dynamic_from_its_first_call_what_the_last_found_dynamic(tmp_path):
+    """torch's local PGO, which the job id turns on: a process whose region saw two values compiled twice
+    (static, then dynamic); the next process on the same caches compiles once. Without the caches' job id
+    the next process compiles twice again (as a night's first step did, if that is what slowed it)."""
+    from pathlib import Path
+
+    script = tmp_path / "region.py"
+    script.write_text(COMPILED)
+    env = {k: v for k, v in os.environ.items() if k not in KEYS}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    assert graphs(script, tmp_path / "models", 5, 7, env=env) == 2
+    assert graphs(script, tmp_path / "models", 9, 11, env=env) == 1
+    plain = {**env, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "plain")}
+    assert graphs(script, "-", 5, 7, env=plain) == 2
+    assert graphs(script, "-", 9, 11, env=plain) == 2
