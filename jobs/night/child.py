@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     # them (with torch, transformers and peft imported, ~425k objects: an in-process pull of 60,000 records
     # on a 2-core box took 11.7-12.0 s, 10.6-10.9 s frozen)
     gc.freeze()
+    # a wake's first leg, prewarmed or not (an 8B's night on an H200: 18-24 s, results/h200-2026-11-26/wake-restart)
+    structlog.get_logger("nightshift.night").info("imported", seconds=round(time.time() - PROCESS_STARTED, 1),
+                                                  **({"run_id": args.run_id} if args.run_id else {}))
     woke = PROCESS_STARTED
     if args.start_at is not None and not args.plan_only:
         woke = _wait_for_opening(args.start_at, stop, args.run_id)

@@ -48,6 +48,8 @@ def test_the_child_waits_for_the_opening_and_times_its_first_step_from_there(tmp
     assert run["started_at"] >= opening - 0.01  # no run opened, nothing pulled, before the window
     prewarmed = [json.loads(x) for x in lines if '"prewarmed"' in x]
     assert len(prewarmed) == 1 and 0 <= prewarmed[0]["waits_seconds"] <= 15 and 10 <= prewarmed[0]["lead_seconds"] <= 15
+    imported = [json.loads(x) for x in lines if '"imported"' in x]  # the wake's first leg, logged in every child
+    assert len(imported) == 1 and 0 < imported[0]["seconds"] <= prewarmed[0]["import_seconds"] + 0.1
     first_step_at = opening + out.summary.first_step_seconds
     assert opening < first_step_at <= time.time()
 
