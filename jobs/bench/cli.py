@@ -230,7 +230,9 @@ def worker(a: argparse.Namespace) -> int:
     # moe: our own MoE path; the plain HF stacks as shipped; scaling_ours: Unsloth where it is installed
     if a.stack not in ("baseline", "moe", "w_hf", "exxact") and (
             a.stack != "scaling_ours" or importlib.util.find_spec("unsloth")):
-        import unsloth  # noqa: F401  (patches transformers at import: before the stack imports it)
+        from jobs.training.unsloth_import import import_unsloth
+
+        import_unsloth(trl_trainers=True)  # before the stack imports transformers; whole: TRL's recipes
     stack_worker(a.stack)(s, Job(a.stack, Path(a.model), Path(a.rows), a.t_launch))
     return 0
 

@@ -79,10 +79,9 @@ def _ready() -> str:
 def start_early(model_path: Path, workers: int | None = None) -> None:
     """Start the pull's workers now, as the night's process starts: each spawns, imports and loads the
     model's tokenizer (3.5 s for 2 workers with the test tokenizer on a 2-core box) while that process
-    imports Unsloth (~21 s on an H200 host)
-    or waits for its window; a night's pull of 60,000 records on an H200 host took 7.1-8.3 s starting its
-    own workers, 3.6-4.5 s with these in a child started inside its window (results/h200-2026-11-26/
-    wake-restart), 3.7 s in a prewarmed one."""
+    imports Unsloth (~21 s on an H200 host) or waits for its window. A night's pull of 60,000 records on
+    an H200 host took 7.1-8.3 s starting its own workers; with these, its file took 3.6-4.5 s in a child
+    started inside its window (results/h200-2026-11-26/wake-restart), 3.7 s in a prewarmed one."""
     global _early
     n = default_workers() if workers is None else workers
     if n >= 2 and _early is None:

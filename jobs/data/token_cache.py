@@ -111,22 +111,18 @@ class TokenCache:
         and tokenised in one batch (and cached). A record that no longer tokenises (it did at pull) raises
         its RecordError, as the unbatched path did."""
         with collector_paused():  # ~180k lists and 60,000 samples for 60,000 records: jobs/collector.py
-            return self._samples(keys, records)
-
-    def _samples(self, keys: Sequence[tuple[int, str]],
-                 records: Callable[[list[int]], Sequence[Any]]) -> list[TokenizedSample]:
-        hit = self._get([h for _, h in keys])
-        missing = [(sid, h) for sid, h in keys if h not in hit]
-        fresh: dict[str, TokenizedSample] = {}
-        if missing:
-            rows = records([sid for sid, _ in missing])
-            done = tokenize_records(self.tokenizer, [(r.id, r.record) for r in rows],
-                                    max_seq_length=self.max_seq_length, overlong=self.overlong,
-                                    special_tokens=self.special_tokens)
-            for r, s in zip(rows, done, strict=True):
-                if isinstance(s, RecordError):
-                    raise s
-                fresh[r.hash] = s
-            self.put(fresh.items())
-        log.info("tokens_loaded", samples=len(keys), cached=len(keys) - len(missing), tokenised=len(missing))
-        return [fresh[h] if h in fresh else TokenizedSample(sid, *hit[h]) for sid, h in keys]
+            hit = self._get([h for _, h in keys])
+            missing = [(sid, h) for sid, h in keys if h not in hit]
+            fresh: dict[str, TokenizedSample] = {}
+            if missing:
+                rows = records([sid for sid, _ in missing])
+                done = tokenize_records(self.tokenizer, [(r.id, r.record) for r in rows],
+                                        max_seq_length=self.max_seq_length, overlong=self.overlong,
+                                        special_tokens=self.special_tokens)
+                for r, s in zip(rows, done, strict=True):
+                    if isinstance(s, RecordError):
+                        raise s
+                    fresh[r.hash] = s
+                self.put(fresh.items())
+            log.info("tokens_loaded", samples=len(keys), cached=len(keys) - len(missing), tokenised=len(missing))
+            return [fresh[h] if h in fresh else TokenizedSample(sid, *hit[h]) for sid, h in keys]

@@ -105,7 +105,7 @@ def setup_caches(cache_dir: Path | str | None) -> dict[str, str]:
 def compile_job_id(root: Path) -> str:
     """One per cache directory (an operator's own kept): torch's local PGO, which lets a process compile
     dynamic from its first call what earlier ones found dynamic, works only under a job id. A night 2's first
-    step on an H200: 4.5-6.5 s, 1.3-1.5 s in a fresh process on the same caches (results/h200-2026-11-26/
+    step on an H200: 5.0 and 6.5 s, 1.3-1.5 s in a fresh process on the same caches (results/h200-2026-11-26/
     wake-restart); whether this closes it is not measured yet."""
     return "nightshift-" + hashlib.sha256(str(Path(root).resolve()).encode()).hexdigest()[:12]
 

@@ -9,7 +9,7 @@ jobs/training/loop.py).
 Unsloth skips exactly that rewrite itself under UNSLOTH_ALLOW_CPU=1 (its CPU CI), a switch with other
 effects; `import_unsloth(trl_trainers=False)` keeps only that switch's behaviour for PatchFastRL.
 
-The bench's TRL recipes (the Fixstars workload runs TRL's SFTTrainer) import Unsloth whole.
+The bench's workers import it whole (`trl_trainers=True`): the Fixstars recipe runs TRL's SFTTrainer.
 """
 
 from __future__ import annotations
