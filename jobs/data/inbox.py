@@ -117,3 +117,8 @@ def open_inbox_file(f: InboxFile, allowed: list[Path]) -> IO[bytes]:
     except BaseException:
         os.close(fd)
         raise
+
+
+def stat_key(st: os.stat_result) -> str:
+    """A file's identity short of its content: device, inode, size, mtime and ctime (which no user can set back)."""
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"

@@ -12,15 +12,16 @@ whole (an error in the worker, a result that cannot be rebuilt) is checked there
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import multiprocessing
 import os
 import pickle
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -33,6 +34,9 @@ PARALLEL_MIN_BYTES = 4 << 20  # smaller files (~50k short records) are checked h
 MAX_WORKERS = 8
 READY_SECONDS = 120.0  # for early workers to say which tokenizer they hold (loading it: ~2 s)
 AHEAD = 2  # chunks in flight per worker: enough to keep each busy, few enough to bound memory
+TOKENIZE_BATCH = 512  # records per call of the tokenizer (its batch encode)
+WORKER_NICENESS = 10  # added to a worker's: the night's process (its imports, its writes) comes first
+T = TypeVar("T")
 
 _tokenizer: Any = None  # a worker's own copy
 _early: CheckPool | None = None  # started while a prewarmed night waits for its window (start_early)
@@ -47,8 +51,39 @@ def default_workers() -> int:
     return workers if workers >= 2 else 0
 
 
+def chunked(it: Iterable[T], n: int) -> Iterator[list[T]]:
+    chunk: list[T] = []
+    for x in it:
+        chunk.append(x)
+        if len(chunk) >= n:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def check_options(*, max_seq_length: int, overlong: str, special_tokens: str) -> dict[str, Any]:
+    """What a record is checked with besides its source and the tokenizer (a chunk's task carries it)."""
+    return {"max_seq_length": max_seq_length, "overlong": overlong, "special_tokens": special_tokens}
+
+
+def worker_tokenizer() -> Any:
+    """The tokenizer this worker holds (a task's)."""
+    return _tokenizer
+
+
+def _in_background() -> None:
+    """A worker is one of several beside the night's own process, which comes first: one thread each (the
+    tokenizer's batch encode otherwise starts one per CPU in every worker) at a lower priority. Checking the
+    inbox ahead with neither, 8 workers on a 16-core H200 host took the CPUs from that process's imports."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    with contextlib.suppress(OSError):
+        os.nice(WORKER_NICENESS)
+
+
 def _start(tokenizer: bytes) -> None:
     global _tokenizer
+    _in_background()
     _tokenizer = pickle.loads(tokenizer)
 
 
@@ -58,6 +93,7 @@ def _start_from(model_path: str) -> None:
     global _tokenizer
     from jobs.training.loaded import load_tokenizer
 
+    _in_background()
     _tokenizer = load_tokenizer(Path(model_path))
 
 
@@ -76,7 +112,7 @@ def _ready() -> str:
     return _digest(pickle.dumps(_tokenizer))
 
 
-def start_early(model_path: Path, workers: int | None = None) -> None:
+def start_early(model_path: Path, workers: int | None = None) -> CheckPool | None:
     """Start the pull's workers now, as the night's process starts: each spawns, imports and loads the
     model's tokenizer (3.5 s for 2 workers with the test tokenizer on a 2-core box) while that process
     imports Unsloth (~21 s on an H200 host) or waits for its window. A night's pull of 60,000 records on
@@ -87,6 +123,7 @@ def start_early(model_path: Path, workers: int | None = None) -> None:
     if n >= 2 and _early is None:
         _early = CheckPool(None, n, model_path=model_path)
         _early.warm()
+    return _early
 
 
 def pool_for(tokenizer: Any, workers: int) -> CheckPool:
@@ -119,6 +156,7 @@ class CheckPool:
         self.pool: ProcessPoolExecutor | None = None
         self.blob = b""
         self.ready: Future[str] | None = None  # a worker's tokenizer digest (warm)
+        self.ahead: dict[str, Any] = {}  # files checked ahead: jobs/data/prefetch.py's Ahead, by the path opened
         try:
             if model_path is None:
                 self.blob = pickle.dumps(tokenizer)
@@ -137,7 +175,7 @@ class CheckPool:
                     fut = self.pool.submit(_ready)
                     self.ready = self.ready or fut
                 except Exception as e:
-                    self._broken(e)
+                    self.broken(e)
 
     def serves(self, tokenizer: Any, workers: int) -> bool:
         """Running, with `workers` workers holding this tokenizer: the same pickled bytes, or for workers that
@@ -156,20 +194,20 @@ class CheckPool:
                 **options: Any) -> Iterator[list[Checked | Stored]]:
         in_flight: collections.deque[tuple[list[RawRecord], Future[bytes] | None]] = collections.deque()
         for chunk in chunks:
-            in_flight.append((chunk, self._submit(chunk, src, options)))
+            in_flight.append((chunk, self.submit(_check, chunk, src, options)))
             if len(in_flight) >= AHEAD * self.workers:
                 yield self._result(*in_flight.popleft(), src, options)
         while in_flight:
             yield self._result(*in_flight.popleft(), src, options)
 
-    def _submit(self, chunk: list[RawRecord], src: SourceConfig,
-                options: dict[str, Any]) -> Future[bytes] | None:
+    def submit(self, fn: Callable[..., bytes], *args: Any) -> Future[bytes] | None:
+        """A task for the workers; None where there are none (the caller does it itself)."""
         if self.pool is None:
             return None
         try:
-            return self.pool.submit(_check, chunk, src, options)
+            return self.pool.submit(fn, *args)
         except Exception as e:  # a broken or shut pool: this process checks the rest
-            self._broken(e)
+            self.broken(e)
             return None
 
     def _result(self, chunk: list[RawRecord], fut: Future[bytes] | None, src: SourceConfig,
@@ -178,13 +216,13 @@ class CheckPool:
             try:
                 return pickle.loads(fut.result())
             except BrokenProcessPool as e:  # a worker died: this process checks the rest
-                self._broken(e)
+                self.broken(e)
             except Exception as e:  # this chunk's result did not come back whole: this process checks it
                 log.warning("pull_worker_chunk_failed", error=f"{type(e).__name__}: {e}"[:300], records=len(chunk),
                             detail="the chunk is checked in this process")
         return check_for_store(chunk, src, self.tokenizer, **options)
 
-    def _broken(self, e: Exception) -> None:
+    def broken(self, e: Exception) -> None:
         if self.pool is not None:
             log.warning("pull_workers_failed", error=f"{type(e).__name__}: {e}"[:300],
                         detail="the records are checked in this process from here on")
@@ -195,6 +233,7 @@ class CheckPool:
         """Every result is in: the workers exit on their own while the night goes on. Waiting for them (each
         tears down an interpreter holding transformers) took 2.1 s for 4 workers on the 2-core box, on the
         wake's path between the pull and the plan."""
+        self.ahead.clear()
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
             self.pool = None

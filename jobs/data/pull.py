@@ -31,17 +31,26 @@ import structlog
 
 from jobs.data.check import Checked, Stored, check_for_store
 from jobs.data.formats import RecordError
-from jobs.data.inbox import InboxFile, list_inbox, open_inbox_file, printable, roots
-from jobs.data.parallel import PARALLEL_MIN_BYTES, CheckPool, close_early, default_workers, pool_for
+from jobs.data.inbox import InboxFile, list_inbox, open_inbox_file, printable, roots, stat_key
+from jobs.data.parallel import (
+    PARALLEL_MIN_BYTES,
+    TOKENIZE_BATCH,
+    CheckPool,
+    check_options,
+    chunked,
+    close_early,
+    default_workers,
+    pool_for,
+)
+from jobs.data.prefetch import take
 from jobs.data.quarantine import Quarantine
-from jobs.data.readers import RawRecord, read_stream
+from jobs.data.readers import Limits, RawRecord, read_stream
 from jobs.data.render import OverlongPolicy, SpecialTokens
 from jobs.data.sources import SourceConfig
 from jobs.data.token_cache import TokenCache
 from jobs.store.ledger import Ledger, SampleRow
 
 __all__ = ["PullResult", "Quarantine", "pull"]
-TOKENIZE_BATCH = 512  # records per call of the tokenizer (its batch encode)
 log = structlog.get_logger("nightshift.pull")
 
 
@@ -72,16 +81,23 @@ class _Pull:
     token_cache: TokenCache | None = None  # where accepted samples' ids are kept for the night's load
     workers: int = 0  # processes that check a large file's records (jobs/data/parallel.py); 0: this one
     pool: CheckPool | None = None  # started by the first large file, shared by the rest
+    checked_ahead: bool = False  # the file being ingested was checked while the night's process imported
 
-    def checked(self, src: SourceConfig, raws: Iterator[RawRecord], size: int) -> Iterator[list[Checked | Stored]]:
-        """The file's records checked, chunk by chunk, in order: by the workers if it is large."""
-        options = {"max_seq_length": self.max_seq_length, "overlong": self.overlong,
-                   "special_tokens": self.special_tokens}
-        chunks = _chunks(raws, TOKENIZE_BATCH)
-        if self.workers > 0 and size >= PARALLEL_MIN_BYTES:
-            self.pool = self.pool or pool_for(self.tokenizer, self.workers)
+    def checked(self, src: SourceConfig, f: InboxFile, fh: IO[bytes], key: str, size: int,
+                lim: Limits) -> Iterator[list[Checked | Stored]]:
+        """The file's records checked, chunk by chunk, in order: by the workers if it is large (already, where
+        they checked it ahead: jobs/data/prefetch.py)."""
+        options = check_options(max_seq_length=self.max_seq_length, overlong=self.overlong,
+                                special_tokens=self.special_tokens)
+        chunks = chunked(read_stream(fh, f.path.suffix, lim), TOKENIZE_BATCH)  # (read only where iterated)
+        if self.workers == 0 or size < PARALLEL_MIN_BYTES:
+            return (check_for_store(c, src, self.tokenizer, **options) for c in chunks)
+        self.pool = self.pool or pool_for(self.tokenizer, self.workers)
+        ahead = take(self.pool, f.real, key, src, options, lim)
+        if ahead is None:
             return self.pool.checked(chunks, src, **options)
-        return (check_for_store(c, src, self.tokenizer, **options) for c in chunks)
+        self.checked_ahead = True
+        return ahead.results(fh, self.pool)
 
     def reject(self, conn: sqlite3.Connection | None, src: SourceConfig, file: str, raw: RawRecord,
                err: RecordError) -> None:
@@ -152,10 +168,6 @@ def _pull_source(p: _Pull, src: SourceConfig, excerpt_bytes: int) -> None:
                      RecordError("internal_error", f"{type(e).__name__}: {printable(str(e), 200)}"))
 
 
-def stat_key(st: os.stat_result) -> str:
-    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
-
-
 def file_sha256(f: IO[bytes]) -> str:
     h = hashlib.sha256()
     for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -178,11 +190,11 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
             return
         counts, reasons = Counter[str](), Counter[str]()
         started, waited = time.monotonic(), [0.0]
+        p.checked_ahead = False
         with ledger.tx() as conn:
             file_id = ledger.record_file(conn, source=src.name, path=f.display, size=st.st_size, mtime=st.st_mtime,
                                          sha256=digest, run_id=p.run_id, stat_key=key)
-            for checked in _timed(p.checked(src, read_stream(fh, f.path.suffix, src.limits(excerpt_bytes)), st.st_size),
-                                  waited):
+            for checked in _timed(p.checked(src, f, fh, key, st.st_size, src.limits(excerpt_bytes)), waited):
                 kept = []
                 for c in checked:
                     counts["records"] += 1
@@ -207,7 +219,7 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
     # where a file's seconds went: reading and checking (by the workers: waiting for them), the rest is the
     # ledger, the quarantine and the token cache, written here
     log.info("file_ingested", source=src.name, file=f.display, **counts, seconds=round(time.monotonic() - started, 2),
-             check_seconds=round(waited[0], 2), workers=_workers_used(p, st.st_size))
+             check_seconds=round(waited[0], 2), workers=_workers_used(p, st.st_size), checked_ahead=p.checked_ahead)
     if src.move_processed:
         _move_processed(ledger, src, f, file_id, digest)
 
@@ -226,17 +238,6 @@ def _timed(it: Iterator[list[Checked | Stored]], waited: list[float]) -> Iterato
         waited[0] += time.monotonic() - t
         if chunk is None:
             return
-        yield chunk
-
-
-def _chunks(it: Iterator[RawRecord], n: int) -> Iterator[list[RawRecord]]:
-    chunk: list[RawRecord] = []
-    for x in it:
-        chunk.append(x)
-        if len(chunk) >= n:
-            yield chunk
-            chunk = []
-    if chunk:
         yield chunk
 
 

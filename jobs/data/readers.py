@@ -91,9 +91,11 @@ def _too_large(line: int | None, head: bytes, size: int, digest: str, lim: Limit
 # ---- JSONL ----------------------------------------------------------------------------------------
 
 
-def read_jsonl(f: IO[bytes], lim: Limits) -> Iterator[RawRecord]:
-    n = 0
-    while True:
+def read_jsonl(f: IO[bytes], lim: Limits, *, first_line: int = 1, stop: int | None = None) -> Iterator[RawRecord]:
+    """From where `f` is: its line number `first_line` (only line 1 may start with a byte-order mark); `stop`:
+    the lines that start before this offset (the one that starts before it is read whole), else to the end."""
+    n = first_line - 1
+    while stop is None or f.tell() < stop:
         raw = f.readline(lim.max_record_bytes + 1)
         if not raw:
             return

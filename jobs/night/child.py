@@ -76,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
 
     raw = Path(args.config).read_text() if args.config else sys.stdin.read()
     early = json.loads(raw)  # what is needed before the imports; the config is checked after them
-    if owner and not args.plan_only:  # the rank that pulls: its workers start while this process imports
-        _start_pull_workers(early)
+    if owner and not args.plan_only:  # the rank that pulls: its workers start, and check, while this one imports
+        from jobs.night.intake import start_pull_workers
+
+        start_pull_workers(raw)
     bind_device()  # [distributed] this rank's card, before Unsloth's import looks at CUDA
     _import_unsloth_first(early)
     from jobs.night.config import NightConfig
@@ -148,15 +150,6 @@ def _holds_night_lock(state_dir: str | Path) -> bool:
 
     return inherited_night_lock(Path(state_dir)) or (
         launched() and inherited_night_lock(Path(state_dir), holder_pid=os.getppid()))
-
-
-def _start_pull_workers(cfg: dict[str, Any]) -> None:
-    """From the config's JSON: NightConfig is validated after the imports."""
-    from jobs.night.intake import start_pull_workers
-
-    path = (cfg.get("model") or {}).get("path")
-    if path:
-        start_pull_workers(Path(path))
 
 
 def _import_unsloth_first(cfg: dict[str, Any]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,19 +31,35 @@ def token_cache(ctx: RunContext, tokenizer: Any) -> TokenCache:
                       overlong=ctx.cfg.train.overlong, special_tokens=ctx.cfg.train.special_tokens)
 
 
-def start_pull_workers(model_path: Path) -> None:
+def start_pull_workers(raw_config: str) -> None:
     """The pull's workers spawn as the night's process starts (rank 0), not after the window opens and
-    the imports are done. Nothing fails the night here: the pull starts its own workers where these
-    cannot serve it (a tokenizer they could not load, another one)."""
-    from jobs.data.parallel import start_early
+    the imports are done, and check the inbox's large files while it imports (jobs/data/prefetch.py).
+    Nothing fails the night here: the pull starts its own workers where these cannot serve it (a tokenizer
+    they could not load, another one) and checks what was not checked ahead."""
+    from jobs.data.parallel import check_options, start_early
+    from jobs.data.prefetch import check_ahead
+    from jobs.night.config import NightConfig
 
+    try:
+        cfg = NightConfig.model_validate_json(raw_config)
+    except Exception as e:  # the night reports its config's errors after the imports
+        log.info("pull_workers_not_started_early", error=f"{type(e).__name__}: {e}"[:300])
+        return
+    model_path = Path(cfg.model.path)
     if not model_path.is_dir():  # a model not there yet (built at the night): the pull's own workers
         log.info("pull_workers_not_started_early", error=f"no model directory at {model_path}")
         return
     try:
-        start_early(model_path)
+        pool = start_early(model_path)
     except Exception as e:
         log.info("pull_workers_not_started_early", error=f"{type(e).__name__}: {e}"[:300])
+        return
+    if pool is not None:
+        t = cfg.train
+        check_ahead(pool, cfg.sources, options=check_options(max_seq_length=t.max_seq_length, overlong=t.overlong,
+                                                             special_tokens=t.special_tokens),
+                    excerpt_bytes=cfg.quarantine.excerpt_bytes, now=time.time(),
+                    ledger_path=Path(cfg.state_dir) / "ledger.sqlite")
 
 
 def pull_new_data(ctx: RunContext, tokenizer: Any) -> PullResult:

@@ -3,7 +3,6 @@ their order, token ids, quarantine reasons — is the same as when this process 
 
 import json
 import pickle
-from pathlib import Path
 
 from structlog.testing import capture_logs
 
@@ -31,9 +30,11 @@ def lines(n):
 
 
 def pulled(tmp_path, tokenizer, name, data, workers):
+    """`data`: the inbox's one file (None: it is there already)."""
     inbox = tmp_path / name / "inbox"
-    inbox.mkdir(parents=True)
-    (inbox / "a.jsonl").write_bytes(data)
+    if data is not None:
+        inbox.mkdir(parents=True)
+        (inbox / "a.jsonl").write_bytes(data)
     ledger = Ledger(tmp_path / name / "ledger.sqlite")
     cache = TokenCache(tmp_path / name / "tokens", tokenizer, max_seq_length=64, overlong="reject")
     qfile = tmp_path / name / "quarantine.jsonl"
@@ -57,7 +58,7 @@ def test_workers_record_what_this_process_records(tmp_path, tokenizer, monkeypat
     monkeypatch.setattr(parallel.ProcessPoolExecutor, "submit",
                         lambda self, fn, *a, **kw: submitted.append(len(a[0])) or submit(self, fn, *a, **kw))
     broken = []  # the pool must not break: a fallback to this process would pass every check below as well
-    monkeypatch.setattr(parallel.CheckPool, "_broken", lambda self, e: broken.append(repr(e)))
+    monkeypatch.setattr(parallel.CheckPool, "broken", lambda self, e: broken.append(repr(e)))
     data = lines(1500)
     alone = pulled(tmp_path, tokenizer, "alone", data, workers=0)
     assert not submitted
@@ -95,7 +96,7 @@ def test_a_chunk_that_does_not_come_back_whole_is_checked_here_and_the_pool_goes
                                                                                     monkeypatch):
     monkeypatch.setattr(pull_mod, "PARALLEL_MIN_BYTES", 0)
     broken: list[str] = []
-    monkeypatch.setattr(parallel.CheckPool, "_broken", lambda self, e: broken.append(repr(e)))
+    monkeypatch.setattr(parallel.CheckPool, "broken", lambda self, e: broken.append(repr(e)))
     real, calls = parallel.pickle.loads, []
 
     def first_fails(blob):
@@ -216,9 +217,11 @@ def test_a_night_that_cannot_start_them_early_goes_on(tmp_path, tiny_model, monk
     monkeypatch.setattr(parallel, "default_workers", lambda: 2)
     cfg = NightConfig.model_validate({"state_dir": str(tmp_path), "model": {"path": str(tmp_path / "absent")}})
     with capture_logs() as logs:
-        start_pull_workers(Path(cfg.model.path))  # no model there yet: nothing started, nothing raised
-    assert parallel._early is None and [e["event"] for e in logs] == ["pull_workers_not_started_early"]
-    start_pull_workers(tiny_model)
+        start_pull_workers(cfg.model_dump_json())  # no model there yet: nothing started, nothing raised
+        start_pull_workers('{"state_dir": 3}')  # a config the night will refuse after its imports
+    assert parallel._early is None and [e["event"] for e in logs] == ["pull_workers_not_started_early"] * 2
+    start_pull_workers(cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": tiny_model})})
+                       .model_dump_json())
     try:
         assert parallel._early is not None and parallel._early.workers == 2
     finally:
@@ -264,3 +267,21 @@ def test_the_pull_does_not_wait_for_its_workers_to_exit(tmp_path, tokenizer, tin
     got = pulled(tmp_path, tokenizer, "early", lines(300), workers=2)
     assert waits and not any(waits) and parallel._early is None  # every pool closed, none waited for
     assert got[1:] == pulled(tmp_path, tokenizer, "alone", lines(300), workers=0)[1:]
+
+
+def _how_a_worker_runs():
+    import os
+
+    return os.nice(0), os.environ.get("TOKENIZERS_PARALLELISM")
+
+
+def test_workers_run_behind_the_nights_own_process(tokenizer):
+    """Checking the inbox ahead, they run beside the night's imports: one thread each, at a lower priority."""
+    import os
+
+    pool = parallel.CheckPool(tokenizer, 2)
+    try:
+        niceness, parallelism = pool.submit(_how_a_worker_runs).result(timeout=120)
+    finally:
+        pool.close()
+    assert niceness == min(19, os.nice(0) + parallel.WORKER_NICENESS) and parallelism == "false"

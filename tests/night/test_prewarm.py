@@ -116,13 +116,14 @@ def test_the_pull_workers_start_from_the_night_config_before_any_import(tmp_path
     """The child starts them before it imports Unsloth (~20 s on an H200 host), from the config's JSON: each
     worker loads the model's tokenizer itself, as this process may not import transformers before Unsloth."""
     import jobs.data.parallel as parallel
-    from jobs.night import child
+    from jobs.night.intake import start_pull_workers
 
     monkeypatch.setattr(parallel, "default_workers", lambda: 2)
-    child._start_pull_workers({"model": {"path": str(tmp_path / "absent")}})  # built at the night: not yet
-    child._start_pull_workers({"model": {}})
+    night = {"state_dir": str(tmp_path / "state"), "model": {"path": str(tmp_path / "absent")}}
+    start_pull_workers(json.dumps(night))  # built at the night: not yet
+    start_pull_workers(json.dumps({"state_dir": str(tmp_path / "state"), "model": {}}))
     assert parallel._early is None
-    child._start_pull_workers({"model": {"path": str(tiny_model)}})
+    start_pull_workers(json.dumps({**night, "model": {"path": str(tiny_model)}}))
     try:
         assert parallel._early is not None and parallel._early.workers == 2
         assert parallel._early.ready is not None and parallel._early.ready.result(timeout=120)
