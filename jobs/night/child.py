@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         start_pull_workers(raw)
     bind_device()  # [distributed] this rank's card, before Unsloth's import looks at CUDA
     _import_unsloth_first(early)
+    from jobs.bytecode import warn_if_compiled, without_bytecode
     from jobs.night.config import NightConfig
     from jobs.night.run import failure_text, run_night
 
@@ -91,9 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     # them (with torch, transformers and peft imported, ~425k objects: an in-process pull of 60,000 records
     # on a 2-core box took 11.7-12.0 s, 10.6-10.9 s frozen)
     gc.freeze()
-    # a wake's first leg, prewarmed or not (an 8B's night on an H200: 18-24 s, results/h200-2026-11-26/wake-restart)
+    # a wake's first leg, prewarmed or not (an 8B's night: 12-33 s, results/h200-2026-11-26/wake-bytecode)
+    missing = without_bytecode()  # each such module was compiled from source, and will be every night
     structlog.get_logger("nightshift.night").info("imported", seconds=round(time.time() - PROCESS_STARTED, 1),
+                                                  without_bytecode=sum(missing.values()),
                                                   **({"run_id": args.run_id} if args.run_id else {}))
+    warn_if_compiled(missing)
     woke = PROCESS_STARTED
     if args.start_at is not None and not args.plan_only:
         woke = _wait_for_opening(args.start_at, stop, args.run_id)
