@@ -1,8 +1,10 @@
 """Check the inbox's large JSONL files while the night's process imports, before its pull asks for them.
 
-A restarted night's wake is its imports (13-24 s on an H200 host) and then the pull, plan, load and first step
-one after the other; of the pull's 3.0-4.5 s for 60,000 records, the reading, decoding and checking can be done
-before the imports end, by the pull's early workers, which wait idle until then (jobs/data/parallel.py). Only
+A restarted night's wake is its imports (12-33 s on H100/H200 hosts) and then the pull, plan, load and first step
+one after the other; the pull's reading, decoding and checking can be done before the imports end, by the pull's
+early workers, which wait idle until then (jobs/data/parallel.py): its wait for them fell from 0.45-0.83 s to
+0.11-0.13 s for 60,000 records on 16-core hosts, and on a 2-core box such a pull went from 13.4 s to 3.3 s
+(results/h200-2026-11-26/wake-bytecode; what it still spends is the ledger's and token cache's writes). Only
 pure work is done ahead: each worker reads a byte range of a file, decodes and checks its records (the
 records that start in the range, with their line numbers) and holds the results. Nothing is ingested,
 quarantined or moved: the pull still decides, in order, what each file is and writes the ledger alone. It
@@ -13,9 +15,11 @@ read and checked by the pull itself, and any other file is checked as it always 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import pickle
+import sqlite3
 from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
@@ -165,9 +169,17 @@ def check_ahead(pool: CheckPool, sources: list[SourceConfig], *, options: dict[s
 
 
 def _ledger(path: Path | None) -> Any:
+    """The ledger, read-only, where it is of the current schema (an older one is migrated by the night, not
+    copied into memory here, before the imports)."""
     from jobs.store.readonly import open_read_only
+    from jobs.store.schema import LATEST, schema_version
 
     try:
-        return open_read_only(path) if path is not None and path.is_file() else None
+        if path is None or not path.is_file():
+            return None
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=1)) as db:
+            if schema_version(db) < LATEST:
+                return None
+        return open_read_only(path)
     except Exception:
         return None
