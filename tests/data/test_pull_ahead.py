@@ -175,3 +175,20 @@ def test_the_night_checks_its_inbox_ahead_from_its_config(tmp_path, tiny_model, 
                                               special_tokens=cfg.train.special_tokens)
     finally:
         parallel.close_early()
+
+
+def test_an_older_ledger_is_not_copied_before_the_imports(tmp_path):
+    """A ledger of an older schema would be read through a migrated copy in memory: before the imports that is
+    not worth it (the night migrates it); a damaged one is not read either. Then every large file is checked."""
+    import sqlite3
+
+    from jobs.data.prefetch import _ledger
+    from jobs.store.schema import SCHEMA
+
+    old = sqlite3.connect(tmp_path / "old.sqlite")
+    old.executescript(SCHEMA)
+    old.commit()
+    old.close()
+    (tmp_path / "damaged.sqlite").write_bytes(b"not a database" * 100)
+    assert _ledger(tmp_path / "old.sqlite") is None and _ledger(tmp_path / "damaged.sqlite") is None
+    assert _ledger(tmp_path / "absent.sqlite") is None and _ledger(None) is None
