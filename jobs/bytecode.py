@@ -4,7 +4,8 @@ A night's process imports ~6,000 modules (torch, transformers, Unsloth) before i
 was installed without bytecode (uv does not write it unless asked; pip does) and no process may write it (a venv
 owned by root, PYTHONDONTWRITEBYTECODE), every night compiles them all again: on one H100 host the imports took
 29.3-31.1 s, 15.3-15.8 s once the venv was compiled (results/h100-2026-11-26/wake-bytecode). The night says so in
-its log, with the fix, instead of waking slowly without a word.
+its log, with the fix, instead of waking slowly without a word. Counting them costs ~16 ms for ~3,700 modules
+(torch, transformers, peft imported) on the 2-core box.
 """
 
 from __future__ import annotations

@@ -74,8 +74,10 @@ def worker_tokenizer() -> Any:
 
 def _in_background() -> None:
     """A worker is one of several beside the night's own process, which comes first: one thread each (the
-    tokenizer's batch encode otherwise starts one per CPU in every worker) at a lower priority. Checking the
-    inbox ahead with neither, 8 workers on a 16-core H200 host took the CPUs from that process's imports."""
+    tokenizer's batch encode otherwise starts one per CPU in every worker) at a lower priority. With neither,
+    one H200 host's imports took 25.7-30.9 s beside 8 workers checking ahead (whether that host was slow or the
+    workers took its CPUs was not separated); on an H100 host, beside workers set so, 30.0-32.7 s against
+    29.3-31.1 s alone (results/h200-2026-11-26/wake-bytecode)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     with contextlib.suppress(OSError):
         os.nice(WORKER_NICENESS)

@@ -18,10 +18,10 @@ from jobs.bench.stacks.common import Job
 from jobs.bench.stacks.wcommon import (
     LORA_FLOPS,
     fixed_samples,
+    frozen_base_compute,
     ours_window,
     profile_samples,
     timed,
-    with_compute,
     write,
 )
 
@@ -35,7 +35,7 @@ def load(s: BenchSettings, job: Job) -> tuple[Any, dict[str, Any], str]:
     model, tok, info = load_unsloth(job.model, lora=LoraSpec(r=16, alpha=32, target_modules=["q_proj", "v_proj"]),
                                     method="lora", max_seq_length=s.max_budget, gradient_checkpointing=False,
                                     cache_dir=s.state_dir, cache_base=False)
-    return model, info, with_compute(LABEL, model, tok, s, job, info)
+    return model, info, frozen_base_compute(LABEL, model, tok, s, job, info)
 
 
 def optimizer(model: Any) -> Any:

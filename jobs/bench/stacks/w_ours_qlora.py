@@ -9,7 +9,7 @@ import time
 from jobs.bench.model import vocab_size
 from jobs.bench.settings import BenchSettings
 from jobs.bench.stacks.common import Job
-from jobs.bench.stacks.wcommon import LORA_FLOPS, ours_window, with_compute, write
+from jobs.bench.stacks.wcommon import LORA_FLOPS, frozen_base_compute, ours_window, write
 from jobs.training.synthetic import CAP, make_samples
 
 
@@ -23,7 +23,7 @@ def run(s: BenchSettings, job: Job) -> None:
     gc = "unsloth" if s.ours_ckpt else False
     model, tok, info = load_unsloth(job.model, lora=LoraSpec(r=8, alpha=16), method="qlora",
                                     max_seq_length=s.max_budget, gradient_checkpointing=gc, cache_dir=s.state_dir)
-    label = with_compute("nightshift, method qlora (packed, budget from memory)", model, tok, s, job, info)
+    label = frozen_base_compute("nightshift, method qlora (packed, budget from memory)", model, tok, s, job, info)
     load_s = time.time() - t0
     for prof in s.profiles:
         samples = make_samples(prof, s.data_tokens * 3, vocab=vocab_size(job.model), seed=s.seed)

@@ -195,7 +195,7 @@ def sft_window(model: Any, tok: Any, samples: Sequence[TokenizedSample], win: Wi
             None), "optim": str(trainer.args.optim), "max_length": getattr(trainer.args, "max_length", None)}
 
 
-def with_compute(label: str, model: Any, tok: Any, s: BenchSettings, job: Job, info: dict[str, Any]) -> str:
+def frozen_base_compute(label: str, model: Any, tok: Any, s: BenchSettings, job: Job, info: dict[str, Any]) -> str:
     """`--compute fp8` (issue 16): ours' frozen base on FP8 tensor cores, through the bench's own setup and
     its numerics check (a numerics row, each projection's errors beside the rows); `info["compute"]` and the
     label say what ran. bf16: the label as it is."""
