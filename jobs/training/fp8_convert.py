@@ -1,10 +1,14 @@
-"""Convert a LoRA model's frozen bases to FP8 (issue 16): which projections, in which groups, and back.
+"""Convert a LoRA model's frozen projections to FP8 (issue 16): which projections, in which groups, and back.
 
-Any frozen base under a PEFT LoRA layer qualifies: a bitsandbytes Linear4bit (NF4, dequantised once
-here, then quantised to e4m3 per output channel) or a plain nn.Linear (bf16 straight to e4m3). The
-projections are found by structure (attention: q/k/v and o; MLP: gate/up/down; anything else alone)
-and each unit is computed either by our patched Unsloth function ("fused": q/k/v, gate/up as groups
-whose input gradient is one GEMM) or by PEFT calling the base as a module ("modules": each FP8Base
+Every frozen projection qualifies, whether a LoRA layer wraps it or not: a bitsandbytes Linear4bit
+(NF4, dequantised once here, then quantised to e4m3 per output channel) or a plain nn.Linear (bf16
+straight to e4m3). Under a LoRA layer the base is swapped (`base_layer`); a projection the adapter
+does not target (k, o and the MLP under a q,v adapter) is replaced in its parent (`ModuleSlot`) — it
+is found by its name (q/k/v/o_proj, gate/up/down_proj: never lm_head, embeddings or a router) and
+must be a frozen Linear. The LoRA projections are found by structure (attention: q/k/v and o; MLP:
+gate/up/down; anything else alone) and each unit is computed either by our patched Unsloth function
+("fused": q/k/v, gate/up as groups whose input gradient is one GEMM) or by a module call (PEFT's
+forward calling its base, or the parent calling a projection without LoRA: "modules", each FP8Base
 alone). A unit behind a function we could not patch ("blocked"), a base we cannot read, a shape the
 FP8 GEMM refuses (in/out features not divisible by 16), or a projection whose measured error is over
 the limit stays as it is: a fused unit converts all of its projections or none. Every projection kept
@@ -50,6 +54,7 @@ def timed(into: dict[str, float], phase: str) -> Iterator[None]:
 
 
 ROLES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "mlp": ("gate_proj", "up_proj", "down_proj")}
+ROLE_KIND = {r: kind for kind, roles in ROLES.items() for r in roles}
 # (layer name, dense weight as the bf16 path computes with, its FP8 replacement) -> per-layer numerics
 Check = Callable[[str, torch.Tensor, FP8Base, bool], LayerNumerics | None]
 
@@ -58,17 +63,54 @@ def is_lora_layer(m: Any) -> bool:
     return hasattr(m, "base_layer") and isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict)
 
 
+def is_frozen_projection(attr: str, m: Any) -> bool:
+    """A projection no LoRA layer wraps, by its attribute name, that FP8 may replace: a Linear with a
+    frozen weight (bf16 or NF4), or its FP8Base once converted."""
+    if attr not in ROLE_KIND or is_lora_layer(m):
+        return False
+    if isinstance(m, FP8Base):
+        return True
+    w = getattr(m, "weight", None)
+    return isinstance(m, torch.nn.Linear) and isinstance(w, torch.Tensor) and not w.requires_grad
+
+
+def projection_points(model: Any) -> Iterator[tuple[str, Any, Any, str]]:
+    """(name, the module whose input is the projection's input, its parent, its attribute) of every
+    LoRA layer and every frozen projection without one."""
+    for name, parent in model.named_modules():
+        for attr, m in parent.named_children():
+            if is_lora_layer(m) or is_frozen_projection(attr, m):
+                yield (f"{name}.{attr}" if name else attr), m, parent, attr
+
+
+@dataclass
+class ModuleSlot:
+    """A frozen projection without LoRA, seen the way a LoRA layer is: its `base_layer` is the module
+    itself, and setting it replaces the module in its parent."""
+
+    parent: Any
+    attr: str
+
+    @property
+    def base_layer(self) -> Any:
+        return getattr(self.parent, self.attr)
+
+    @base_layer.setter
+    def base_layer(self, module: Any) -> None:
+        setattr(self.parent, self.attr, module)
+
+
 @dataclass
 class Unit:
-    kind: str  # "qkv" | "o" | "mlp" | "linear"
+    kind: str  # "qkv" | "o" | "mlp" | "linear" (a LoRA layer alone) | "frozen" (a projection without LoRA)
     parent: Any  # the module owning the projections
-    projs: dict[str, tuple[str, Any]]  # role -> (full name, LoRA layer)
+    projs: dict[str, tuple[str, Any]]  # role -> (full name, LoRA layer or ModuleSlot)
     route: str  # "fused" | "modules" | "blocked"
     why: str = ""
 
 
 def find_units(model: Any) -> list[Unit]:
-    """Every LoRA layer of the model, in units (see the module doc)."""
+    """Every frozen projection of the model, in units (see the module doc)."""
     units: list[Unit] = []
     claimed: set[int] = set()
     for name, m in model.named_modules():
@@ -79,9 +121,15 @@ def find_units(model: Any) -> list[Unit]:
             how, why = route(m, kind)
             units.append(Unit(kind, m, {r: (f"{name}.{r}", p) for r, p in projs.items()}, how, why))
             claimed |= {id(p) for p in projs.values()}
-    for name, m in model.named_modules():
-        if is_lora_layer(m) and id(m) not in claimed:
-            units.append(Unit("linear", None, {"linear": (name, m)}, "modules"))
+    for name, m, parent, attr in projection_points(model):
+        if is_lora_layer(m):
+            if id(m) not in claimed:
+                units.append(Unit("linear", None, {"linear": (name, m)}, "modules"))
+        elif not isinstance(m, FP8Base):
+            how, why = route(parent, ROLE_KIND[attr])
+            if how != "modules":  # a function we did not write computes it: it may not read the module
+                how, why = "blocked", why or f"{attr} is computed by a fused function"
+            units.append(Unit("frozen", parent, {"linear": (name, ModuleSlot(parent, attr))}, how, why))
     return units
 
 
@@ -253,14 +301,12 @@ def _free() -> None:
 
 
 def base_bytes(model: Any) -> dict[str, float]:
-    """GB held by the frozen bases under LoRA layers: e4m3 weights and scales, kept transposed copies,
+    """GB held by the frozen projections (under LoRA layers or not): e4m3 weights and scales, kept transposed copies,
     and whatever the others hold (NF4 packed bytes and their absmax, or bf16)."""
     fp8 = other = kept = 0
     groups: set[int] = set()
-    for m in model.modules():
-        if not is_lora_layer(m):
-            continue
-        b = m.base_layer
+    for _name, m, _parent, _attr in projection_points(model):
+        b = m.base_layer if is_lora_layer(m) else m
         n = sum(t.numel() * t.element_size() for t in [*b.parameters(), *b.buffers()])
         if isinstance(b, FP8Base):
             fp8 += n

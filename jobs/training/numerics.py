@@ -82,13 +82,12 @@ class Capture:
     """The inputs of every frozen projection during one forward: the first `rows` tokens of each."""
 
     def __init__(self, model: Any, rows: int = 512) -> None:
-        from jobs.training.fp8_convert import is_lora_layer
+        from jobs.training.fp8_convert import projection_points
 
         self.rows, self.x, self._hooks = rows, {}, []
         self._last: tuple[Any, torch.Tensor] | None = None  # (input tensor, its copy): q, k, v share one
-        for name, m in model.named_modules():
-            if is_lora_layer(m):
-                self._hooks.append(m.register_forward_pre_hook(self._hook(name)))
+        for name, m, _parent, _attr in projection_points(model):
+            self._hooks.append(m.register_forward_pre_hook(self._hook(name)))
 
     def _hook(self, name: str) -> Any:
         def record(_m: Any, args: tuple[Any, ...]) -> None:

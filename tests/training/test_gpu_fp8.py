@@ -61,3 +61,29 @@ def test_an_unsloth_model_runs_fp8_patched_checked_and_trains(small_model, tmp_p
         st = train_step(model, b, opt)
         assert st.loss == st.loss
     assert STATS.fp8_calls["mlp"] >= calls.get("mlp", 0) + 4 and not STATS.native_calls
+
+
+def test_a_q_v_adapter_on_unsloth_runs_every_frozen_projection_on_fp8(small_model, tmp_path):
+    """The Exxact recipe's adapter: Unsloth fuses nothing, k, o and the MLP are frozen modules of their own."""
+    from jobs.training.fp8 import STATS, FP8Base
+    from jobs.training.fp8_setup import CAPTURE_TOKENS, enable_fp8
+    from jobs.training.numerics import bigram_samples
+    from jobs.training.packing import packed_batches
+    from jobs.training.sample_data import data_files, sample_tokens
+    from jobs.training.step import make_optimizer, train_step
+    from jobs.training.unsloth_backend import LoraSpec, load_unsloth
+
+    model, tok, _info = load_unsloth(small_model, lora=LoraSpec(r=16, alpha=32, target_modules=["q_proj", "v_proj"]),
+                                     max_seq_length=4096, gradient_checkpointing=False, cache_dir=tmp_path)
+    ids, source = sample_tokens(tok, data_files(None, []), n=CAPTURE_TOKENS)
+    out = enable_fp8(model, device="cuda", tokens=ids, activations=source, unsloth=True, source_dir=small_model)
+    assert out.error is None, out.error
+    n = out.numerics
+    assert n.passed, n.reasons
+    assert n.converted == 14 and sum(isinstance(m, FP8Base) for m in model.modules()) == 14, out.conversion
+    calls = STATS.fp8_calls.get("linear", 0)
+    opt = make_optimizer(model)
+    for b in list(packed_batches(bigram_samples(len(tok), 5000), tokens_per_step=2048))[:2]:
+        st = train_step(model, b, opt)
+        assert st.loss == st.loss
+    assert STATS.fp8_calls["linear"] >= calls + 28
