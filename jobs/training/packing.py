@@ -15,6 +15,8 @@ Everything here is pure Python (no torch), so it is tested on the CPU.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -24,27 +26,50 @@ from jobs.data.batching import IGNORE_INDEX, Batch, TokenizedSample
 GB = 1e9  # decimal gigabytes, as `[gpu] max_vram_gb` and nvidia-smi's "GB" readings
 
 
-def packed_batches(samples: Sequence[TokenizedSample], *, tokens_per_step: int) -> Iterator[Batch]:
-    """One row of at most `tokens_per_step` real tokens per batch, samples kept in order.
+LOOKAHEAD = 256  # how many older samples may still wait when one is packed
 
-    In order (next-fit, no reordering) so a resumed run replays exactly the same batches.
-    A sample longer than the budget gets a batch of its own (callers cap samples at
-    max_seq_length, and the budget is never chosen below it).
+
+def packed_batches(samples: Sequence[TokenizedSample], *, tokens_per_step: int,
+                   lookahead: int = LOOKAHEAD) -> Iterator[Batch]:
+    """Rows of at most `tokens_per_step` real tokens, each one batch, every sample exactly once.
+
+    Each row opens with the oldest sample not packed yet and is filled best-fit from the window of the
+    next `lookahead` samples not packed yet (the largest that still fits, the oldest of equal ones;
+    each one taken lets the next sample into the window) until none fits. Why not next-fit in order
+    (`lookahead=0`): with long samples a row closes on the first that does not fit, and its GEMMs run
+    short (Qwen3-32B, 861-token samples, a 2,560-token budget: rows 69 % full). No sample is packed
+    while more than `lookahead` older ones wait, so a deadline's cut still defers the newest; the rows
+    are a function of the samples alone, so a resumed run replays exactly the same batches. A sample
+    longer than the budget gets a row of its own (callers cap samples at max_seq_length, and the
+    budget is never chosen below it).
     """
     if tokens_per_step < 1:
         raise ValueError("tokens_per_step must be >= 1")
-    group: list[TokenizedSample] = []
-    used = 0
-    for s in samples:
-        if s.n_tokens == 0:
-            continue
-        if group and used + s.n_tokens > tokens_per_step:
-            yield pack(group)
-            group, used = [], 0
-        group.append(s)
-        used += s.n_tokens
-    if group:
-        yield pack(group)
+    if lookahead < 0:
+        raise ValueError("lookahead must be >= 0")
+    todo = enumerate(s for s in samples if s.n_tokens > 0)
+    window: dict[int, TokenizedSample] = {}  # position -> sample, not packed yet, oldest first
+    by_size: list[tuple[int, int]] = []  # (tokens, position) of the window's samples, sorted
+
+    def refill() -> None:
+        for pos, s in itertools.islice(todo, max(0, lookahead + 1 - len(window))):
+            window[pos] = s
+            bisect.insort(by_size, (s.n_tokens, pos))
+
+    refill()
+    while window:
+        first = next(iter(window))
+        row = {first: window.pop(first)}
+        by_size.remove((row[first].n_tokens, first))
+        room = tokens_per_step - row[first].n_tokens
+        refill()
+        while by_size and room >= by_size[0][0]:
+            largest = by_size[bisect.bisect_right(by_size, (room, 1 << 62)) - 1][0]
+            _, pos = by_size.pop(bisect.bisect_left(by_size, (largest, -1)))  # the oldest of that size
+            row[pos] = window.pop(pos)
+            room -= largest
+            refill()
+        yield pack([row[pos] for pos in sorted(row)])
 
 
 def pack(group: Sequence[TokenizedSample]) -> Batch:

@@ -124,7 +124,7 @@ def main() -> None:
 
         loop._fit = (lambda *a, **k: 20 if rank == 0 else 30) if scenario == "probe" else real_fit
         loop.samples_to_cut = _cut_of(rank) if scenario == "cut" else real_cut
-        data = {"same": samples(30, vary=True), "probe": samples(60), "cut": samples(48)}.get(scenario, samples(24))
+        data = {"same": samples(31, vary=True), "probe": samples(60), "cut": samples(48)}.get(scenario, samples(24))
         run_cfg = cfg.model_copy(update={"epochs": 2}) if scenario == "cut" else cfg  # a cut needs epochs > 1
         res = train(loaded, data, run_cfg, ckpt_root=out / f"ckpt-{scenario}-rank{rank}", deadline=deadline,
                     stop=stop, shape=shape, clock=lambda _s=skew: time.time() + _s[0], emit=emit, group=group,

@@ -45,17 +45,56 @@ def _samples(n: int, *, seed: int = 0, lo: int = 2, hi: int = 40, vocab: int = 2
 # ---- batching by budget (pure) -------------------------------------------------------------------
 
 
-def test_packed_batches_respect_budget_order_and_cover_everything():
+def test_packed_batches_respect_budget_and_cover_everything_once():
     samples = _samples(200, seed=1)
     batches = list(packed_batches(samples, tokens_per_step=128))
-    assert [sid for b in batches for sid in b.sample_ids] == [s.sample_id for s in samples]
+    assert sorted(sid for b in batches for sid in b.sample_ids) == [s.sample_id for s in samples]
     for b in batches:
         assert is_packed(b)
         assert b.real_tokens == sum(len(r) for r in b.input_ids) == len(b.input_ids[0]) <= 128
         assert len(b.labels[0]) == len(b.position_ids[0]) == b.real_tokens
-    # next-fit: each batch but the last could not take the next sample
-    for b, nxt in itertools.pairwise(batches):
+        assert b.sample_ids == sorted(b.sample_ids)  # in their own order within a row
+    assert batches == list(packed_batches(samples, tokens_per_step=128))  # a resume replays the same rows
+
+
+def test_without_lookahead_packing_is_next_fit_in_order():
+    samples = _samples(200, seed=1)
+    batches = list(packed_batches(samples, tokens_per_step=128, lookahead=0))
+    assert [sid for b in batches for sid in b.sample_ids] == [s.sample_id for s in samples]
+    for b, nxt in itertools.pairwise(batches):  # each row but the last could not take the next sample
         assert b.real_tokens + samples[nxt.sample_ids[0]].n_tokens > 128
+
+
+@pytest.mark.parametrize("lookahead", [1, 7, 256])
+def test_best_fit_fills_rows_and_no_sample_jumps_more_than_the_lookahead(lookahead):
+    """Long samples against a small budget (a 32B's step on 861-token data): next-fit leaves rows part
+    empty; filling from the window leaves them nearly full, and a sample is never packed while more
+    than `lookahead` older ones wait (so a deadline's cut still defers the newest)."""
+    samples = _samples(3000, seed=4, lo=20, hi=900)
+    budget = 2048
+    fill = {la: sum(b.real_tokens for b in bs) / (len(bs) * budget)
+            for la in (0, lookahead) for bs in [list(packed_batches(samples, tokens_per_step=budget, lookahead=la))]}
+    assert fill[lookahead] > fill[0]
+    if lookahead == 256:
+        assert fill[0] < 0.85 and fill[256] > 0.98
+    packed: set[int] = set()
+    for b in packed_batches(samples, tokens_per_step=budget, lookahead=lookahead):
+        for sid in b.sample_ids:  # older samples left for later rows waited while this one was packed
+            waiting = sum(1 for older in range(sid) if older not in packed and older not in b.sample_ids)
+            assert waiting <= lookahead, (sid, waiting)
+        packed |= set(b.sample_ids)
+        oldest_waiting = min(set(range(len(samples))) - (packed - set(b.sample_ids)))
+        assert min(b.sample_ids) == oldest_waiting  # each row opens with the oldest sample not packed yet
+    assert packed == set(range(len(samples)))
+
+
+def test_packing_skips_empty_samples_and_refuses_bad_arguments():
+    samples = [TokenizedSample(0, [], []), TokenizedSample(1, [5] * 4, [5] * 4)]
+    assert [b.sample_ids for b in packed_batches(samples, tokens_per_step=8)] == [[1]]
+    assert list(packed_batches([], tokens_per_step=8)) == []
+    for kw in ({"tokens_per_step": 0}, {"tokens_per_step": 8, "lookahead": -1}):
+        with pytest.raises(ValueError):
+            list(packed_batches(samples, **kw))
 
 
 def test_pack_resets_positions_and_masks_first_labels():
@@ -79,7 +118,7 @@ def test_oversized_sample_gets_its_own_batch():
         TokenizedSample(2, [7] * 10, [7] * 10),
     ]
     batches = list(packed_batches(samples, tokens_per_step=100))
-    assert [b.sample_ids for b in batches] == [[0], [1], [2]]
+    assert [b.sample_ids for b in batches] == [[0, 2], [1]]  # 2 fills 0's row; 1 stands alone
 
 
 def test_split_in_two_keeps_samples_and_order():
