@@ -66,7 +66,7 @@ def run(s: BenchSettings, job: Job) -> None:
                 "profile": prof,
                 "batch": "4 padded",
                 "grad_ckpt": "on",
-                **win.result(),
+                **win.result(samples),
                 **peak_gb(),
                 "load_seconds": round(load_s, 1),
                 "first_step_s": win.first_step_s(job.t_launch),

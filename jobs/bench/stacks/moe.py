@@ -209,8 +209,8 @@ def _recipe(s: BenchSettings, job: Job, model: Any, tok: Any, prof: str, vocab: 
     torch.cuda.reset_peak_memory_stats()
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:
-        _sft(s, model, tok, prof, bs, vocab, win)
-        row: dict[str, Any] = {**win.result(), **peak_gb()}
+        data = _sft(s, model, tok, prof, bs, vocab, win)
+        row: dict[str, Any] = {**win.result(data), **peak_gb()}
     except Exception as e:  # an OOM or an API change of the peer stack is a result, not a crash
         row = {"error": f"{type(e).__name__}: {e}"[:400], **peak_gb()}
     finally:
@@ -220,7 +220,8 @@ def _recipe(s: BenchSettings, job: Job, model: Any, tok: Any, prof: str, vocab: 
                           "grad_ckpt": "on", "arch": s.arch, **row, **_rates(row, prof, matmul)})
 
 
-def _sft(s: BenchSettings, model: Any, tok: Any, prof: str, bs: int, vocab: int, win: Window) -> None:
+def _sft(s: BenchSettings, model: Any, tok: Any, prof: str, bs: int, vocab: int, win: Window) -> list[Any]:
     samples = make_samples(prof, max(s.data_tokens, bs * 2048), vocab=vocab, seed=s.seed + 2)
     sft_window(model, tok, samples, win, batch=bs, seed=s.seed, bf16=False, optim="adamw_torch_fused",
                max_length=CAP, packing=False, padding_free=False)
+    return samples

@@ -153,7 +153,7 @@ def run_ours(
         "prompt_share": s.prompt_share,
         "batch": f"packed {budget} tok",
         "grad_ckpt": "unsloth" if s.ours_ckpt else "off",
-        **win.result(),
+        **win.result(samples),
         **peak_gb(),
         "token_budget": budget,
         "predicted_peak_gb": round(mem.peak_gb(budget), 2),

@@ -42,8 +42,8 @@ def run(s: BenchSettings, job: Job) -> None:
             win = Window(warmup=s.warmup, max_steps=s.max_steps, seconds=s.seconds)
             try:
                 torch.cuda.reset_peak_memory_stats()
-                _train(s, job, model, tok, prof, batches[prof], kw, win)
-                row = {**win.result(), **peak_gb()}
+                data = _train(s, job, model, tok, prof, batches[prof], kw, win)
+                row = {**win.result(data), **peak_gb()}
             except Exception as e:  # an OOM or API change in a peer stack is a result, not a crash
                 row = {"error": f"{type(e).__name__}: {e}"[:400], **peak_gb()}
                 torch.cuda.empty_cache()
@@ -63,7 +63,8 @@ def run(s: BenchSettings, job: Job) -> None:
 
 
 def _train(s: BenchSettings, job: Job, model: Any, tok: Any, prof: str, bs: int, kw: dict[str, Any],
-           win: Window) -> None:
-    """SFTTrainer over random samples of `prof` until the window is complete."""
+           win: Window) -> list[Any]:
+    """SFTTrainer over random samples of `prof` until the window is complete; the samples drawn from."""
     samples = make_samples(prof, s.data_tokens * 2, vocab=vocab_size(job.model), seed=s.seed)
     sft_window(model, tok, samples, win, batch=bs, seed=s.seed, optim="adamw_torch_fused", **kw)
+    return samples

@@ -26,7 +26,7 @@ def run(s: BenchSettings, job: Job) -> None:
                 "profile": prof,
                 "batch": "4 padded",
                 "grad_ckpt": "unsloth",
-                **win.result(),
+                **win.result(samples),
                 **peak_gb(),
                 "load_seconds": info["load_seconds"],
                 "first_step_s": win.first_step_s(job.t_launch),

@@ -35,10 +35,10 @@ def run(s: BenchSettings, job: Job) -> None:
         win = Window(warmup=s.warmup, max_steps=s.max_steps, seconds=s.seconds)
         torch.cuda.reset_peak_memory_stats()
         try:
-            used = sft_window(model, tok, make_samples(prof, s.data_tokens, vocab=vocab_size(job.model), seed=s.seed),
-                              win, batch=batch, seed=s.seed, padding_free=False, packing=False, max_length=2048,
-                              optim="adamw_8bit")
-            row = {**win.result(), **peak_gb(), "trainer": used}
+            data = make_samples(prof, s.data_tokens, vocab=vocab_size(job.model), seed=s.seed)
+            used = sft_window(model, tok, data, win, batch=batch, seed=s.seed, padding_free=False, packing=False,
+                              max_length=2048, optim="adamw_8bit")
+            row = {**win.result(data), **peak_gb(), "trainer": used}
         except Exception as e:
             row = error_row(e)
         write(job, workload="fixstars", side="publication", label="Unsloth QLoRA r=8 + TRL SFTTrainer, padded",

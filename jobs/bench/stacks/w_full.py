@@ -39,9 +39,9 @@ def run(s: BenchSettings, job: Job) -> None:
         win = Window(warmup=s.warmup, max_steps=s.max_steps, seconds=s.seconds)
         torch.cuda.reset_peak_memory_stats()
         try:
-            used = sft_window(model, tok, make_samples(prof, s.data_tokens, vocab=vocab_size(job.model), seed=s.seed),
-                              win, batch=4, seed=s.seed, max_length=2048, optim="adamw_8bit")
-            row = {**win.result(), **peak_gb(), "trainer": used, "fits": True}
+            data = make_samples(prof, s.data_tokens, vocab=vocab_size(job.model), seed=s.seed)
+            used = sft_window(model, tok, data, win, batch=4, seed=s.seed, max_length=2048, optim="adamw_8bit")
+            row = {**win.result(data), **peak_gb(), "trainer": used, "fits": True}
         except Exception as e:
             row = {**error_row(e), "fits": False}
         write(job, profile=prof, **head, **row, load_seconds=round(load_s, 1),

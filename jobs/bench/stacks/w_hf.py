@@ -110,7 +110,7 @@ def alpaca(model: Any, s: BenchSettings, job: Job, vocab: int, load_s: float) ->
         tr = trainer(model, train, counts, s, batch=16, max_steps=s.warmup + s.max_steps)
         tr.add_callback(trainer_timer(win, counts))
         tr.train()
-        row = win.result()
+        row = win.result(train)
         eval_s, _ = timed(lambda: tr.evaluate(eval_dataset=as_dataset(evals))) if evals else (0.0, None)
         step_s = row["timed_seconds"] / max(1, row["timed_steps"])
         row.update(job_seconds=round(load_s + steps_total * step_s + s.alpaca_epochs * eval_s, 1),

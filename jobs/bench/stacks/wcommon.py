@@ -129,7 +129,7 @@ def ours_window(model: Any, samples: Sequence[TokenizedSample], s: BenchSettings
                 done = True
                 break
     mem = probe.memory
-    return {"batch": f"packed {budget} tok", **win.result(), **peak_gb(), "token_budget": budget,
+    return {"batch": f"packed {budget} tok", **win.result(samples), **peak_gb(), "token_budget": budget,
             "predicted_peak_gb": round(mem.peak_gb(budget), 2), "probes": probe.probes,
             "memory_model": {"static_gb": round(mem.static_gb, 2), "mb_per_token": round(mem.mb_per_token, 3)}}
 
