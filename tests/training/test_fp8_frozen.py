@@ -1,5 +1,5 @@
 """FP8 for frozen projections no LoRA layer wraps (issue 16): under a q,v adapter (the Exxact recipe's)
-k, o and the MLP are ~91 % of an 8B's matmul FLOPs, and they are frozen too. CPU, emulated matmuls."""
+k, o and the MLP are ~90 % of an 8B's projection FLOPs, and they are frozen too. CPU, emulated matmuls."""
 
 from __future__ import annotations
 

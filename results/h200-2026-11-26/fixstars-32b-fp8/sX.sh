@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# issues 13 and 16: Fixstars' Qwen3-32B workload, ours once per compute (bf16 QLoRA; every frozen projection on FP8)
+# beside the publication's recipe (Unsloth QLoRA through TRL's SFTTrainer, padded batch 32, Unsloth checkpointing),
+# one run, quick windows with 3 warm-up steps (the recipe's padded steps take 9-22 s each).
+set -u
+R=/tmp/sX; mkdir -p $R; cd "$(dirname "$0")/../.."
+exec > $R/driver.log 2>&1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $R/gpu.txt; nproc >> $R/gpu.txt
+echo "=== workloads $(date +%T)"; s=$(date +%s)
+timeout 1100 python3 -m jobs.bench workloads --quick --workloads fixstars --fixstars-archs qwen3-32b \
+  --compute bf16,fp8 --fp8-learnable-steps 0 --warmup 3 --deadline 1050 \
+  --models-dir /tmp/models --state-dir /tmp/stX --out $R/wl > $R/workloads.log 2>&1
+echo "workloads exit $? in $(( $(date +%s) - s )) s"
+cat $R/wl/workloads.md 2>/dev/null
+touch $R/DONE
