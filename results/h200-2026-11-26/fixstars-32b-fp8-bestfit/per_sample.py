@@ -1,9 +1,11 @@
 # ruff: noqa  (a record of how the table below was made: the rows' samples/h again, over each data set's mean)
 """Fixstars' ratio is taken on samples/h. The rows of these runs counted the samples of their timed window
-(the recipe: one or two padded batches of 32; ours: 12-20 packed steps, filled best-fit since `sZ`), which
+(the recipe: one or two padded batches of 32, or 8-20 of 4 for the 8B; ours: 8-20 packed steps, filled best-fit
+since `sZ`), which
 are not the data set's mix of lengths. This recomputes samples/h = real tok/s x 3600 / the mean sample length
 of the data set each side drew from (regenerated with the same generator, sizes and seed), as
-`jobs.bench.measure.Window.result(data)` now does, and prints the ratios.
+`jobs.bench.measure.Window.result(data)` now does (the last run's rows already count that way), and prints
+the ratios.
 
     python results/h200-2026-11-26/fixstars-32b-fp8-bestfit/per_sample.py
 """
@@ -23,12 +25,22 @@ def mean_len(prof: str, n_tokens: int) -> float:
     return sum(s.n_tokens for s in ss) / len(ss)
 
 
+RUNS = (  # under results/: every quick Fixstars run (Qwen3-8B and Qwen3-32B: the same tokenizer size)
+    "h200-2026-11-23/workloads/run1-all",
+    "h200-2026-11-26/fixstars-32b/wl",
+    "h200-2026-11-26/fixstars-32b-fp8/wl",
+    "h200-2026-11-26/fixstars-32b-fp8-bestfit/wl",
+    "h100-2026-11-26/fixstars-8b-fp8-bestfit/wl",
+)
+
+
 def main() -> None:
-    here = Path(__file__).parent.parent
-    for run in ("fixstars-32b", "fixstars-32b-fp8", "fixstars-32b-fp8-bestfit"):
-        rows = [json.loads(x) for x in (here / run / "wl" / "workloads.rows.jsonl").read_text().splitlines() if x]
-        rows = [r for r in rows if r.get("side") in ("publication", "ours") and r.get("real_tok_s")]
-        print(f"## {run}\n\n| side | compute | profile | tok/s | window tok/sample | data set tok/sample | "
+    results = Path(__file__).resolve().parents[2]
+    for run in RUNS:
+        rows = [json.loads(x) for x in (results / run / "workloads.rows.jsonl").read_text().splitlines() if x]
+        rows = [r for r in rows if r.get("workload") == "fixstars" and r.get("side") in ("publication", "ours")
+                and r.get("real_tok_s")]
+        print(f"## {run} ({rows[0].get('arch')}, {rows[0].get('gpu_name')})\n\n| side | compute | profile | tok/s | window tok/sample | data set tok/sample | "
               "samples/h (window) | samples/h (data set) | x recipe (data set) | x recipe tok/s |\n" + "|---" * 10 + "|")
         recipe = {r["profile"]: r for r in rows if r["side"] == "publication"}
         for r in rows:
@@ -37,8 +49,9 @@ def main() -> None:
             sph = r["real_tok_s"] * 3600 / m
             rec = recipe[r["profile"]]
             rec_sph = rec["real_tok_s"] * 3600 / mean_len(r["profile"], QUICK_DATA_TOKENS)
+            window = r.get("window_samples_per_hour", r["samples_per_hour"])
             print(f"| {r['side']} | {r.get('compute') or ('recipe' if r['side'] == 'publication' else 'bf16')} | {r['profile']} | {r['real_tok_s']:,.0f} | "
-                  f"{r['real_tokens'] / max(1, r['samples']):,.0f} | {m:,.1f} | {r['samples_per_hour']:,.0f} | "
+                  f"{r['real_tokens'] / max(1, r['samples']):,.0f} | {m:,.1f} | {window:,.0f} | "
                   f"{sph:,.0f} | {sph / rec_sph:.2f} | {r['real_tok_s'] / rec['real_tok_s']:.2f} |")
         print()
 
