@@ -38,8 +38,9 @@ def packed_batches(samples: Sequence[TokenizedSample], *, tokens_per_step: int,
     each one taken lets the next sample into the window) until none fits. Why not next-fit in order
     (`lookahead=0`): with long samples a row closes on the first that does not fit, and its GEMMs run
     short (Qwen3-32B, 861-token samples, a 2,560-token budget: rows 69 % full). No sample is packed
-    while more than `lookahead` older ones wait, so a deadline's cut still defers the newest; the rows
-    are a function of the samples alone, so a resumed run replays exactly the same batches. A sample
+    while more than `lookahead` older ones wait, so a deadline's cut (the last rows) defers at most
+    `lookahead` samples older than any it keeps; the rows are a function of the samples alone, so a
+    resumed run replays exactly the same batches. A sample
     longer than the budget gets a row of its own (callers cap samples at max_seq_length, and the
     budget is never chosen below it).
     """

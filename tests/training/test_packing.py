@@ -69,7 +69,7 @@ def test_without_lookahead_packing_is_next_fit_in_order():
 def test_best_fit_fills_rows_and_no_sample_jumps_more_than_the_lookahead(lookahead):
     """Long samples against a small budget (a 32B's step on 861-token data): next-fit leaves rows part
     empty; filling from the window leaves them nearly full, and a sample is never packed while more
-    than `lookahead` older ones wait (so a deadline's cut still defers the newest)."""
+    than `lookahead` older ones wait."""
     samples = _samples(3000, seed=4, lo=20, hi=900)
     budget = 2048
     fill = {la: sum(b.real_tokens for b in bs) / (len(bs) * budget)
@@ -252,3 +252,20 @@ def test_controls_leak_across_samples():
         with_cache = float(model(input_ids=ids, labels=labels, position_ids=pos).loss)
     assert abs(packed - no_positions) > 1e-3
     assert abs(packed - with_cache) > 1e-3
+
+
+@pytest.mark.parametrize("lookahead", [0, 16, 256])
+def test_a_deadline_cut_of_best_fit_rows_defers_at_most_the_lookahead_older_than_any_sample_it_keeps(lookahead):
+    """A cut takes the last rows of the first epoch. Every sample it defers was still waiting when the samples
+    it keeps were packed, so for each kept sample at most `lookahead` older ones are deferred (next-fit: none)."""
+    from jobs.training.batch_sequence import samples_to_cut
+
+    samples = _samples(2000, seed=5, lo=20, hi=900)
+    batches = list(packed_batches(samples, tokens_per_step=2048, lookahead=lookahead))
+    total = sum(b.real_tokens for b in batches)
+    cut = set(samples_to_cut(batches, 0, len(batches), rate=1000.0, left=total / 1000.0 * 0.5, epochs=1))
+    assert cut and sum(samples[i].n_tokens for i in cut) >= 0.5 * total
+    older_cut = [sum(1 for c in cut if c < k) for k in range(len(samples)) if k not in cut]
+    assert max(older_cut) <= lookahead
+    if lookahead == 0:
+        assert cut == set(range(min(cut), len(samples)))  # in order: exactly the newest
