@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +43,11 @@ def _dense(kind: str, x: torch.Tensor, ws: list[torch.Tensor], loras: list[tuple
 
 
 def check_kind(kind: str, shapes: list[tuple[int, int]], *, tokens: int = 64, device: str = "cuda",
-               dtype: torch.dtype = torch.bfloat16, rank: int = 16, seed: int = 0,
+               dtype: torch.dtype = torch.bfloat16, rank: int | Sequence[int] = 16, seed: int = 0,
                swiglu: tuple[Callable[..., Any], Callable[..., Any]] | None = None) -> dict[str, float]:
     """Relative errors of one Function (outputs, dx, LoRA grads) against fp32 autograd on the same weights.
-    `shapes`: (out, in) per projection: qkv (q, k, v), o/linear (one), mlp (gate, up, down)."""
+    `shapes`: (out, in) per projection: qkv (q, k, v), o/linear (one), mlp (gate, up, down); `rank`: one
+    for all, or one per projection (PEFT's rank_pattern: a group's LoRA products are one GEMM over them)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def rnd(*shape: int, std: float = 1.0) -> torch.Tensor:
@@ -54,7 +55,8 @@ def check_kind(kind: str, shapes: list[tuple[int, int]], *, tokens: int = 64, de
 
     k_in = shapes[0][1]
     ws = [rnd(n, k, std=0.02) for n, k in shapes]
-    loras = [(rnd(rank, k, std=0.05), rnd(n, rank, std=0.05)) for n, k in shapes]
+    ranks = [rank] * len(shapes) if isinstance(rank, int) else list(rank)
+    loras = [(rnd(r, k, std=0.05), rnd(n, r, std=0.05)) for (n, k), r in zip(shapes, ranks, strict=True)]
     s = 2.0
     x = rnd(1, tokens, k_in)
     ref_in = x.clone().requires_grad_(True)
