@@ -81,23 +81,21 @@ class _Pull:
     token_cache: TokenCache | None = None  # where accepted samples' ids are kept for the night's load
     workers: int = 0  # processes that check a large file's records (jobs/data/parallel.py); 0: this one
     pool: CheckPool | None = None  # started by the first large file, shared by the rest
-    checked_ahead: bool = False  # the file being ingested was checked while the night's process imported
 
     def checked(self, src: SourceConfig, f: InboxFile, fh: IO[bytes], key: str, size: int,
-                lim: Limits) -> Iterator[list[Checked | Stored]]:
+                lim: Limits) -> tuple[Iterator[list[Checked | Stored]], bool]:
         """The file's records checked, chunk by chunk, in order: by the workers if it is large (already, where
-        they checked it ahead: jobs/data/prefetch.py)."""
+        they checked it ahead: jobs/data/prefetch.py); and whether they had."""
         options = check_options(max_seq_length=self.max_seq_length, overlong=self.overlong,
                                 special_tokens=self.special_tokens)
         chunks = chunked(read_stream(fh, f.path.suffix, lim), TOKENIZE_BATCH)  # (read only where iterated)
         if self.workers == 0 or size < PARALLEL_MIN_BYTES:
-            return (check_for_store(c, src, self.tokenizer, **options) for c in chunks)
+            return (check_for_store(c, src, self.tokenizer, **options) for c in chunks), False
         self.pool = self.pool or pool_for(self.tokenizer, self.workers)
         ahead = take(self.pool, f.real, key, src, options, lim)
         if ahead is None:
-            return self.pool.checked(chunks, src, **options)
-        self.checked_ahead = True
-        return ahead.results(fh, self.pool)
+            return self.pool.checked(chunks, src, **options), False
+        return ahead.results(fh, self.pool), True
 
     def reject(self, conn: sqlite3.Connection | None, src: SourceConfig, file: str, raw: RawRecord,
                err: RecordError) -> None:
@@ -190,11 +188,11 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
             return
         counts, reasons = Counter[str](), Counter[str]()
         started, waited = time.monotonic(), [0.0]
-        p.checked_ahead = False
         with ledger.tx() as conn:
             file_id = ledger.record_file(conn, source=src.name, path=f.display, size=st.st_size, mtime=st.st_mtime,
                                          sha256=digest, run_id=p.run_id, stat_key=key)
-            for checked in _timed(p.checked(src, f, fh, key, st.st_size, src.limits(excerpt_bytes)), waited):
+            chunks, checked_ahead = p.checked(src, f, fh, key, st.st_size, src.limits(excerpt_bytes))
+            for checked in _timed(chunks, waited):
                 kept = []
                 for c in checked:
                     counts["records"] += 1
@@ -219,7 +217,7 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
     # where a file's seconds went: reading and checking (by the workers: waiting for them), the rest is the
     # ledger, the quarantine and the token cache, written here
     log.info("file_ingested", source=src.name, file=f.display, **counts, seconds=round(time.monotonic() - started, 2),
-             check_seconds=round(waited[0], 2), workers=_workers_used(p, st.st_size), checked_ahead=p.checked_ahead)
+             check_seconds=round(waited[0], 2), workers=_workers_used(p, st.st_size), checked_ahead=checked_ahead)
     if src.move_processed:
         _move_processed(ledger, src, f, file_id, digest)
 

@@ -164,6 +164,8 @@ class FP8LoraMLP(torch.autograd.Function):
         x2, dy2 = _flat(x), _flat(dy).contiguous()
         dt = x.dtype
         dh = fp8_dgrad((dy2,), down, dt)  # dy Wd
+        # down's LoRA by hand, not _lora_grads: dx's share goes into dh before the SwiGLU backward, its dA and dB
+        # need h, which that backward writes into dh afterwards
         da_, db_ = da.to(dt), db.to(dt)
         y_bd = dy2 @ db_
         dh.addmm_(y_bd, da_, alpha=ds)
