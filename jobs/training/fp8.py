@@ -22,12 +22,14 @@ gradients are ONE GEMM over the concatenated contraction, dx = [dy_q s_q | dy_k 
 (dequantise both fp8 operands, fp32 matmul) that enforces the CUDA kernel's operand rules (row-major
 mat1, column-major mat2, dims divisible by 16, fp32 scales shaped (M, 1) and (1, N)), so a layout or
 scale mistake fails on the CPU as it would on the GPU. The quantisation is one Triton kernel on CUDA
-(jobs/training/fp8_quant_kernel.py; eager it costs ~10x) and runs eagerly if that fails (counted).
+(jobs/training/fp8_quant_kernel.py; eager it costs ~10x), and so is adding a LoRA product into a large
+output (jobs/training/lora_add_kernel.py); each runs eagerly if its kernel fails (counted).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -127,33 +129,30 @@ class _Kernel:
 _TRANSPOSE = _Kernel("transpose_cat", _transpose_cat)
 
 
-class _QuantKernel:
-    """The per-row quantisation: one Triton kernel on CUDA (jobs/training/fp8_quant_kernel.py), the
-    reference off CUDA, under emulation, with NIGHTSHIFT_FP8_EAGER=1, or when the kernel fails (counted)."""
+class _TritonKernel:
+    """A Triton kernel on CUDA (its module imported on first use: Triton may be absent elsewhere), `eager`
+    off CUDA, under emulation, with NIGHTSHIFT_FP8_EAGER=1, or when the kernel fails (then counted)."""
 
-    name = "quant_rows"
-
-    def __init__(self) -> None:
+    def __init__(self, name: str, module: str, eager: Callable[..., Any]) -> None:
+        self.name, self.module, self.eager = name, module, eager
         self.failed: str | None = None
-        self.kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # imported on first use
+        self.kernel: Callable[..., Any] | None = None
 
-    def __call__(self, ts: Sequence[torch.Tensor], scales: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor,
-                                                                                                   torch.Tensor]:
-        if _emulating(ts[0]) or self.failed is not None or os.environ.get("NIGHTSHIFT_FP8_EAGER") == "1":
-            return _quant_eager(ts, scales)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]  # quant_rows takes a sequence
+        if _emulating(first) or self.failed is not None or os.environ.get("NIGHTSHIFT_FP8_EAGER") == "1":
+            return self.eager(*args, **kwargs)
         try:
             if self.kernel is None:
-                from jobs.training.fp8_quant_kernel import quant_rows
-
-                self.kernel = quant_rows
-            return self.kernel(ts, scales)
+                self.kernel = getattr(importlib.import_module(self.module), self.name)
+            return self.kernel(*args, **kwargs)
         except torch.OutOfMemoryError:
             raise
-        except Exception as e:  # no Triton, or its compile failed: the reference computes the same thing
+        except Exception as e:  # no Triton, or its compile failed (before any launch): eager computes the same
             self.failed = f"{type(e).__name__}: {e}"[:400]
             STATS.compile_fallbacks[self.name] = self.failed
             log.warning("fp8_kernel_not_compiled", kernel=self.name, error=self.failed)
-            return _quant_eager(ts, scales)
+            return self.eager(*args, **kwargs)
 
 
 def _quant_eager(ts: Sequence[torch.Tensor], scales: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor,
@@ -163,7 +162,16 @@ def _quant_eager(ts: Sequence[torch.Tensor], scales: Sequence[torch.Tensor] | No
     return quant_rows_ref(torch.cat([t.float() * s for t, s in zip(ts, scales, strict=True)], dim=1))
 
 
-_QUANT = _QuantKernel()
+def lora_add_ref(out: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, alpha: float, *,
+                 b_rows_are_rank: bool = False) -> torch.Tensor:
+    """out += alpha * xa @ B^T with B = b [N, r], or alpha * xa @ b with `b_rows_are_rank` (b [r, N]), by
+    addmm_ (cuBLAS on CUDA)."""
+    return out.addmm_(xa, (b if b_rows_are_rank else b.t()).to(xa.dtype), alpha=alpha)
+
+
+_QUANT = _TritonKernel("quant_rows", "jobs.training.fp8_quant_kernel", _quant_eager)
+# the LoRA products added into base outputs and input gradients (jobs/training/lora_add_kernel.py)
+lora_add_ = _TritonKernel("lora_add_", "jobs.training.lora_add_kernel", lora_add_ref)
 
 
 def quant_x(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,8 @@ the activations' dtype; backward: the base input gradient is one FP8 GEMM per gr
 scales folded into dy, the LoRA gradients and their share of dx in bf16. A group's LoRA products that
 read the same x (q, k, v; gate, up) are one GEMM each (x A^T, dA, dx's LoRA share) instead of one per
 projection: 37 LoRA GEMMs a layer instead of 49, x read once where it was read three times — an 8B step on an
-H200 ran 4.7 % / 4.9 % faster (results/h200-2026-11-26/fp8-lora-grouped/). What is saved for backward is
+H200 ran 4.7 % / 4.9 % faster (results/h200-2026-11-26/fp8-lora-grouped/). Each product is added into its
+[M, N] output by `lora_add_` (a Triton kernel for large outputs, addmm_ otherwise). What is saved for backward is
 what Unsloth saves (x; for the MLP x, e, g): the token budget's memory per token does not change.
 
 Plain LoRA only (one adapter, no dropout, no lora bias, no DoRA): the callers (jobs/training/fp8_unsloth.py)
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from jobs.training.fp8 import STATS, FP8Group, fp8_dgrad, fp8_forward, quant_x
+from jobs.training.fp8 import STATS, FP8Group, fp8_dgrad, fp8_forward, lora_add_, quant_x
 
 _fwd = torch.amp.custom_fwd(device_type="cuda")
 _bwd = torch.amp.custom_bwd(device_type="cuda")
@@ -36,7 +37,7 @@ def _lora_add(outs: Sequence[Tensor], x2: Tensor, As: Sequence[Tensor], Bs: Sequ
     a_cat, ranks = _cat(As, dt)
     xa = x2 @ a_cat.t()  # [M, sum r_i]
     for out, xa_i, b, s in zip(outs, xa.split(ranks, dim=1), Bs, scales, strict=True):
-        out.addmm_(xa_i, b.to(dt).t(), alpha=s)
+        lora_add_(out, xa_i, b, s)
 
 
 def _lora_grads(dys: Sequence[Tensor], x2: Tensor, As: Sequence[Tensor], Bs: Sequence[Tensor],
@@ -49,7 +50,7 @@ def _lora_grads(dys: Sequence[Tensor], x2: Tensor, As: Sequence[Tensor], Bs: Seq
     parts = [(dy @ b.to(dt)).mul_(s) for dy, b, s in zip(dys, Bs, scales, strict=True)]  # s_i dy_i B_i [M, r_i]
     y_b = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     da = list((y_b.t() @ x2).split(ranks))  # s_i (dy_i B_i)^T x
-    dx.addmm_(y_b, a_cat)
+    lora_add_(dx, y_b, a_cat, 1.0, b_rows_are_rank=True)
     xa = x2 @ a_cat.t()
     db = [(dy.t() @ xa_i).mul_(s) for dy, xa_i, s in zip(dys, xa.split(ranks, dim=1), scales, strict=True)]
     return da, db
@@ -168,7 +169,7 @@ class FP8LoraMLP(torch.autograd.Function):
         # need h, which that backward writes into dh afterwards
         da_, db_ = da.to(dt), db.to(dt)
         y_bd = dy2 @ db_
-        dh.addmm_(y_bd, da_, alpha=ds)
+        lora_add_(dh, y_bd, da_, ds, b_rows_are_rank=True)
         h, df, de = ctx.bwd(dh, e, g)  # in place: dh <- h, e <- df (grad of up), g <- de (grad of gate)
         d_da = (y_bd.t() @ h).mul_(ds)
         d_db = (dy2.t() @ (h @ da_.t())).mul_(ds)

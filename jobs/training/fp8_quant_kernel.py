@@ -110,11 +110,19 @@ def quant_rows_amax_scale_cast(out_ptr, out_stride, scale_ptr,
 ONE_LOAD_MAX = 8192  # widest single input read once (measured on the H100: 4096 -> 49 us vs 75 us two-pass)
 
 
-def _launch_shape(widths: Sequence[int]) -> tuple[int, bool]:
-    """(BLOCK, ONE_LOAD) for these input widths (8 warps either way)."""
-    if len(widths) == 1 and widths[0] <= ONE_LOAD_MAX:
-        return max(16, triton.next_power_of_2(widths[0])), True
-    return 4096, False
+def _launch_shape(widths: Sequence[int], scaled: bool) -> tuple[int, bool]:
+    """(BLOCK, ONE_LOAD) for these input widths (8 warps either way).
+
+    Swept on one H100 (results/h100-2026-11-26/quant-lora-kernels/): one unscaled input of a power-of-two
+    width up to 8192 is read once; a padded one (5120 in an 8192 block: 73 against 35 us at 2,560 rows) or
+    a scaled one is not. Otherwise the block follows the narrowest input, whose masked tail a wide block
+    wastes: q/k/v's dgrad operand [4096 | 1024 | 1024] took 177 us in 4096 blocks and 86-93 us in 1024
+    ones."""
+    if len(widths) == 1 and not scaled and widths[0] <= ONE_LOAD_MAX and widths[0] == triton.next_power_of_2(
+            widths[0]):
+        return max(16, widths[0]), True
+    narrowest = min(widths)
+    return (1024 if narrowest < 2048 else 2048 if narrowest < 8192 else 4096), False
 
 
 def quant_rows(ts: Sequence[torch.Tensor], col_scales: Sequence[torch.Tensor] | None = None
@@ -137,7 +145,7 @@ def quant_rows(ts: Sequence[torch.Tensor], col_scales: Sequence[torch.Tensor] | 
     for i in range(MAX_INPUTS):
         j = i if i < n else 0  # unused slots: any valid pointer, width 0
         args += [ts[j], ts[j].stride(0), widths[j] if i < n else 0, scs[j]]
-    block, one_load = _launch_shape(widths)
+    block, one_load = _launch_shape(widths, col_scales is not None)
     quant_rows_amax_scale_cast[(m,)](out, out.stride(0), scale, *args, MIN_AMAX, INV_FMAX, FMAX, NUM=n,
                                      HAS_SCALE=col_scales is not None, BLOCK=block, ONE_LOAD=one_load,
                                      num_warps=8)

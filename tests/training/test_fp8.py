@@ -20,6 +20,7 @@ from jobs.training.fp8 import (
     FP8Base,
     FP8Group,
     fp8_dgrad,
+    lora_add_ref,
     quant_rows_ref,
     rel_error,
     scaled_mm,
@@ -80,6 +81,30 @@ def test_tiny_gradients_are_not_flushed_to_zero():
     dy = torch.randn(8, 64) * 1e-16
     dx = fp8_dgrad((dy,), base.own_group(), torch.float32)
     assert rel_error(dx, dy @ base.dequantized()) < 0.05
+
+
+def test_lora_add_adds_the_scaled_product_of_either_layout():
+    out, xa = torch.randn(5, 7), torch.randn(5, 3)
+    b = torch.randn(7, 3)  # a LoRA B [N, r]
+    assert torch.allclose(lora_add_ref(out.clone(), xa, b, 0.5), out + 0.5 * xa @ b.t())
+    a = torch.randn(3, 7)  # a LoRA A [r, K]: an input gradient's share
+    assert torch.allclose(lora_add_ref(out.clone(), xa, a, 2.0, b_rows_are_rank=True), out + 2.0 * xa @ a)
+
+
+def test_a_kernel_that_cannot_load_falls_back_to_eager_once_and_is_counted(monkeypatch):
+    """Where a Triton kernel would run (CUDA, not emulated) but cannot be imported or compiled, the eager
+    function computes the result, the failure is counted once, and later calls go straight to eager."""
+    import jobs.training.fp8 as f
+
+    monkeypatch.setattr(f, "_emulating", lambda t: False)
+    monkeypatch.setattr(f.STATS, "compile_fallbacks", {})
+    calls = []
+    k = f._TritonKernel("missing", "jobs.training.no_such_kernel", lambda *a, **kw: calls.append((a, kw)) or "eager")
+    x = torch.zeros(2)
+    assert k(x, alpha=1.0) == "eager" and k([x]) == "eager"
+    assert len(calls) == 2 and calls[0][1] == {"alpha": 1.0}
+    assert list(f.STATS.compile_fallbacks) == ["missing"] and "No module named" in f.STATS.compile_fallbacks["missing"]
+    assert k.failed is not None
 
 
 @pytest.mark.parametrize(("kind", "shapes"), [
