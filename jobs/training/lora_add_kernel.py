@@ -4,9 +4,8 @@ Why: in the FP8 Functions (jobs/training/fp8_lora.py) every projection's output,
 gradient, gets its LoRA share added by `addmm_` — a GEMM of inner size r (16) over an [M, N] output it
 reads and writes, memory-bound. cuBLAS ran it at ~1.9 TB/s on one H100 (216 us for the 8B's gate output,
 7,168 x 14,336); this kernel, one [64, 128] tile of out a program with the rank-r product from one
-`tl.dot`, at ~2.7 TB/s (150 us). Below 2^24 elements cuBLAS was faster (its launch is cheaper than
-Triton's: 12 against 20 us at 7,168 x 1,024), so smaller outputs keep `addmm_`
-(results/h100-2026-11-26/quant-lora-kernels/).
+`tl.dot`, at ~2.7 TB/s (150 us). Below 2^24 elements cuBLAS was faster (12 against 20 us at 7,168 x 1,024),
+so smaller outputs keep `addmm_` (results/h100-2026-11-26/quant-lora-kernels/).
 
 The arithmetic is addmm_'s: the rank-r product accumulated in fp32, times alpha, plus out in fp32, rounded
 once to out's dtype; b is cast to xa's dtype first (the callers' `b.to(dt)`).
@@ -21,7 +20,7 @@ import triton.language as tl
 from jobs.training.fp8 import lora_add_ref
 
 MIN_ELEMENTS = 1 << 24  # outputs smaller than this keep cuBLAS's addmm_ (measured, above)
-MAX_RANK = 128  # wider ranks keep addmm_ (the [64, r] and [r, 128] tiles stay in registers below this)
+MAX_RANK = 128  # wider ranks keep addmm_ (the sweep ran ranks up to 64, the GPU tests up to 48)
 BM, BN, WARPS = 64, 128, 8  # within 2 % of the best of 18 tile shapes on every output above 2^24 elements
 
 
