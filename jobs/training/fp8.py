@@ -98,61 +98,42 @@ def _transpose_cat(*ws: torch.Tensor) -> torch.Tensor:
     return cat.t().contiguous().view(E4M3)
 
 
-class _Kernel:
-    """A function torch.compiled on CUDA on first use (dynamic shapes: the tokens per step vary),
-    eager off CUDA, under emulation, or when compiling fails (then counted in STATS)."""
+class _FastPath:
+    """`eager`'s result by a faster function on CUDA, made on first use by `load` (a Triton kernel from its
+    module, imported then: Triton may be absent elsewhere; or `eager` torch.compiled, dynamic shapes: the
+    tokens per step vary); `eager` itself off CUDA, under emulation, with NIGHTSHIFT_FP8_EAGER=1, or once
+    the fast one has failed to load or compile (then counted in STATS)."""
 
-    def __init__(self, name: str, fn: Callable[..., Any]) -> None:
-        self.name, self.fn = name, fn
-        self.compiled: Callable[..., Any] | None = None
+    def __init__(self, name: str, eager: Callable[..., Any], load: Callable[[], Callable[..., Any]]) -> None:
+        self.name, self.eager, self.load = name, eager, load
+        self.fast: Callable[..., Any] | None = None
         self.failed: str | None = None
         self._lock = threading.Lock()
 
-    def __call__(self, *args: torch.Tensor) -> Any:
-        if _emulating(args[0]) or self.failed is not None or os.environ.get("NIGHTSHIFT_FP8_EAGER") == "1":
-            return self.fn(*args)
-        if self.compiled is None:
-            with self._lock:
-                if self.compiled is None:
-                    self.compiled = torch.compile(self.fn, dynamic=True)
-        try:
-            return self.compiled(*args)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:  # compile or codegen failure: the eager function computes the same thing
-            self.failed = f"{type(e).__name__}: {e}"[:400]
-            STATS.compile_fallbacks[self.name] = self.failed
-            log.warning("fp8_kernel_not_compiled", kernel=self.name, error=self.failed)
-            return self.fn(*args)
-
-
-_TRANSPOSE = _Kernel("transpose_cat", _transpose_cat)
-
-
-class _TritonKernel:
-    """A Triton kernel on CUDA (its module imported on first use: Triton may be absent elsewhere), `eager`
-    off CUDA, under emulation, with NIGHTSHIFT_FP8_EAGER=1, or when the kernel fails (then counted)."""
-
-    def __init__(self, name: str, module: str, eager: Callable[..., Any]) -> None:
-        self.name, self.module, self.eager = name, module, eager
-        self.failed: str | None = None
-        self.kernel: Callable[..., Any] | None = None
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]  # quant_rows takes a sequence
+        first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]  # a tensor, or a sequence of them
         if _emulating(first) or self.failed is not None or os.environ.get("NIGHTSHIFT_FP8_EAGER") == "1":
             return self.eager(*args, **kwargs)
         try:
-            if self.kernel is None:
-                self.kernel = getattr(importlib.import_module(self.module), self.name)
-            return self.kernel(*args, **kwargs)
+            if self.fast is None:
+                with self._lock:
+                    if self.fast is None:
+                        self.fast = self.load()
+            return self.fast(*args, **kwargs)
         except torch.OutOfMemoryError:
             raise
-        except Exception as e:  # no Triton, or its compile failed (before any launch): eager computes the same
+        except Exception as e:  # no Triton, or a compile failed (before any launch): eager computes the same
             self.failed = f"{type(e).__name__}: {e}"[:400]
             STATS.compile_fallbacks[self.name] = self.failed
             log.warning("fp8_kernel_not_compiled", kernel=self.name, error=self.failed)
             return self.eager(*args, **kwargs)
+
+
+def _triton(module: str, name: str) -> Callable[[], Callable[..., Any]]:
+    return lambda: getattr(importlib.import_module(module), name)
+
+
+_TRANSPOSE = _FastPath("transpose_cat", _transpose_cat, lambda: torch.compile(_transpose_cat, dynamic=True))
 
 
 def _quant_eager(ts: Sequence[torch.Tensor], scales: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor,
@@ -169,9 +150,9 @@ def lora_add_ref(out: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, alpha: fl
     return out.addmm_(xa, (b if b_rows_are_rank else b.t()).to(xa.dtype), alpha=alpha)
 
 
-_QUANT = _TritonKernel("quant_rows", "jobs.training.fp8_quant_kernel", _quant_eager)
+_QUANT = _FastPath("quant_rows", _quant_eager, _triton("jobs.training.fp8_quant_kernel", "quant_rows"))
 # the LoRA products added into base outputs and input gradients (jobs/training/lora_add_kernel.py)
-lora_add_ = _TritonKernel("lora_add_", "jobs.training.lora_add_kernel", lora_add_ref)
+lora_add_ = _FastPath("lora_add_", lora_add_ref, _triton("jobs.training.lora_add_kernel", "lora_add_"))
 
 
 def quant_x(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

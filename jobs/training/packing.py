@@ -40,9 +40,8 @@ def packed_batches(samples: Sequence[TokenizedSample], *, tokens_per_step: int,
     short (Qwen3-32B, 861-token samples, a 2,560-token budget: rows 69 % full). No sample is packed
     while more than `lookahead` older ones wait, so a deadline's cut (the last rows) defers at most
     `lookahead` samples older than any it keeps; the rows are a function of the samples alone, so a
-    resumed run replays exactly the same batches. A sample
-    longer than the budget gets a row of its own (callers cap samples at max_seq_length, and the
-    budget is never chosen below it).
+    resumed run replays exactly the same batches. A sample longer than the budget gets a row of its own
+    (callers cap samples at max_seq_length, and the budget is never chosen below it).
     """
     if tokens_per_step < 1:
         raise ValueError("tokens_per_step must be >= 1")

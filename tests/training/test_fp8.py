@@ -99,7 +99,8 @@ def test_a_kernel_that_cannot_load_falls_back_to_eager_once_and_is_counted(monke
     monkeypatch.setattr(f, "_emulating", lambda t: False)
     monkeypatch.setattr(f.STATS, "compile_fallbacks", {})
     calls = []
-    k = f._TritonKernel("missing", "jobs.training.no_such_kernel", lambda *a, **kw: calls.append((a, kw)) or "eager")
+    k = f._FastPath("missing", lambda *a, **kw: calls.append((a, kw)) or "eager",
+                    f._triton("jobs.training.no_such_kernel", "missing"))
     x = torch.zeros(2)
     assert k(x, alpha=1.0) == "eager" and k([x]) == "eager"
     assert len(calls) == 2 and calls[0][1] == {"alpha": 1.0}
