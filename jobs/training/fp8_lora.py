@@ -3,12 +3,16 @@
 Each Function computes out = x W^T + S (x A^T) B^T per projection with the base term on FP8
 (jobs/training/fp8.py: one quantisation of x per group, fast-accumulation forward) and the LoRA term in
 the activations' dtype; backward: the base input gradient is one FP8 GEMM per group with the weight
-scales folded into dy, the LoRA gradients and their share of dx in bf16. A group's LoRA products that
-read the same x (q, k, v; gate, up) are one GEMM each (x A^T, dA, dx's LoRA share) instead of one per
-projection: 37 LoRA GEMMs a layer instead of 49, x read once where it was read three times — an 8B step on an
-H200 ran 4.7 % / 4.9 % faster (results/h200-2026-11-26/fp8-lora-grouped/). Each product is added into its
-[M, N] output by `lora_add_` (a Triton kernel for large outputs, addmm_ otherwise). What is saved for backward is
-what Unsloth saves (x; for the MLP x, e, g): the token budget's memory per token does not change.
+scales folded into dy, the LoRA gradients (in the weights' dtype) and their share of dx from bf16 GEMMs.
+A group's LoRA products that read the same x (q, k, v; gate, up) are one GEMM each (x A^T, dA, dx's
+LoRA share) instead of one per projection — an 8B step on an H200 ran 4.7 % / 4.9 % faster
+(results/h200-2026-11-26/fp8-lora-grouped/). Each product is added into its [M, N] output by `lora_add_`
+(a Triton kernel for large outputs, addmm_ otherwise).
+
+Saved for backward: what Unsloth saves (x; for the MLP x, e, g), and per group x A^T [M, sum r] and the LoRA
+weights cast to the activations' dtype (PEFT keeps them fp32 under a quantised base). So the backward neither
+recomputes x A^T nor casts a weight, and cuBLAS writes the fp32 gradients itself: an 8B step made 3,342 launch
+calls instead of 4,910 (results/h200-2026-11-26/fp8-launches/), for ~7 KB more memory per token (of ~3,600).
 
 Plain LoRA only (one adapter, no dropout, no lora bias, no DoRA): the callers (jobs/training/fp8_unsloth.py)
 hand anything else back to Unsloth. Device-agnostic: on the CPU the scaled matmuls are emulated, which
@@ -29,37 +33,56 @@ _bwd = torch.amp.custom_bwd(device_type="cuda")
 Tensor = torch.Tensor
 
 
-def _lora_add(outs: Sequence[Tensor], x2: Tensor, As: Sequence[Tensor], Bs: Sequence[Tensor],
-              scales: Sequence[float]) -> None:
-    """outs[i] [M, N_i] += s_i (x A_i^T) B_i^T, in x's dtype. The group's x A_i^T are one GEMM: x is read
-    once, not once per projection (q, k, v; gate, up)."""
-    dt = x2.dtype
-    a_cat, ranks = _cat(As, dt)
-    xa = x2 @ a_cat.t()  # [M, sum r_i]
-    for out, xa_i, b, s in zip(outs, xa.split(ranks, dim=1), Bs, scales, strict=True):
-        lora_add_(out, xa_i, b, s)
+def _weights(As: Sequence[Tensor], Bs: Sequence[Tensor], dt: torch.dtype) -> tuple[Tensor, list[int], list[Tensor]]:
+    """([A_1; A_2; ...] [sum r_i, K], the ranks, each B_i) in the activations' dtype, made once in the forward and
+    saved for the backward: PEFT keeps LoRA weights in fp32 under a quantised base, and casting them at each use
+    (forward and backward) was ~25 launches a layer."""
+    a_cat = (As[0] if len(As) == 1 else torch.cat(list(As))).to(dt)
+    return a_cat, [a.shape[0] for a in As], [b.to(dt) for b in Bs]
 
 
-def _lora_grads(dys: Sequence[Tensor], x2: Tensor, As: Sequence[Tensor], Bs: Sequence[Tensor],
-                scales: Sequence[float], dx: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-    """(dA_i, dB_i) for out_i = x W_i^T + s_i (x A_i^T) B_i^T, and dx += sum_i s_i (dy_i B_i) A_i. Over the
-    group, dA, dx's LoRA share and the recomputed x A^T are one GEMM each (x read twice, not twice per
-    projection); dB_i stays one per projection (its dy_i is its own)."""
-    dt = dys[0].dtype
-    a_cat, ranks = _cat(As, dt)
-    parts = [(dy @ b.to(dt)).mul_(s) for dy, b, s in zip(dys, Bs, scales, strict=True)]  # s_i dy_i B_i [M, r_i]
-    y_b = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    da = list((y_b.t() @ x2).split(ranks))  # s_i (dy_i B_i)^T x
-    lora_add_(dx, y_b, a_cat, 1.0, b_rows_are_rank=True)
+def _lora_add(outs: Sequence[Tensor], x2: Tensor, a_cat: Tensor, ranks: Sequence[int], bs: Sequence[Tensor],
+              scales: Sequence[float]) -> Tensor:
+    """outs[i] [M, N_i] += s_i (x A_i^T) B_i^T; returns x [A_1; A_2; ...]^T [M, sum r_i] (one GEMM: x is read
+    once, not once per projection), which the backward reuses for dB."""
     xa = x2 @ a_cat.t()
-    db = [(dy.t() @ xa_i).mul_(s) for dy, xa_i, s in zip(dys, xa.split(ranks, dim=1), scales, strict=True)]
+    for out, xa_i, b, s in zip(outs, xa.split(list(ranks), dim=1), bs, scales, strict=True):
+        lora_add_(out, xa_i, b, s)
+    return xa
+
+
+def _lora_grads(dys: Sequence[Tensor], x2: Tensor, xa: Tensor, a_cat: Tensor, ranks: Sequence[int],
+                bs: Sequence[Tensor], scales: Sequence[float], dx: Tensor, dtype: torch.dtype
+                ) -> tuple[list[Tensor], list[Tensor]]:
+    """(dA_i, dB_i) in `dtype` (the LoRA weights') for out_i = x W_i^T + s_i (x A_i^T) B_i^T, and dx += sum_i
+    s_i (dy_i B_i) A_i. Over the group, dA and dx's LoRA share are one GEMM each; dB_i stays one per
+    projection (its dy_i is its own) and reads the forward's x A^T."""
+    m = x2.shape[0]
+    if len(dys) == 1:
+        y_b = _scale(dys[0] @ bs[0], scales[0])  # s dy B [M, r]
+    else:  # each s_i dy_i B_i written into its columns of one [M, sum r_i]: no cat
+        y_b = x2.new_empty(m, sum(ranks))
+        for dy, b, s, part in zip(dys, bs, scales, y_b.split(list(ranks), dim=1), strict=True):
+            _scale(torch.mm(dy, b, out=part), s)
+    da = list(grad_mm(y_b.t(), x2, 1.0, dtype).split(list(ranks)))  # s_i (dy_i B_i)^T x
+    lora_add_(dx, y_b, a_cat, 1.0, b_rows_are_rank=True)
+    db = [grad_mm(dy.t(), xa_i, s, dtype) for dy, xa_i, s in zip(dys, xa.split(list(ranks), dim=1), scales,
+                                                                  strict=True)]
     return da, db
 
 
-def _cat(As: Sequence[Tensor], dt: torch.dtype) -> tuple[Tensor, list[int]]:
-    """[A_1; A_2; ...] [sum r_i, K] in dt, and the ranks."""
-    parts = [a.to(dt) for a in As]
-    return (parts[0] if len(parts) == 1 else torch.cat(parts)), [a.shape[0] for a in As]
+def _scale(t: Tensor, s: float) -> Tensor:
+    """t *= s in place, skipped for LoRA's usual s = alpha / r = 1 (one launch fewer, same result)."""
+    return t if s == 1.0 else t.mul_(s)
+
+
+def grad_mm(a: Tensor, b: Tensor, s: float, dtype: torch.dtype) -> Tensor:
+    """s a @ b in `dtype`, a LoRA weight's gradient: where the weights are fp32 and the operands bf16 (fp16), cuBLAS
+    writes fp32 itself on CUDA (no bf16 rounding of the gradient, no cast launch by autograd); elsewhere the
+    product is cast."""
+    if a.is_cuda and dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
+        return _scale(torch.mm(a, b, out_dtype=torch.float32), s)
+    return _scale((a @ b).to(dtype), s)
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -76,22 +99,23 @@ class FP8LoraQKV(torch.autograd.Function):
         x2 = _flat(x)
         xq, sx = quant_x(x2)
         outs = [fp8_forward(xq, sx, base, x.dtype) for base in group.bases]
-        _lora_add(outs, x2, (qa, ka, va), (qb, kb, vb), (qs, ks, vs))
+        a_cat, ranks, bs = _weights((qa, ka, va), (qb, kb, vb), x.dtype)
+        xa = _lora_add(outs, x2, a_cat, ranks, bs, (qs, ks, vs))
         outs = [o.view(*x.shape[:-1], base.out_features) for o, base in zip(outs, group.bases, strict=True)]
-        ctx.save_for_backward(x, qa, qb, ka, kb, va, vb)
-        ctx.group, ctx.scales = group, (qs, ks, vs)
+        ctx.save_for_backward(x, xa, a_cat, *bs)
+        ctx.group, ctx.scales, ctx.ranks, ctx.dtype = group, (qs, ks, vs), ranks, qa.dtype
         STATS.bump(STATS.fp8_calls, "qkv")
         return outs[0], outs[1], outs[2]
 
     @staticmethod
     @_bwd
     def backward(ctx: Any, dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[Any, ...]:
-        x, qa, qb, ka, kb, va, vb = ctx.saved_tensors
+        x, xa, a_cat, *bs = ctx.saved_tensors
         x2 = _flat(x)
         dys = [(_flat(d) if d is not None else x2.new_zeros(x2.shape[0], base.out_features))
                for d, base in zip((dq, dk, dv), ctx.group.bases, strict=True)]
         dx = fp8_dgrad(dys, ctx.group, x.dtype)
-        das, dbs = _lora_grads(dys, x2, (qa, ka, va), (qb, kb, vb), ctx.scales, dx)
+        das, dbs = _lora_grads(dys, x2, xa, a_cat, ctx.ranks, bs, ctx.scales, dx, ctx.dtype)
         grads: list[Any] = []
         for da, db in zip(das, dbs, strict=True):
             grads += [da, db, None]
@@ -108,19 +132,20 @@ class FP8LoraW(torch.autograd.Function):
         xq, sx = quant_x(x2)
         (base,) = group.bases
         y = fp8_forward(xq, sx, base, x.dtype)
-        _lora_add((y,), x2, (a,), (b,), (s,))
-        ctx.save_for_backward(x, a, b)
-        ctx.group, ctx.s = group, s
+        a_, ranks, bs = _weights((a,), (b,), x.dtype)
+        xa = _lora_add((y,), x2, a_, ranks, bs, (s,))
+        ctx.save_for_backward(x, xa, a_, *bs)
+        ctx.group, ctx.s, ctx.ranks, ctx.dtype = group, s, ranks, a.dtype
         STATS.bump(STATS.fp8_calls, "o")
         return y.view(*x.shape[:-1], base.out_features)
 
     @staticmethod
     @_bwd
     def backward(ctx: Any, dy: Tensor) -> tuple[Any, ...]:
-        x, a, b = ctx.saved_tensors
+        x, xa, a_, b_ = ctx.saved_tensors
         x2, dy2 = _flat(x), _flat(dy)
         dx = fp8_dgrad((dy2,), ctx.group, x.dtype)
-        (da,), (db,) = _lora_grads((dy2,), x2, (a,), (b,), (ctx.s,), dx)
+        (da,), (db,) = _lora_grads((dy2,), x2, xa, a_, ctx.ranks, (b_,), (ctx.s,), dx, ctx.dtype)
         return dx.view(x.shape), None, da, db, None
 
 
@@ -141,40 +166,43 @@ class FP8LoraMLP(torch.autograd.Function):
                 ua: Tensor, ub: Tensor, us: float, da: Tensor, db: Tensor, ds: float, fwd: Swiglu,
                 bwd: SwigluBackward) -> Tensor:
         x2 = _flat(x)
+        dt = x.dtype
         xq, sx = quant_x(x2)
         up, gate = gate_up.bases
-        e = fp8_forward(xq, sx, gate, x.dtype)
-        g = fp8_forward(xq, sx, up, x.dtype)
-        _lora_add((e, g), x2, (ga, ua), (gb, ub), (gs, us))
+        e = fp8_forward(xq, sx, gate, dt)
+        g = fp8_forward(xq, sx, up, dt)
+        gu_a, gu_ranks, gu_bs = _weights((ga, ua), (gb, ub), dt)
+        xa = _lora_add((e, g), x2, gu_a, gu_ranks, gu_bs, (gs, us))
         h = _flat(fwd(e.view(1, -1, e.shape[-1]), g.view(1, -1, g.shape[-1])))
         hq, sh = quant_x(h)
         (dbase,) = down.bases
-        out = fp8_forward(hq, sh, dbase, x.dtype)
-        _lora_add((out,), h, (da,), (db,), (ds,))
-        ctx.save_for_backward(x, e, g, ga, gb, ua, ub, da, db)
-        ctx.groups, ctx.scales, ctx.bwd = (gate_up, down), (gs, us, ds), bwd
+        out = fp8_forward(hq, sh, dbase, dt)
+        d_a, d_ranks, (d_b,) = _weights((da,), (db,), dt)
+        ha = _lora_add((out,), h, d_a, d_ranks, (d_b,), (ds,))
+        ctx.save_for_backward(x, e, g, xa, ha, gu_a, *gu_bs, d_a, d_b)
+        ctx.groups, ctx.scales, ctx.bwd, ctx.ranks, ctx.dtype = (gate_up, down), (gs, us, ds), bwd, gu_ranks, ga.dtype
         STATS.bump(STATS.fp8_calls, "mlp")
         return out.view(*x.shape[:-1], dbase.out_features)
 
     @staticmethod
     @_bwd
     def backward(ctx: Any, dy: Tensor) -> tuple[Any, ...]:
-        x, e, g, ga, gb, ua, ub, da, db = ctx.saved_tensors
+        x, e, g, xa, ha, gu_a, gb_, ub_, d_a, d_b = ctx.saved_tensors
         gate_up, down = ctx.groups
         gs, us, ds = ctx.scales
         x2, dy2 = _flat(x), _flat(dy).contiguous()
         dt = x.dtype
         dh = fp8_dgrad((dy2,), down, dt)  # dy Wd
-        # down's LoRA by hand, not _lora_grads: dx's share goes into dh before the SwiGLU backward, its dA and dB
-        # need h, which that backward writes into dh afterwards
-        da_, db_ = da.to(dt), db.to(dt)
-        y_bd = dy2 @ db_
-        lora_add_(dh, y_bd, da_, ds, b_rows_are_rank=True)
+        # down's LoRA by hand, not _lora_grads: dx's share goes into dh before the SwiGLU backward, its dA
+        # needs h, which that backward writes into dh afterwards
+        y_bd = dy2 @ d_b
+        lora_add_(dh, y_bd, d_a, ds, b_rows_are_rank=True)
         h, df, de = ctx.bwd(dh, e, g)  # in place: dh <- h, e <- df (grad of up), g <- de (grad of gate)
-        d_da = (y_bd.t() @ h).mul_(ds)
-        d_db = (dy2.t() @ (h @ da_.t())).mul_(ds)
+        d_da = grad_mm(y_bd.t(), h, ds, ctx.dtype)
+        d_db = grad_mm(dy2.t(), ha, ds, ctx.dtype)
         dx = fp8_dgrad((df, de), gate_up, dt)
-        (d_ga, d_ua), (d_gb, d_ub) = _lora_grads((de, df), x2, (ga, ua), (gb, ub), (gs, us), dx)
+        (d_ga, d_ua), (d_gb, d_ub) = _lora_grads((de, df), x2, xa, gu_a, ctx.ranks, (gb_, ub_), (gs, us), dx,
+                                                 ctx.dtype)
         return (dx.view(x.shape), None, None, d_ga, d_gb, None, d_ua, d_ub, None, d_da, d_db, None, None, None)
 
 

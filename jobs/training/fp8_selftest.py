@@ -44,10 +44,12 @@ def _dense(kind: str, x: torch.Tensor, ws: list[torch.Tensor], loras: list[tuple
 
 def check_kind(kind: str, shapes: list[tuple[int, int]], *, tokens: int = 64, device: str = "cuda",
                dtype: torch.dtype = torch.bfloat16, rank: int | Sequence[int] = 16, seed: int = 0,
-               swiglu: tuple[Callable[..., Any], Callable[..., Any]] | None = None) -> dict[str, float]:
+               swiglu: tuple[Callable[..., Any], Callable[..., Any]] | None = None,
+               lora_dtype: torch.dtype | None = None) -> dict[str, float]:
     """Relative errors of one Function (outputs, dx, LoRA grads) against fp32 autograd on the same weights.
     `shapes`: (out, in) per projection: qkv (q, k, v), o/linear (one), mlp (gate, up, down); `rank`: one
-    for all, or one per projection (PEFT's rank_pattern: a group's LoRA products are one GEMM over them)."""
+    for all, or one per projection (PEFT's rank_pattern: a group's LoRA products are one GEMM over them);
+    `lora_dtype`: the LoRA weights' (PEFT keeps them fp32 under a quantised base), else `dtype`."""
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def rnd(*shape: int, std: float = 1.0) -> torch.Tensor:
@@ -68,14 +70,15 @@ def check_kind(kind: str, shapes: list[tuple[int, int]], *, tokens: int = 64, de
 
     bases = [FP8Base.from_weight(w.to(dtype)) for w in ws]
     xin = x.to(dtype).requires_grad_(True)
-    params = [(a.to(dtype).requires_grad_(True), b.to(dtype).requires_grad_(True)) for a, b in loras]
+    ld = lora_dtype or dtype
+    params = [(a.to(ld).requires_grad_(True), b.to(ld).requires_grad_(True)) for a, b in loras]
     flat = [t for a, b in params for t in (a, b, s)]
     if kind == "qkv":
         got = FP8LoraQKV.apply(xin, FP8Group(bases, keep_transposed=False), *flat)
     elif kind == "o":
         got = FP8LoraW.apply(xin, FP8Group(bases, keep_transposed=True), *flat)
     elif kind == "linear":
-        got = FP8Linear.apply(xin, bases[0]) + s * (xin @ params[0][0].t()) @ params[0][1].t()
+        got = FP8Linear.apply(xin, bases[0]) + s * (xin @ params[0][0].to(dtype).t()) @ params[0][1].to(dtype).t()
     else:
         fwd, bwd = swiglu or (swiglu_forward_ref, swiglu_backward_ref)
         gate_up = FP8Group([bases[1], bases[0]], keep_transposed=False)
@@ -110,8 +113,17 @@ def signature(unit: Any) -> tuple[str, str, tuple[tuple[int, int], ...]] | None:
     return kind, unit.route, tuple(shapes)
 
 
+def unit_lora_dtype(unit: Any) -> torch.dtype | None:
+    """The dtype of a unit's LoRA weights (PEFT: fp32 under a quantised base), None if it has none."""
+    for _name, proj in unit.projs.values():
+        for a in getattr(proj, "lora_A", {}).values():
+            return a.weight.dtype
+    return None
+
+
 def test_units(units: list[Any], *, device: str = "cuda", swiglu: Any = None) -> dict[tuple[Any, ...], str | None]:
-    """Run check_kind once per distinct signature; signature -> None (fine) or why not."""
+    """Run check_kind once per distinct signature (with the unit's LoRA dtype); signature -> None (fine) or why
+    not."""
     out: dict[tuple[Any, ...], str | None] = {}
     for u in units:
         sig = signature(u)
@@ -123,7 +135,7 @@ def test_units(units: list[Any], *, device: str = "cuda", swiglu: Any = None) ->
                 errs = [verdict("linear", check_kind("linear", [sh], device=device)) for sh in shapes]
                 out[sig] = next((e for e in errs if e), None)
             else:
-                out[sig] = verdict(kind, check_kind(kind, list(shapes), device=device,
+                out[sig] = verdict(kind, check_kind(kind, list(shapes), device=device, lora_dtype=unit_lora_dtype(u),
                                                     swiglu=swiglu if kind == "mlp" else None))
         except torch.OutOfMemoryError:
             raise

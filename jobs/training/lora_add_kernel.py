@@ -24,7 +24,7 @@ MAX_RANK = 128  # wider ranks keep addmm_ (the sweep ran ranks up to 64, the GPU
 BM, BN, WARPS = 64, 128, 8  # within 2 % of the best of 18 tile shapes on every output above 2^24 elements
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m"])  # m, the step's tokens, varies: one compiled variant, not one per m % 16
 def _lora_add_kernel(out_ptr, out_stride, xa_ptr, xa_stride, b_ptr, b_sn, b_sr, m, n, r, alpha,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -134,6 +134,73 @@ def test_a_groups_lora_products_in_one_gemm_keep_each_projections_own_rank(kind,
         assert max(v for k, v in err.items() if k[:2] in ("dA", "dB")) < 1e-5
 
 
+@pytest.mark.parametrize(("kind", "shapes"), [
+    ("qkv", [(64, 64), (32, 64), (32, 64)]),
+    ("o", [(64, 128)]),
+    ("mlp", [(128, 64), (128, 64), (64, 128)]),
+])
+def test_fp32_lora_weights_under_bf16_activations_match_the_reference(kind, shapes):
+    """PEFT keeps LoRA weights in fp32 under a quantised base while the activations are bf16: the Functions cast
+    them once in the forward and give fp32 gradients."""
+    err = check_kind(kind, shapes, device="cpu", dtype=torch.bfloat16, lora_dtype=torch.float32, tokens=48)
+    assert verdict(kind, err) is None, err
+
+
+class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the input shape of every dtype conversion of an fp32 tensor with a rank-sized side (<= 24: a LoRA
+    weight, or a group's A's; the emulated FP8 path's own fp32 casts are [tokens, features], both > 24, or 3-D)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fp32_casts: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._to_copy.default and args[0].dtype == torch.float32 and args[0].dim() == 2 \
+                and min(args[0].shape) <= 24:
+            self.fp32_casts.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("kind", "n_proj"), [("qkv", 3), ("mlp", 3)])
+def test_lora_weights_are_cast_once_in_the_forward_and_never_in_the_backward(kind, n_proj):
+    """Casting fp32 LoRA weights at each use was ~25 launches a layer: a group's A's are concatenated then cast
+    once, each B cast once, and the backward reuses them."""
+    import jobs.training.fp8_lora as fl
+    from jobs.training.fp8_selftest import swiglu_backward_ref, swiglu_forward_ref
+
+    torch.manual_seed(0)
+    k, n = 64, 32
+    shapes = [(n, k)] * 3 if kind == "qkv" else [(128, k), (128, k), (k, 128)]
+    bases = [FP8Base.from_weight(torch.randn(o, i) * 0.02) for o, i in shapes]
+    params = [t for o, i in shapes for t in (torch.randn(8, i, requires_grad=True),
+                                             torch.randn(o, 8, requires_grad=True), 1.0)]
+    x = torch.randn(1, 40, k, dtype=torch.bfloat16, requires_grad=True)
+    fwd, bwd = _Casts(), _Casts()
+    with fwd:
+        if kind == "qkv":
+            outs = fl.FP8LoraQKV.apply(x, FP8Group(bases, keep_transposed=False), *params)
+        else:
+            outs = (fl.FP8LoraMLP.apply(x, FP8Group([bases[1], bases[0]], keep_transposed=False),
+                                        FP8Group([bases[2]], keep_transposed=False), *params,
+                                        swiglu_forward_ref, swiglu_backward_ref),)
+    with bwd:
+        torch.autograd.backward(outs, [torch.randn_like(o) for o in outs])
+    groups = 1 if kind == "qkv" else 2  # q, k, v share one A cast; gate and up one, down its own
+    assert len(fwd.fp32_casts) == groups + n_proj, fwd.fp32_casts
+    assert bwd.fp32_casts == []
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in params if isinstance(p, torch.Tensor))
+
+
+def test_a_lora_gradient_is_the_scaled_product_in_its_weights_dtype():
+    from jobs.training.fp8_lora import grad_mm
+
+    a, b = torch.randn(8, 32, dtype=torch.bfloat16), torch.randn(32, 16, dtype=torch.bfloat16)
+    g = grad_mm(a, b, 2.0, torch.float32)
+    assert g.dtype == torch.float32
+    torch.testing.assert_close(g, (a @ b).float() * 2.0)
+    assert grad_mm(a, b, 1.0, torch.bfloat16).dtype == torch.bfloat16
+
+
 def test_a_wrong_group_order_is_caught_by_the_reference_check(monkeypatch):
     import jobs.training.fp8_lora as fl
 

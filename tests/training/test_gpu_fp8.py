@@ -35,6 +35,42 @@ def test_functions_on_the_card_match_fp32_and_the_emulation(kind, shapes):
 
 
 
+@pytest.mark.parametrize(("kind", "shapes"), [
+    ("qkv", [(4096, 4096), (1024, 4096), (1024, 4096)]),
+    ("mlp", [(14336, 4096), (14336, 4096), (4096, 14336)]),
+])
+def test_fp32_lora_weights_train_through_the_card_without_a_cast_in_the_backward(kind, shapes):
+    """PEFT's fp32 LoRA weights under bf16 activations: within FP8's error of fp32, and the backward converts no
+    dtype (the forward's bf16 copies are reused, cuBLAS writes the fp32 gradients)."""
+    from unsloth.kernels.swiglu import swiglu_DWf_DW_dfg_kernel, swiglu_fg_kernel
+
+    from jobs.training.fp8 import FP8Base, FP8Group
+    from jobs.training.fp8_lora import FP8LoraMLP, FP8LoraQKV
+    from jobs.training.fp8_selftest import check_kind, verdict
+
+    sw = (swiglu_fg_kernel, swiglu_DWf_DW_dfg_kernel) if kind == "mlp" else None
+    err = check_kind(kind, shapes, tokens=1000, swiglu=sw, lora_dtype=torch.float32)
+    assert verdict(kind, err) is None, err
+
+    torch.manual_seed(0)
+    bases = [FP8Base.from_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02) for n, k in shapes]
+    params = [t for n, k in shapes for t in (torch.randn(16, k, device="cuda", requires_grad=True),
+                                             torch.randn(n, 16, device="cuda", requires_grad=True), 1.0)]
+    x = torch.randn(1, 1000, shapes[0][1], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    if kind == "qkv":
+        outs = FP8LoraQKV.apply(x, FP8Group(bases, keep_transposed=False), *params)
+    else:
+        outs = (FP8LoraMLP.apply(x, FP8Group([bases[1], bases[0]], keep_transposed=False),
+                                 FP8Group([bases[2]], keep_transposed=False), *params, *sw),)
+    dys = [torch.randn_like(o) for o in outs]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.autograd.backward(outs, dys)
+        torch.cuda.synchronize()
+    ops = [e.name for e in prof.events()]
+    assert "aten::_to_copy" not in ops, sorted(set(ops))
+    assert all(p.grad.dtype == torch.float32 for p in params if isinstance(p, torch.Tensor))
+
+
 def test_an_unsloth_model_runs_fp8_patched_checked_and_trains(small_model, tmp_path):
     from jobs.training.fp8 import STATS, FP8Base
     from jobs.training.fp8_setup import CAPTURE_TOKENS, Learnable, enable_fp8
