@@ -60,10 +60,21 @@ class StepStat:
     split: bool = False  # retried as two halves after an out-of-memory
 
 
-def _one(model: Any, batch: Batch, device: Any, unsloth: bool, scale: float) -> float:
+def _one(model: Any, batch: Batch, device: Any, unsloth: bool, scale: float) -> Any:
+    """The batch's forward and backward; its loss as a tensor, read after the optimizer step (reading it here
+    would wait for the backward and leave the GPU idle while the host then clips and steps)."""
     out = model(**model_inputs(batch, device, unsloth=unsloth))
     (out.loss * scale).backward()
-    return float(out.loss.detach())
+    return out.loss.detach()
+
+
+def _trainable(model: Any, optimizer: Any) -> list[Any]:
+    """The weights the optimizer steps (its param groups; scanning the model's parameters instead cost
+    milliseconds a step on an 8B), else the model's trainable ones."""
+    groups = getattr(optimizer, "param_groups", None)
+    if groups:
+        return [p for g in groups for p in g["params"]]
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def train_step(
@@ -84,7 +95,7 @@ def train_step(
     unsloth = is_unsloth(model)
     cuda = str(device).startswith("cuda")
     t0 = time.perf_counter()
-    loss = 0.0
+    loss: Any = 0.0
 
     def whole() -> None:
         nonlocal loss
@@ -93,17 +104,17 @@ def train_step(
     halves = whole_or_halves(batch, whole, optimizer, halve=halve, on_event=on_event)
     for h in halves:  # token-weighted, so the step equals the whole batch's step
         w = h.real_tokens / batch.real_tokens
-        loss += w * _one(model, h, device, unsloth, w)
+        loss = loss + w * _one(model, h, device, unsloth, w)
     if max_grad_norm:
-        ps = params if params is not None else [p for p in model.parameters() if p.requires_grad]
-        torch.nn.utils.clip_grad_norm_(ps, max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(params if params is not None else _trainable(model, optimizer), max_grad_norm)
     optimizer.step()
     if scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    value = float(loss)  # waits for the step's work
     if cuda:
         torch.cuda.synchronize()
-    return StepStat(batch.real_tokens, time.perf_counter() - t0, loss, bool(halves))
+    return StepStat(batch.real_tokens, time.perf_counter() - t0, value, bool(halves))
 
 
 def whole_or_halves(batch: Batch, attempt: Callable[[], None], optimizer: Any, *, halve: bool,
