@@ -202,7 +202,7 @@ class Group(Solo):
                              "the ranks' gradients are summed; with [train] gpus > 1 set optimizer_in_backward = "
                              'false (or optimizer = "adamw_8bit" to save memory)')
         t0 = time.perf_counter()
-        ps = params if params is not None else [p for p in model.parameters() if p.requires_grad]
+        ps = params if params is not None else one_step.trainable(optimizer)
         row = rows[self.rank] if self.rank < len(rows) else None
         share = _Share()
         if row is not None:

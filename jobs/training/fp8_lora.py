@@ -10,9 +10,10 @@ LoRA share) instead of one per projection — an 8B step on an H200 ran 4.7 % / 
 (a Triton kernel for large outputs, addmm_ otherwise).
 
 Saved for backward: what Unsloth saves (x; for the MLP x, e, g), and per group x A^T [M, sum r] and the LoRA
-weights cast to the activations' dtype (PEFT keeps them fp32 under a quantised base). So the backward neither
+weights cast to the activations' dtype (PEFT keeps them fp32: its autocast_adapter_dtype). So the backward neither
 recomputes x A^T nor casts a weight, and cuBLAS writes the fp32 gradients itself: an 8B step made 3,342 launch
-calls instead of 4,910 (results/h200-2026-11-26/fp8-launches/), for ~7 KB more memory per token (of ~3,600).
+calls instead of 4,910 (results/h200-2026-11-26/fp8-launches/). Memory: 7 KB a token more by arithmetic; the
+bench's memory line read 3.632 / 3.643 MB a token against 3.627 / 3.639 before.
 
 Plain LoRA only (one adapter, no dropout, no lora bias, no DoRA): the callers (jobs/training/fp8_unsloth.py)
 hand anything else back to Unsloth. Device-agnostic: on the CPU the scaled matmuls are emulated, which
@@ -35,8 +36,8 @@ Tensor = torch.Tensor
 
 def _weights(As: Sequence[Tensor], Bs: Sequence[Tensor], dt: torch.dtype) -> tuple[Tensor, list[int], list[Tensor]]:
     """([A_1; A_2; ...] [sum r_i, K], the ranks, each B_i) in the activations' dtype, made once in the forward and
-    saved for the backward: PEFT keeps LoRA weights in fp32 under a quantised base, and casting them at each use
-    (forward and backward) was ~25 launches a layer."""
+    saved for the backward: PEFT keeps LoRA weights in fp32 (autocast_adapter_dtype), and casting them at each use
+    (forward and backward) was ~25 launches a layer, counted from the code."""
     a_cat = (As[0] if len(As) == 1 else torch.cat(list(As))).to(dt)
     return a_cat, [a.shape[0] for a in As], [b.to(dt) for b in Bs]
 
@@ -57,13 +58,9 @@ def _lora_grads(dys: Sequence[Tensor], x2: Tensor, xa: Tensor, a_cat: Tensor, ra
     """(dA_i, dB_i) in `dtype` (the LoRA weights') for out_i = x W_i^T + s_i (x A_i^T) B_i^T, and dx += sum_i
     s_i (dy_i B_i) A_i. Over the group, dA and dx's LoRA share are one GEMM each; dB_i stays one per
     projection (its dy_i is its own) and reads the forward's x A^T."""
-    m = x2.shape[0]
-    if len(dys) == 1:
-        y_b = _scale(dys[0] @ bs[0], scales[0])  # s dy B [M, r]
-    else:  # each s_i dy_i B_i written into its columns of one [M, sum r_i]: no cat
-        y_b = x2.new_empty(m, sum(ranks))
-        for dy, b, s, part in zip(dys, bs, scales, y_b.split(list(ranks), dim=1), strict=True):
-            _scale(torch.mm(dy, b, out=part), s)
+    y_b = x2.new_empty(x2.shape[0], sum(ranks))  # each s_i dy_i B_i written into its columns: no cat
+    for dy, b, s, part in zip(dys, bs, scales, y_b.split(list(ranks), dim=1), strict=True):
+        _scale(torch.mm(dy, b, out=part), s)
     da = list(grad_mm(y_b.t(), x2, 1.0, dtype).split(list(ranks)))  # s_i (dy_i B_i)^T x
     lora_add_(dx, y_b, a_cat, 1.0, b_rows_are_rank=True)
     db = [grad_mm(dy.t(), xa_i, s, dtype) for dy, xa_i, s in zip(dys, xa.split(list(ranks), dim=1), scales,

@@ -49,7 +49,7 @@ def check_kind(kind: str, shapes: list[tuple[int, int]], *, tokens: int = 64, de
     """Relative errors of one Function (outputs, dx, LoRA grads) against fp32 autograd on the same weights.
     `shapes`: (out, in) per projection: qkv (q, k, v), o/linear (one), mlp (gate, up, down); `rank`: one
     for all, or one per projection (PEFT's rank_pattern: a group's LoRA products are one GEMM over them);
-    `lora_dtype`: the LoRA weights' (PEFT keeps them fp32 under a quantised base), else `dtype`."""
+    `lora_dtype`: the LoRA weights' (PEFT keeps them fp32), else `dtype`."""
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def rnd(*shape: int, std: float = 1.0) -> torch.Tensor:
@@ -114,7 +114,7 @@ def signature(unit: Any) -> tuple[str, str, tuple[tuple[int, int], ...]] | None:
 
 
 def unit_lora_dtype(unit: Any) -> torch.dtype | None:
-    """The dtype of a unit's LoRA weights (PEFT: fp32 under a quantised base), None if it has none."""
+    """The dtype of a unit's LoRA weights (PEFT: fp32), None if it has none."""
     for _name, proj in unit.projs.values():
         for a in getattr(proj, "lora_A", {}).values():
             return a.weight.dtype

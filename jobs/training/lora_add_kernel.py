@@ -8,7 +8,8 @@ reads and writes, memory-bound. cuBLAS ran it at ~1.9 TB/s on one H100 (216 us f
 so smaller outputs keep `addmm_` (results/h100-2026-11-26/quant-lora-kernels/).
 
 The arithmetic is addmm_'s: the rank-r product accumulated in fp32, times alpha, plus out in fp32, rounded
-once to out's dtype; b is cast to xa's dtype first (the callers' `b.to(dt)`).
+once to out's dtype; b is cast to xa's dtype first (a no-op for the FP8 Functions, which pass the bf16
+copies they saved).
 """
 
 from __future__ import annotations

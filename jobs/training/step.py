@@ -68,13 +68,10 @@ def _one(model: Any, batch: Batch, device: Any, unsloth: bool, scale: float) -> 
     return out.loss.detach()
 
 
-def _trainable(model: Any, optimizer: Any) -> list[Any]:
-    """The weights the optimizer steps (its param groups; scanning the model's parameters instead cost
-    milliseconds a step on an 8B), else the model's trainable ones."""
-    groups = getattr(optimizer, "param_groups", None)
-    if groups:
-        return [p for g in groups for p in g["params"]]
-    return [p for p in model.parameters() if p.requires_grad]
+def trainable(optimizer: Any) -> list[Any]:
+    """The weights the optimizer steps, from its param groups: what a step clips, without scanning the
+    model's parameters every step."""
+    return [p for g in optimizer.param_groups for p in g["params"]]
 
 
 def train_step(
@@ -106,7 +103,7 @@ def train_step(
         w = h.real_tokens / batch.real_tokens
         loss = loss + w * _one(model, h, device, unsloth, w)
     if max_grad_norm:
-        torch.nn.utils.clip_grad_norm_(params if params is not None else _trainable(model, optimizer), max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(params if params is not None else trainable(optimizer), max_grad_norm)
     optimizer.step()
     if scheduler is not None:
         scheduler.step()

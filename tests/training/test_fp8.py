@@ -140,7 +140,7 @@ def test_a_groups_lora_products_in_one_gemm_keep_each_projections_own_rank(kind,
     ("mlp", [(128, 64), (128, 64), (64, 128)]),
 ])
 def test_fp32_lora_weights_under_bf16_activations_match_the_reference(kind, shapes):
-    """PEFT keeps LoRA weights in fp32 under a quantised base while the activations are bf16: the Functions cast
+    """PEFT keeps LoRA weights in fp32 while the activations are bf16: the Functions cast
     them once in the forward and give fp32 gradients."""
     err = check_kind(kind, shapes, device="cpu", dtype=torch.bfloat16, lora_dtype=torch.float32, tokens=48)
     assert verdict(kind, err) is None, err
