@@ -21,7 +21,8 @@ and a fresh process frees every byte of VRAM between stacks):
   ours       nightshift: packed rows to a token budget chosen from measured memory under
              max_vram_gb, varlen attention (no cross-sample attention), checkpointing off when it fits;
              one worker per --compute (bf16; fp8: frozen base on FP8 after the numerics check, whose
-             row "numerics" and fp8-layers-<compute>.json it writes; fp8t: FP8 + kept transposed copy)
+             row "numerics" and fp8-layers-<compute>.json it writes, its base an e4m3 copy; fp8-nf4: the
+             base kept in NF4; fp8t: the e4m3 copy and a kept transposed copy)
   moe        (--in-memory) a MoE (GPT-OSS-120B) built random-initialised in GPU memory, NF4, through
              nightshift's MoE path: LoRA on attention + every expert, packed, expert LoRA check, profile
   ours_lora  the same with `[train] method = "lora"` (the base in bf16)

@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-tokens", type=int, default=2048)
     p.add_argument("--ours-ckpt", action="store_true", help="our path with Unsloth checkpointing (large models)")
     p.add_argument("--compute", type=_csv, default=["bf16"],
-                   help="ours: comma-separated bf16, fp8 (frozen base on FP8), fp8t (FP8 + kept transposed copy); "
+                   help="ours: comma-separated bf16, fp8 (frozen base on FP8, an e4m3 copy), fp8-nf4 (kept in "
+                        "NF4), fp8t (the e4m3 copy + a kept transposed copy); "
                         "each in its own process (default: bf16)")
     p.add_argument("--fp8-learnable-steps", type=int, default=30,
                    help="ours fp8: steps per loss curve of the numerics check (0: per-layer errors only)")

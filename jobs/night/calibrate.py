@@ -154,9 +154,11 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     together = group if group.world > 1 else None  # timed steps: one row per rank, the end decided together
     agreed = group.smallest(probe.tokens_per_step or 0)  # [distributed] the step every card holds
     if not agreed:
+        copy = decision is not None and decision.compute == "fp8" and t.fp8_storage == "fp8" and t.quantized_base
         raise ValueError(f"nothing fits under {max_vram:.1f} GB without checkpointing: set [train] "
-                         "gradient_checkpointing = true (or free the card / raise [gpu] max_vram_gb) "
-                         "and calibrate again")
+                         "gradient_checkpointing = true (or free the card / raise [gpu] max_vram_gb"
+                         + (', or keep the FP8 base in 4 bits: [train] fp8_storage = "nf4"' if copy else "")
+                         + ") and calibrate again")
     probe = dataclasses.replace(probe, tokens_per_step=agreed)
     budget = agreed
     rates, profiles = {}, list(PROFILES)

@@ -54,6 +54,11 @@ class TrainConfig(BaseModel):
     fp8_keep_transposed: bool = Field(
         False, description="fp8: keep a transposed FP8 copy of every frozen weight for the backward "
         "(+1 byte per parameter) instead of transposing it in each backward")
+    fp8_storage: Literal["fp8", "nf4"] = Field(
+        "fp8", description="fp8: where the frozen base is held: fp8, an e4m3 copy (1 byte per parameter); nf4, a "
+        "4-bit base kept in NF4 (~0.53 bytes) and dequantised to the same e4m3 values at each use, for a card too "
+        "short of memory for the copy (Qwen3-32B on one H200: under 56 GB only nf4 runs FP8; under 72 GB 1.04x / "
+        "0.99x the copy); a bf16 base gets its e4m3 copy either way")
     optimizer: Literal["auto", "adamw", "adamw_8bit"] = Field(
         "auto", description="adamw: torch AdamW (fused kernel on CUDA); adamw_8bit: bitsandbytes' 8-bit AdamW; "
         "auto: adamw unless full fine-tuning's weights, gradients and states would not fit (jobs/training/optim.py)")
@@ -87,6 +92,9 @@ class TrainConfig(BaseModel):
                              'base): leave load_in_4bit out, or use method = "qlora"')
         if self.method is Method.qlora and self.load_in_4bit is False:
             raise ValueError('[train] load_in_4bit = false: say method = "lora" (LoRA on a 16-bit base) instead')
+        if self.fp8_storage == "nf4" and self.fp8_keep_transposed:
+            raise ValueError('[train] fp8_storage = "nf4" contradicts fp8_keep_transposed = true (the kept copy is '
+                             'e4m3): choose one')
         if self.method is Method.full and "learning_rate" not in self.model_fields_set:
             self.learning_rate = FULL_LEARNING_RATE
         return self

@@ -39,7 +39,8 @@ from typing import Any
 import structlog
 import torch
 
-from jobs.training.fp8_format import ALIGN, E4M3, FMAX, MIN_AMAX
+from jobs.training.fp8_format import ALIGN, E4M3, FMAX
+from jobs.training.fp8_nf4 import NF4Source, nf4_to_fp8_ref, row_scales
 
 log = structlog.get_logger("nightshift.train")
 
@@ -87,7 +88,7 @@ def _emulating(t: torch.Tensor) -> bool:
 def quant_rows_ref(t: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """t [R, C] -> (e4m3 [R, C], fp32 dequant scale [R, 1]); `col_scale` [1, C] multiplies t first."""
     x = t.float() if col_scale is None else t.float() * col_scale
-    s = x.abs().amax(dim=1, keepdim=True).clamp(min=MIN_AMAX) / FMAX
+    s = row_scales(x)
     return (x / s).clamp(-FMAX, FMAX).to(E4M3), s
 
 
@@ -96,6 +97,15 @@ def _transpose_cat(*ws: torch.Tensor) -> torch.Tensor:
     u = [w.view(torch.uint8) for w in ws]
     cat = u[0] if len(u) == 1 else torch.cat(u, dim=0)
     return cat.t().contiguous().view(E4M3)
+
+
+def _first_tensor(args: Sequence[Any]) -> torch.Tensor:
+    """The first argument that is a tensor, or the first item of a sequence of them: where the call runs."""
+    for a in args:
+        t = a[0] if isinstance(a, (list, tuple)) else a
+        if isinstance(t, torch.Tensor):
+            return t
+    raise TypeError("no tensor among the arguments")
 
 
 class _FastPath:
@@ -111,8 +121,7 @@ class _FastPath:
         self._lock = threading.Lock()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]  # a tensor, or a sequence of them
-        if _emulating(first) or self.failed is not None or os.environ.get("NIGHTSHIFT_FP8_EAGER") == "1":
+        if _emulating(_first_tensor(args)) or self.failed is not None or os.environ.get("NIGHTSHIFT_FP8_EAGER") == "1":
             return self.eager(*args, **kwargs)
         try:
             if self.fast is None:
@@ -151,6 +160,8 @@ def lora_add_ref(out: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, alpha: fl
 
 
 _QUANT = _FastPath("quant_rows", _quant_eager, _triton("jobs.training.fp8_quant_kernel", "quant_rows"))
+# an NF4-stored base to e4m3 at each use (jobs/training/fp8_nf4.py)
+_NF4 = _FastPath("nf4_to_fp8", nf4_to_fp8_ref, _triton("jobs.training.nf4_fp8_kernel", "nf4_to_fp8"))
 # the LoRA products added into base outputs and input gradients (jobs/training/lora_add_kernel.py)
 lora_add_ = _FastPath("lora_add_", lora_add_ref, _triton("jobs.training.lora_add_kernel", "lora_add_"))
 
@@ -232,12 +243,20 @@ def shape_supported(out_features: int, in_features: int) -> bool:
 
 class FP8Base(torch.nn.Module):
     """A frozen Linear with an e4m3 weight [N, K] and fp32 per-output-channel scales [N, 1]
-    (transformers' FbgemmFp8Linear layout). Its forward is FP8Linear: FP8 forward and input gradient."""
+    (transformers' FbgemmFp8Linear layout). Its forward is FP8Linear: FP8 forward and input gradient.
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    Storage: the e4m3 weight itself (`weight`), or the NF4 bytes it came from (`nf4`, `weight` None), dequantised
+    straight to the same e4m3 values at each use (jobs/training/fp8_nf4.py)."""
+
+    def __init__(self, weight: torch.Tensor | None, scale: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 nf4: NF4Source | None = None) -> None:
         super().__init__()
-        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if (weight is None) == (nf4 is None):
+            raise ValueError("an FP8Base holds either its e4m3 weight or its NF4 source")
+        n, k = nf4.shape if nf4 is not None else weight.shape  # type: ignore[union-attr]
+        self.out_features, self.in_features = int(n), int(k)
+        self.weight = None if weight is None else torch.nn.Parameter(weight, requires_grad=False)
+        self.nf4 = nf4
         self.weight_scale = torch.nn.Parameter(scale.reshape(-1, 1).float().contiguous(), requires_grad=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._single: FP8Group | None = None  # this projection alone (its own forward's backward)
@@ -247,11 +266,30 @@ class FP8Base(torch.nn.Module):
         q, s = quantize_weight(w)
         return cls(q, s, bias)
 
+    @classmethod
+    def from_nf4(cls, src: NF4Source, w: torch.Tensor, bias: torch.Tensor | None = None) -> FP8Base:
+        """Kept in NF4; `w` is its dequantised weight (bf16 [N, K]), read once for the scales."""
+        return cls(None, row_scales(w), bias, nf4=src)
+
+    def fp8_weight(self) -> torch.Tensor:
+        """The e4m3 weight [N, K]: held, or dequantised from NF4 now."""
+        if self.weight is not None:
+            return self.weight
+        out = torch.empty(self.out_features, self.in_features, dtype=E4M3, device=self.weight_scale.device)
+        return _NF4(self.nf4, self.weight_scale, out)
+
+    def write_transposed(self, out: torch.Tensor) -> None:
+        """W^T into `out` [K, N] (a column slice of a group's [K, sum N])."""
+        if self.weight is not None:
+            out.view(torch.uint8).copy_(self.weight.view(torch.uint8).t())
+        else:
+            _NF4(self.nf4, self.weight_scale, out.t())
+
     def scale_row(self) -> torch.Tensor:
         return self.weight_scale.view(1, -1)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.weight.float() * self.weight_scale).to(dtype)
+        return (self.fp8_weight().float() * self.weight_scale).to(dtype)
 
     def own_group(self, keep_transposed: bool = False) -> FP8Group:
         if self._single is None or (keep_transposed and self._single.weight_t is None):
@@ -263,7 +301,8 @@ class FP8Base(torch.nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8=e4m3 row-wise"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fp8=e4m3 row-wise "
+                f"({'e4m3' if self.nf4 is None else 'NF4, to e4m3 at each use'})")
 
 
 class FP8Group:
@@ -276,10 +315,21 @@ class FP8Group:
             raise ValueError(f"a group's projections must share in_features, got {sorted(ks)}")
         self.bases = tuple(bases)
         self.in_features = ks.pop()
-        self.weight_t = transpose_cat([b.weight for b in bases]) if keep_transposed else None
+        self.weight_t = self._build_transposed() if keep_transposed else None
+
+    def _build_transposed(self) -> torch.Tensor:
+        if all(b.weight is not None for b in self.bases):
+            return transpose_cat([b.weight for b in self.bases])
+        out = torch.empty(self.in_features, sum(b.out_features for b in self.bases), dtype=E4M3,
+                          device=self.bases[0].weight_scale.device)
+        col = 0
+        for b in self.bases:  # NF4 bases dequantised straight into their columns
+            b.write_transposed(out[:, col:col + b.out_features])
+            col += b.out_features
+        return out
 
     def transposed(self) -> torch.Tensor:
-        return self.weight_t if self.weight_t is not None else transpose_cat([b.weight for b in self.bases])
+        return self.weight_t if self.weight_t is not None else self._build_transposed()
 
     @property
     def kept_bytes(self) -> int:
@@ -294,7 +344,7 @@ def fast_accum_forward() -> bool:
 
 def fp8_forward(xq: torch.Tensor, sx: torch.Tensor, base: FP8Base, out_dtype: torch.dtype) -> torch.Tensor:
     """x W^T from the quantised activation: [M, N] in out_dtype."""
-    return scaled_mm(xq, base.weight.t(), sx, base.scale_row(), out_dtype=out_dtype, fast_accum=_FAST_ACCUM)
+    return scaled_mm(xq, base.fp8_weight().t(), sx, base.scale_row(), out_dtype=out_dtype, fast_accum=_FAST_ACCUM)
 
 
 def fp8_dgrad(dys: Sequence[torch.Tensor], group: FP8Group, out_dtype: torch.dtype) -> torch.Tensor:

@@ -14,8 +14,10 @@ FP8 GEMM refuses (in/out features not divisible by 16), or a projection whose me
 the limit stays as it is: a fused unit converts all of its projections or none. Every projection kept
 is counted with its reason.
 
-Memory: e4m3 holds 1 byte per parameter (+4 bytes per output channel) against NF4's ~0.56; the
-transposed copy for the backward (`keep_transposed`) adds 1 byte more. The originals are kept until
+Memory: e4m3 holds 1 byte per parameter (+4 bytes per output channel) against NF4's ~0.53; the
+transposed copy for the backward (`keep_transposed`) adds 1 byte more. With `storage = "nf4"` a base that was
+NF4 stays NF4 (+4 bytes per output channel) and is dequantised to the same e4m3 values at each use
+(jobs/training/fp8_nf4.py); a bf16 base gets its e4m3 copy either way. The originals are kept until
 `commit()` only when asked (`keep_originals`, so that calibrate can revert everything when the check
 fails); otherwise each one is freed as soon as its projection is converted.
 """
@@ -36,6 +38,7 @@ import torch
 from jobs.contract import LayerNumerics
 from jobs.training.compute import MAX_LAYER_ERROR
 from jobs.training.fp8 import FP8Base, FP8Group, shape_supported
+from jobs.training.fp8_nf4 import NF4Source
 from jobs.training.fp8_unsloth import route
 
 log = structlog.get_logger("nightshift.train")
@@ -174,6 +177,7 @@ class Conversion:
     forgets them."""
 
     keep_transposed: bool = False
+    storage: str = "fp8"  # "fp8": an e4m3 copy of every base; "nf4": an NF4 base stays NF4
     keep_originals: bool = False
     check: Check | None = None
     converted: int = 0
@@ -229,7 +233,8 @@ class Conversion:
                 failed.append((name, "base bias in a fused layer"))
                 continue
             with timed(self.seconds, "quantise"):
-                fp8 = FP8Base.from_weight(w, bias).to(w.device)
+                src = NF4Source.from_params4bit(base.weight) if self.storage == "nf4" and from_nf4 else None
+                fp8 = FP8Base.from_nf4(src, w, bias) if src is not None else FP8Base.from_weight(w, bias).to(w.device)
             with timed(self.seconds, "check"):
                 num = self.check(name, w, fp8, from_nf4) if self.check else None
             del w
@@ -301,15 +306,18 @@ def _free() -> None:
 
 
 def base_bytes(model: Any) -> dict[str, float]:
-    """GB held by the frozen projections (under LoRA layers or not): e4m3 weights and scales, kept transposed copies,
-    and whatever the others hold (NF4 packed bytes and their absmax, or bf16)."""
-    fp8 = other = kept = 0
+    """GB held by the frozen projections (under LoRA layers or not): e4m3 weights and scales, FP8 bases kept in NF4,
+    kept transposed copies, and whatever the others hold (NF4 packed bytes and their absmax, or bf16)."""
+    fp8 = fp8_nf4 = other = kept = 0
     groups: set[int] = set()
     for _name, m, _parent, _attr in projection_points(model):
         b = m.base_layer if is_lora_layer(m) else m
         n = sum(t.numel() * t.element_size() for t in [*b.parameters(), *b.buffers()])
         if isinstance(b, FP8Base):
-            fp8 += n
+            if b.nf4 is None:
+                fp8 += n
+            else:
+                fp8_nf4 += n
             for g in (b._single,):
                 if g is not None and id(g) not in groups:
                     groups.add(id(g))
@@ -325,5 +333,6 @@ def base_bytes(model: Any) -> dict[str, float]:
                 if isinstance(g, FP8Group) and id(g) not in groups:
                     groups.add(id(g))
                     kept += g.kept_bytes
-    return {"fp8_gb": round(fp8 / 1e9, 3), "fp8_transposed_gb": round(kept / 1e9, 3),
+    return {"fp8_gb": round(fp8 / 1e9, 3), "fp8_nf4_gb": round(fp8_nf4 / 1e9, 3),
+            "fp8_transposed_gb": round(kept / 1e9, 3),
             "other_gb": round(other / 1e9, 3)}

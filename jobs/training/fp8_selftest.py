@@ -25,6 +25,7 @@ import torch
 from jobs.training.compute import MAX_LAYER_ERROR
 from jobs.training.fp8 import FP8Base, FP8Group, FP8Linear, emulated, rel_error
 from jobs.training.fp8_lora import FP8LoraMLP, FP8LoraQKV, FP8LoraW, swiglu_backward_ref, swiglu_forward_ref
+from jobs.training.fp8_nf4 import NF4Source, bnb_nf4
 
 LORA_TOL = 0.02  # LoRA gradients that do not pass through an FP8 GEMM (q/k/v, o) must match closely
 
@@ -45,11 +46,13 @@ def _dense(kind: str, x: torch.Tensor, ws: list[torch.Tensor], loras: list[tuple
 def check_kind(kind: str, shapes: list[tuple[int, int]], *, tokens: int = 64, device: str = "cuda",
                dtype: torch.dtype = torch.bfloat16, rank: int | Sequence[int] = 16, seed: int = 0,
                swiglu: tuple[Callable[..., Any], Callable[..., Any]] | None = None,
-               lora_dtype: torch.dtype | None = None) -> dict[str, float]:
+               lora_dtype: torch.dtype | None = None,
+               nf4: Callable[[torch.Tensor], tuple[NF4Source, torch.Tensor]] | None = None) -> dict[str, float]:
     """Relative errors of one Function (outputs, dx, LoRA grads) against fp32 autograd on the same weights.
     `shapes`: (out, in) per projection: qkv (q, k, v), o/linear (one), mlp (gate, up, down); `rank`: one
     for all, or one per projection (PEFT's rank_pattern: a group's LoRA products are one GEMM over them);
-    `lora_dtype`: the LoRA weights' (PEFT keeps them fp32), else `dtype`."""
+    `lora_dtype`: the LoRA weights' (PEFT keeps them fp32), else `dtype`; `nf4`: the bases kept in NF4, made by this
+    quantiser (weight -> (its NF4 source, the weight it dequantises to), which the reference then uses)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def rnd(*shape: int, std: float = 1.0) -> torch.Tensor:
@@ -57,6 +60,9 @@ def check_kind(kind: str, shapes: list[tuple[int, int]], *, tokens: int = 64, de
 
     k_in = shapes[0][1]
     ws = [rnd(n, k, std=0.02) for n, k in shapes]
+    srcs = [nf4(w) for w in ws] if nf4 is not None else None
+    if srcs is not None:
+        ws = [dense.float() for _, dense in srcs]
     ranks = [rank] * len(shapes) if isinstance(rank, int) else list(rank)
     loras = [(rnd(r, k, std=0.05), rnd(n, r, std=0.05)) for (n, k), r in zip(shapes, ranks, strict=True)]
     s = 2.0
@@ -68,7 +74,8 @@ def check_kind(kind: str, shapes: list[tuple[int, int]], *, tokens: int = 64, de
     dys = [rnd(*o.shape) for o in outs]
     torch.autograd.backward(outs, dys)
 
-    bases = [FP8Base.from_weight(w.to(dtype)) for w in ws]
+    bases = ([FP8Base.from_weight(w.to(dtype)) for w in ws] if srcs is None else
+             [FP8Base.from_nf4(src, dense) for src, dense in srcs])
     xin = x.to(dtype).requires_grad_(True)
     ld = lora_dtype or dtype
     params = [(a.to(ld).requires_grad_(True), b.to(ld).requires_grad_(True)) for a, b in loras]
@@ -121,9 +128,11 @@ def unit_lora_dtype(unit: Any) -> torch.dtype | None:
     return None
 
 
-def test_units(units: list[Any], *, device: str = "cuda", swiglu: Any = None) -> dict[tuple[Any, ...], str | None]:
-    """Run check_kind once per distinct signature (with the unit's LoRA dtype); signature -> None (fine) or why
-    not."""
+def test_units(units: list[Any], *, device: str = "cuda", swiglu: Any = None,
+               storage: str = "fp8") -> dict[tuple[Any, ...], str | None]:
+    """Run check_kind once per distinct signature (with the unit's LoRA dtype; with `storage = "nf4"` on bases kept
+    in NF4 by bitsandbytes, as the conversion will keep a 4-bit model's); signature -> None (fine) or why not."""
+    nf4 = bnb_nf4 if storage == "nf4" else None
     out: dict[tuple[Any, ...], str | None] = {}
     for u in units:
         sig = signature(u)
@@ -132,11 +141,11 @@ def test_units(units: list[Any], *, device: str = "cuda", swiglu: Any = None) ->
         kind, _route, shapes = sig
         try:
             if kind == "linear":
-                errs = [verdict("linear", check_kind("linear", [sh], device=device)) for sh in shapes]
+                errs = [verdict("linear", check_kind("linear", [sh], device=device, nf4=nf4)) for sh in shapes]
                 out[sig] = next((e for e in errs if e), None)
             else:
                 out[sig] = verdict(kind, check_kind(kind, list(shapes), device=device, lora_dtype=unit_lora_dtype(u),
-                                                    swiglu=swiglu if kind == "mlp" else None))
+                                                    swiglu=swiglu if kind == "mlp" else None, nf4=nf4))
         except torch.OutOfMemoryError:
             raise
         except Exception as e:

@@ -59,7 +59,7 @@ class Fp8Outcome:
 
 
 def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, unsloth: bool,
-               keep_transposed: bool = False, source_dir: Path | None = None,
+               keep_transposed: bool = False, storage: str = "fp8", source_dir: Path | None = None,
                learnable: Learnable | None = None, vocab: int | None = None) -> Fp8Outcome:
     """See the module doc. `tokens`: one row of sample token ids for the capture forward; `source_dir`:
     the checkpoint, whose bf16 weights (if not pre-quantised) give NF4's error next to FP8's."""
@@ -84,7 +84,7 @@ def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, 
         out.conversion["fast_accum_forward"] = fast_accum_forward()
         units = find_units(model)
         with timed(phases, "self_test"):
-            tested = _self_test(units, unsloth) if cuda else {}
+            tested = _self_test(units, unsloth, storage) if cuda else {}
         out.conversion["self_test"] = {f"{k[0]} {list(k[2])}": v or "ok" for k, v in tested.items()}
         bad = {k: v for k, v in tested.items() if v}
         from jobs.training.fp8_selftest import signature
@@ -114,7 +114,7 @@ def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, 
                                                  device=device)
             numerics.lora_restore(model, snap)
         source = numerics.SourceWeights(source_dir) if source_dir is not None else None
-        conv = Conversion(keep_transposed=keep_transposed, keep_originals=learnable is not None,
+        conv = Conversion(keep_transposed=keep_transposed, storage=storage, keep_originals=learnable is not None,
                           check=numerics.layer_check(capture, source))
         with timed(phases, "convert"):
             conv.run(units)
@@ -147,7 +147,8 @@ def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, 
         out.compute = "fp8" if conv is not None and conv.converted else "bf16"
     out.conversion.update(converted=0 if conv is None else conv.converted,
                           fallbacks={} if conv is None else dict(conv.fallbacks),
-                          keep_transposed=keep_transposed, seconds=round(time.perf_counter() - t0, 2),
+                          keep_transposed=keep_transposed, storage=storage,
+                          seconds=round(time.perf_counter() - t0, 2),
                           phase_seconds=phases, convert_seconds={} if conv is None else dict(conv.seconds),
                           **base_bytes(model))
     if cuda:
@@ -156,7 +157,7 @@ def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, 
     return out
 
 
-def _self_test(units: list[Any], unsloth: bool) -> dict[tuple[Any, ...], str | None]:
+def _self_test(units: list[Any], unsloth: bool, storage: str) -> dict[tuple[Any, ...], str | None]:
     from jobs.training.fp8_selftest import test_units
 
     swiglu = None
@@ -164,7 +165,7 @@ def _self_test(units: list[Any], unsloth: bool) -> dict[tuple[Any, ...], str | N
         from unsloth.kernels.swiglu import swiglu_DWf_DW_dfg_kernel, swiglu_fg_kernel
 
         swiglu = (swiglu_fg_kernel, swiglu_DWf_DW_dfg_kernel)
-    return test_units(units, swiglu=swiglu)
+    return test_units(units, swiglu=swiglu, storage=storage)
 
 
 def enable_for_run(model: Any, tokenizer: Any, cfg: Any, *, unsloth: bool, device: str) -> dict[str, Any]:
@@ -172,7 +173,7 @@ def enable_for_run(model: Any, tokenizer: Any, cfg: Any, *, unsloth: bool, devic
     check on the shipped sample data, no loss comparison (calibrate did it); the load info's "fp8"."""
     ids, label = sample_tokens(tokenizer, data_files(None, []), n=CAPTURE_TOKENS)
     out = enable_fp8(model, device=device, tokens=ids, activations=label, unsloth=unsloth,
-                     keep_transposed=cfg.fp8_keep_transposed)
+                     keep_transposed=cfg.fp8_keep_transposed, storage=cfg.fp8_storage)
     info = out.info()
     if out.numerics is not None:
         info["numerics"] = out.numerics.model_dump(mode="json", exclude={"worst"})
@@ -193,6 +194,7 @@ def calibrate_fp8(loaded: Any, cfg: Any, model_path: Path, learnable: Learnable 
     ids, label = sample_tokens(loaded.tokenizer, files, n=CAPTURE_TOKENS)
     out = enable_fp8(loaded.model, device=loaded.device, tokens=ids, activations=label,
                      unsloth=loaded.backend == "unsloth", keep_transposed=cfg.train.fp8_keep_transposed,
+                     storage=cfg.train.fp8_storage,
                      source_dir=model_path, learnable=learnable or Learnable(), vocab=len(loaded.tokenizer))
     n = out.numerics
     passed = out.error is None and out.compute == "fp8" and n is not None and n.passed

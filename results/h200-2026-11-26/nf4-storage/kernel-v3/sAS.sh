@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# issue 16: the NF4 -> e4m3 kernel, third version (per-block absmax, the card's e4m3x2 conversion, 16-bit stores): its
+# GPU tests, its speed against the second and first versions, bitsandbytes' dequantisation and the compiled transpose;
+# then Qwen3-32B (72 GB) bench FP8 kept in NF4 beside FP8 as an e4m3 copy (one run).
+set -u
+R=/tmp/sAS; mkdir -p $R; cd "$(dirname "$0")/../.."
+exec > $R/driver.log 2>&1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $R/gpu.txt; nproc >> $R/gpu.txt; lscpu >> $R/gpu.txt
+cat $R/gpu.txt | head -2
+echo "=== kernel speed $(date +%T)"
+timeout 200 python3 results/tmp/nf4bench.py jobs.training.nf4_fp8_kernel nf4_fp8_kernel_v2 nf4_fp8_kernel_v1 > $R/nf4bench.log 2>&1
+echo "exit $?"; cat $R/nf4bench.log | tail -12
+echo "=== gpu tests $(date +%T)"; s=$(date +%s)
+timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/training/test_gpu_fp8_nf4.py > $R/tests.log 2>&1
+echo "tests exit $? in $(( $(date +%s) - s )) s"; tail -3 $R/tests.log
+echo "=== bench 32B $(date +%T)"; s=$(date +%s)
+timeout 600 python3 -m jobs.bench bench --arch qwen3-32b --build-4bit --stacks ours --compute fp8-nf4,fp8-e4m3 \
+  --max-vram-gb 72 --seconds 15 --warmup 5 --fp8-learnable-steps 0 --models-dir /tmp/models --state-dir /tmp/stAS \
+  --out $R/b32 > $R/bench32.log 2>&1
+echo "bench 32B exit $? in $(( $(date +%s) - s )) s"; grep "^| nightshift" $R/bench32.log
+touch $R/DONE
