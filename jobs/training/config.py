@@ -56,7 +56,7 @@ class TrainConfig(BaseModel):
         "(+1 byte per parameter) instead of transposing it in each backward")
     fp8_storage: Literal["fp8", "nf4"] = Field(
         "fp8", description="fp8: where the frozen base is held: fp8, an e4m3 copy (1 byte per parameter); nf4, a "
-        "4-bit base kept in NF4 (~0.53 bytes) and dequantised to the same e4m3 values at each use, for a card too "
+        "4-bit base kept in NF4 (~0.52 bytes) and dequantised to the same e4m3 values at each use, for a card too "
         "short of memory for the copy (Qwen3-32B on one H200: under 56 GB only nf4 runs FP8; under 72 GB 1.04x / "
         "0.99x the copy); a bf16 base gets its e4m3 copy either way")
     optimizer: Literal["auto", "adamw", "adamw_8bit"] = Field(

@@ -14,7 +14,7 @@ FP8 GEMM refuses (in/out features not divisible by 16), or a projection whose me
 the limit stays as it is: a fused unit converts all of its projections or none. Every projection kept
 is counted with its reason.
 
-Memory: e4m3 holds 1 byte per parameter (+4 bytes per output channel) against NF4's ~0.53; the
+Memory: e4m3 holds 1 byte per parameter (+4 bytes per output channel) against NF4's ~0.52; the
 transposed copy for the backward (`keep_transposed`) adds 1 byte more. With `storage = "nf4"` a base that was
 NF4 stays NF4 (+4 bytes per output channel) and is dequantised to the same e4m3 values at each use
 (jobs/training/fp8_nf4.py); a bf16 base gets its e4m3 copy either way. The originals are kept until

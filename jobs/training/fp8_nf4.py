@@ -1,6 +1,6 @@
 """A frozen base kept in NF4 and dequantised straight to FP8 at each use (`[train] fp8_storage = "nf4"`, issue 16).
 
-An e4m3 copy of the base costs 1 byte a parameter against NF4's ~0.53: Qwen3-32B's 31.2 GB against 16.1. Kept in
+An e4m3 copy of the base costs 1 byte a parameter against NF4's ~0.52 (Qwen3-32B's 31.2 GB against 16.1). Kept in
 NF4, the base leaves that memory to the step; the price is one pass over the packed bytes per use (the forward
 reads [N, K], the input gradient the transposed [K, N], written so by the same kernel: no separate transpose; the
 kernel, jobs/training/nf4_fp8_kernel.py, moves ~500 GB/s). Measured on one H200 (results/h200-2026-11-26/nf4-storage/):
