@@ -91,6 +91,23 @@ def test_the_daemon_and_the_contract_import_no_training_stack():
 GPU_ONLY = ("triton", "unsloth", "bitsandbytes")
 
 
+def test_every_module_imports_on_a_machine_without_the_gpu_libraries():
+    """Triton, Unsloth and bitsandbytes are imported where they are used (a kernel's `_jit()`, the backend's loader),
+    never at module level: a CPU machine (CI) imports every module of daemon/ and jobs/."""
+    import importlib
+
+    failed = []
+    for path in sorted([*(REPO / "jobs").rglob("*.py"), *(REPO / "daemon").rglob("*.py")]):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        if name.endswith("__main__"):
+            continue
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            failed.append(f"{name}: {e}")
+    assert not failed, "\n".join(failed)
+
+
 def top_level_names(path: Path) -> set[str]:
     """What a module defines at its top level, read from its source (it cannot be imported here)."""
     names: set[str] = set()

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from jobs.bench.worker_table import WORKERS
 from jobs.bench.workload_table import WORKLOADS
+from jobs.training.config import FP8Storage
 from jobs.training.synthetic import PROFILES
 
 PEAK_BF16 = 790e12  # dense bf16 FLOP/s measured on these H100/H200 machines (ANCHORS.md)
@@ -23,7 +24,7 @@ PEAKS = {"bf16": {"measured": 790e12, "datasheet": 989.4e12}, "fp8": {"measured"
 # ours: bf16 base; FP8 base (an e4m3 copy, the product's default); FP8 base kept in NF4; the e4m3 copy with a kept
 # transposed copy
 COMPUTES = ("bf16", "fp8", "fp8-nf4", "fp8t")
-FP8_STORAGE = {"fp8": "fp8", "fp8-nf4": "nf4", "fp8t": "fp8"}  # [train] fp8_storage of each
+FP8_STORAGE: dict[str, FP8Storage] = {"fp8": "fp8", "fp8-nf4": "nf4", "fp8t": "fp8"}  # [train] fp8_storage of each
 STACKS = ("ours", "baseline", "unsloth", "trl")  # `bench`'s default: the published comparison
 
 

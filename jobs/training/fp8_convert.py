@@ -37,6 +37,7 @@ import torch
 
 from jobs.contract import LayerNumerics
 from jobs.training.compute import MAX_LAYER_ERROR
+from jobs.training.config import FP8Storage
 from jobs.training.fp8 import FP8Base, FP8Group, shape_supported
 from jobs.training.fp8_nf4 import NF4Source
 from jobs.training.fp8_unsloth import route
@@ -177,7 +178,7 @@ class Conversion:
     forgets them."""
 
     keep_transposed: bool = False
-    storage: str = "fp8"  # "fp8": an e4m3 copy of every base; "nf4": an NF4 base stays NF4
+    storage: FP8Storage = "fp8"  # "fp8": an e4m3 copy of every base; "nf4": an NF4 base stays NF4
     keep_originals: bool = False
     check: Check | None = None
     converted: int = 0

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from jobs.training.compute import MAX_LAYER_ERROR
+from jobs.training.config import FP8Storage
 from jobs.training.fp8 import FP8Base, FP8Group, FP8Linear, emulated, rel_error
 from jobs.training.fp8_lora import FP8LoraMLP, FP8LoraQKV, FP8LoraW, swiglu_backward_ref, swiglu_forward_ref
 from jobs.training.fp8_nf4 import NF4Source, bnb_nf4
@@ -129,7 +130,7 @@ def unit_lora_dtype(unit: Any) -> torch.dtype | None:
 
 
 def test_units(units: list[Any], *, device: str = "cuda", swiglu: Any = None,
-               storage: str = "fp8") -> dict[tuple[Any, ...], str | None]:
+               storage: FP8Storage = "fp8") -> dict[tuple[Any, ...], str | None]:
     """Run check_kind once per distinct signature (with the unit's LoRA dtype; with `storage = "nf4"` on bases kept
     in NF4 by bitsandbytes, as the conversion will keep a 4-bit model's); signature -> None (fine) or why not."""
     nf4 = bnb_nf4 if storage == "nf4" else None

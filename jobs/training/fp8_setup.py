@@ -22,6 +22,7 @@ import structlog
 
 from jobs.contract import FP8Numerics
 from jobs.data.batching import TokenizedSample
+from jobs.training.config import FP8Storage
 from jobs.training.sample_data import data_files, sample_tokens
 
 log = structlog.get_logger("nightshift.train")
@@ -59,7 +60,7 @@ class Fp8Outcome:
 
 
 def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, unsloth: bool,
-               keep_transposed: bool = False, storage: str = "fp8", source_dir: Path | None = None,
+               keep_transposed: bool = False, storage: FP8Storage = "fp8", source_dir: Path | None = None,
                learnable: Learnable | None = None, vocab: int | None = None) -> Fp8Outcome:
     """See the module doc. `tokens`: one row of sample token ids for the capture forward; `source_dir`:
     the checkpoint, whose bf16 weights (if not pre-quantised) give NF4's error next to FP8's."""
@@ -157,7 +158,7 @@ def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, 
     return out
 
 
-def _self_test(units: list[Any], unsloth: bool, storage: str) -> dict[tuple[Any, ...], str | None]:
+def _self_test(units: list[Any], unsloth: bool, storage: FP8Storage) -> dict[tuple[Any, ...], str | None]:
     from jobs.training.fp8_selftest import test_units
 
     swiglu = None

@@ -14,9 +14,10 @@ copies they saved).
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
-import triton
-import triton.language as tl
 
 from jobs.training.fp8 import lora_add_ref
 
@@ -25,20 +26,29 @@ MAX_RANK = 128  # wider ranks keep addmm_ (the sweep ran ranks up to 64, the GPU
 BM, BN, WARPS = 64, 128, 8  # within 2 % of the best of 18 tile shapes on every output above 2^24 elements
 
 
-@triton.jit(do_not_specialize=["m"])  # m, the step's tokens, varies: one compiled variant, not one per m % 16
-def _lora_add_kernel(out_ptr, out_stride, xa_ptr, xa_stride, b_ptr, b_sn, b_sr, m, n, r, alpha,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rr = tl.arange(0, BLOCK_R)
-    in_m, in_n, in_r = rm < m, rn < n, rr < r
-    xa = tl.load(xa_ptr + rm[:, None] * xa_stride + rr[None, :], mask=in_m[:, None] & in_r[None, :], other=0.0)
-    bt = tl.load(b_ptr + rn[None, :] * b_sn + rr[:, None] * b_sr, mask=in_r[:, None] & in_n[None, :], other=0.0)
-    acc = tl.dot(xa, bt.to(xa.dtype))
-    ptrs = out_ptr + rm[:, None] * out_stride + rn[None, :]
-    inside = in_m[:, None] & in_n[None, :]
-    o = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
-    tl.store(ptrs, (o + alpha * acc).to(out_ptr.dtype.element_ty), mask=inside)
+@functools.cache
+def _jit() -> Any:
+    """The kernel, defined on first use: Triton is imported here, so that a machine without it imports this module."""
+    global tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["m"])  # m, the step's tokens, varies: one compiled variant, not one per m % 16
+    def _lora_add_kernel(out_ptr, out_stride, xa_ptr, xa_stride, b_ptr, b_sn, b_sr, m, n, r, alpha,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+        rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rr = tl.arange(0, BLOCK_R)
+        in_m, in_n, in_r = rm < m, rn < n, rr < r
+        xa = tl.load(xa_ptr + rm[:, None] * xa_stride + rr[None, :], mask=in_m[:, None] & in_r[None, :], other=0.0)
+        bt = tl.load(b_ptr + rn[None, :] * b_sn + rr[:, None] * b_sr, mask=in_r[:, None] & in_n[None, :], other=0.0)
+        acc = tl.dot(xa, bt.to(xa.dtype))
+        ptrs = out_ptr + rm[:, None] * out_stride + rn[None, :]
+        inside = in_m[:, None] & in_n[None, :]
+        o = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+        tl.store(ptrs, (o + alpha * acc).to(out_ptr.dtype.element_ty), mask=inside)
+
+    return _lora_add_kernel
 
 
 def takes(out: torch.Tensor, xa: torch.Tensor) -> bool:
@@ -56,7 +66,7 @@ def lora_add_(out: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, alpha: float
     m, n = out.shape
     r = xa.shape[1]
     sn, sr = (b.stride(1), b.stride(0)) if b_rows_are_rank else (b.stride(0), b.stride(1))
-    _lora_add_kernel[(triton.cdiv(m, BM), triton.cdiv(n, BN))](
+    _jit()[(-(-m // BM), -(-n // BN))](
         out, out.stride(0), xa, xa.stride(0), b, sn, sr, m, n, r, float(alpha),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_R=max(16, triton.next_power_of_2(r)), num_warps=WARPS)
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_R=max(16, 1 << (r - 1).bit_length()), num_warps=WARPS)
     return out

@@ -153,3 +153,15 @@ def test_storage_is_a_config_key_an_e4m3_copy_by_default_and_contradictions_are_
         TrainConfig(fp8_storage="nf4", fp8_keep_transposed=True)
     with pytest.raises(ValueError, match="fp8_storage"):
         TrainConfig(fp8_storage="int4")
+
+
+def test_calibrate_names_nf4_storage_only_where_fp8_runs_as_a_copy_of_a_4bit_base():
+    from jobs.night.calibrate import nothing_fits
+    from jobs.training.compute import CalibrationDecision
+
+    fp8, bf16 = CalibrationDecision("fp8", None), CalibrationDecision("bf16", None)
+    msg = nothing_fits(40.0, TrainConfig(), fp8)
+    assert "nothing fits under 40.0 GB" in msg and 'fp8_storage = "nf4"' in msg
+    for t, d in ((TrainConfig(), bf16), (TrainConfig(), None), (TrainConfig(fp8_storage="nf4"), fp8),
+                 (TrainConfig(method="lora"), fp8)):
+        assert "fp8_storage" not in nothing_fits(40.0, t, d)
