@@ -154,7 +154,7 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     together = group if group.world > 1 else None  # timed steps: one row per rank, the end decided together
     agreed = group.smallest(probe.tokens_per_step or 0)  # [distributed] the step every card holds
     if not agreed:
-        raise ValueError(nothing_fits(max_vram, t, decision))
+        raise ValueError(nothing_fits(max_vram, t, decision, None if fp8 is None else fp8.conversion.get("storage")))
     probe = dataclasses.replace(probe, tokens_per_step=agreed)
     budget = agreed
     rates, profiles = {}, list(PROFILES)
@@ -205,10 +205,11 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     return CalibrationRecord.model_validate(record.model_dump()), rates[slow]
 
 
-def nothing_fits(max_vram: float, t: Any, decision: Any) -> str:
-    """What to do when not even a `max_seq_length` step fits: with FP8 as an e4m3 copy of a 4-bit base, keeping the
-    base in NF4 (`fp8_storage = "nf4"`) is one more way, which frees ~0.5 bytes a parameter."""
-    copy = decision is not None and decision.compute == "fp8" and t.fp8_storage == "fp8" and t.quantized_base
+def nothing_fits(max_vram: float, t: Any, decision: Any, storage: str | None) -> str:
+    """What to do when not even a `max_seq_length` step fits: with FP8 as an e4m3 copy (`storage`, what the check
+    held the bases in) of a 4-bit base, keeping the base in NF4 (`fp8_storage = "nf4"`) is one more way, which frees
+    ~0.5 bytes a parameter."""
+    copy = decision is not None and decision.compute == "fp8" and storage == "fp8" and t.quantized_base
     return (f"nothing fits under {max_vram:.1f} GB without checkpointing: set [train] gradient_checkpointing = true "
             "(or free the card / raise [gpu] max_vram_gb"
             + (', or keep the FP8 base in 4 bits: [train] fp8_storage = "nf4"' if copy else "")

@@ -93,7 +93,7 @@ def throughput_key(cfg: NightConfig, fingerprint: str, backend: str, device: str
         "batching": t.batching, "tokens_per_step": t.tokens_per_step, "max_vram_gb": cfg.gpu.max_vram_gb}
     if t.compute != "auto" or t.fp8_keep_transposed:  # issue 16; the default keeps the keys measured before it
         parts.update(compute=t.compute, fp8_keep_transposed=t.fp8_keep_transposed)
-    if t.fp8_storage != "fp8":
+    if t.fp8_storage != "auto":  # the default keeps the keys measured before it (when the copy was the default)
         parts.update(fp8_storage=t.fp8_storage)
     if t.method is not Method.qlora:  # qlora's keys stay what they were: its measured history still counts
         parts.update(method=t.method.value, optimizer=t.optimizer, in_backward=t.optimizer_in_backward)

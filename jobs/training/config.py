@@ -11,7 +11,8 @@ from jobs.data.render import OverlongPolicy, SpecialTokens
 from jobs.training.topology import DistributedConfig
 
 FULL_LEARNING_RATE = 2e-5  # full fine-tuning's default: every weight moves, so ten times smaller than LoRA's
-FP8Storage = Literal["fp8", "nf4"]  # [train] fp8_storage: an e4m3 copy of the frozen base, or its NF4 bytes kept
+FP8Storage = Literal["fp8", "nf4"]  # where an FP8 frozen base is held: an e4m3 copy, or its NF4 bytes kept
+FP8StorageChoice = Literal["auto", "fp8", "nf4"]  # [train] fp8_storage: auto decides per model and memory budget
 
 class TrainConfig(BaseModel):
     """[train]"""
@@ -54,11 +55,12 @@ class TrainConfig(BaseModel):
     fp8_keep_transposed: bool = Field(
         False, description="fp8: keep a transposed FP8 copy of every frozen weight for the backward "
         "(+1 byte per parameter) instead of transposing it in each backward")
-    fp8_storage: FP8Storage = Field(
-        "fp8", description="fp8: where the frozen base is held: fp8, an e4m3 copy (1 byte per parameter); nf4, a "
-        "4-bit base kept in NF4 (~0.52 bytes) and dequantised to the same e4m3 values at each use, for a card too "
-        "short of memory for the copy (Qwen3-32B on one H200: under 56 GB only nf4 runs FP8; under 72 GB 1.04x / "
-        "0.99x the copy); a bf16 base gets its e4m3 copy either way")
+    fp8_storage: FP8StorageChoice = Field(
+        "auto", description="fp8: where the frozen base is held: fp8, an e4m3 copy (1 byte per parameter); nf4, a "
+        "4-bit base kept in NF4 (~0.52 bytes) and dequantised to the same e4m3 values at each use; auto: nf4 where "
+        "the copy of the NF4 bases would take over 30 % of [gpu] max_vram_gb (else of the card's memory), the copy "
+        "otherwise (jobs/training/fp8_convert.py's choose_storage says what was measured); a bf16 base gets its "
+        "e4m3 copy either way")
     optimizer: Literal["auto", "adamw", "adamw_8bit"] = Field(
         "auto", description="adamw: torch AdamW (fused kernel on CUDA); adamw_8bit: bitsandbytes' 8-bit AdamW; "
         "auto: adamw unless full fine-tuning's weights, gradients and states would not fit (jobs/training/optim.py)")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -37,9 +38,9 @@ import torch
 
 from jobs.contract import LayerNumerics
 from jobs.training.compute import MAX_LAYER_ERROR
-from jobs.training.config import FP8Storage
+from jobs.training.config import FP8Storage, FP8StorageChoice
 from jobs.training.fp8 import FP8Base, FP8Group, shape_supported
-from jobs.training.fp8_nf4 import NF4Source
+from jobs.training.fp8_nf4 import NF4Source, kept_in_nf4
 from jobs.training.fp8_unsloth import route
 
 log = structlog.get_logger("nightshift.train")
@@ -170,6 +171,33 @@ def not_plain(proj: Any) -> str | None:
     if len(getattr(proj, "lora_magnitude_vector", None) or {}):
         return "DoRA"
     return None
+
+
+NF4_WHEN_COPY_OVER = 0.30  # "auto": NF4 storage where the e4m3 copy would take more of the card's budget than this
+
+
+def choose_storage(choice: FP8StorageChoice, units: list[Unit], *, keep_transposed: bool,
+                   cap_gb: float | None) -> tuple[FP8Storage, str]:
+    """Where the FP8 bases are held, and why. "auto": the NF4 bases stay NF4 where their e4m3 copy (1 byte a parameter)
+    would take more than NF4_WHEN_COPY_OVER of `cap_gb` (the [gpu] max_vram_gb cap, else the card's memory: the
+    same on the calibrate and the night of one throughput key, which holds the cap), else the copy. Measured on one
+    H200 with the table-lookup kernel (results/h200-2026-11-26/nf4-lookup/): Qwen3-32B under 72 GB, its copy 31 GB
+    (43 %): NF4's 3,584-token steps 5,031 / 5,055 tok/s against the copy's 2,304-token 4,844 / 4,294 (calibrate); the
+    8B under 40 GB, its copy 7 GB (17 %): the copy 22,114 / 20,466 against NF4's 19,540 / 20,159 (bench)."""
+    if choice != "auto":
+        return choice, "from [train] fp8_storage"
+    if keep_transposed:
+        return "fp8", "auto: fp8_keep_transposed keeps an e4m3 copy"
+    weights = [getattr(p.base_layer, "weight", None) for u in units if u.route != "blocked"
+               for _, p in u.projs.values()]
+    copy = sum(math.prod(w.quant_state.shape) for w in weights if kept_in_nf4(w))
+    if not copy or not cap_gb:
+        return "fp8", "auto: no NF4 base" if not copy else "auto: the card's memory is not known"
+    share = copy / 1e9 / cap_gb
+    over = share > NF4_WHEN_COPY_OVER
+    return ("nf4" if over else "fp8"), (f"auto: an e4m3 copy of the NF4 bases would take {copy / 1e9:.3g} GB, "
+                                        f"{share:.0%} of {cap_gb:g} GB ({'over' if over else 'not over'} "
+                                        f"{NF4_WHEN_COPY_OVER:.0%})")
 
 
 @dataclass

@@ -3,10 +3,11 @@
 An e4m3 copy of the base costs 1 byte a parameter against NF4's ~0.52 (Qwen3-32B's 31.2 GB against 16.1). Kept in
 NF4, the base leaves that memory to the step; the price is one pass over the packed bytes per use (the forward
 reads [N, K], the input gradient the transposed [K, N], written so by the same kernel: no separate transpose; the
-kernel, jobs/training/nf4_fp8_kernel.py, moves ~500 GB/s). Measured on one H200 (results/h200-2026-11-26/nf4-storage/):
-under `max_vram_gb = 56` the copy leaves no room for a 2,048-token step and NF4 storage trains FP8 at 3,993 tok/s
-against bf16 QLoRA's 3,803; under 72 GB its 3,328-token steps ran 4,725 / 4,418 tok/s against the copy's 2,304-token
-4,561 / 4,476. So the copy stays the default and NF4 is for a card short of memory.
+kernel, jobs/training/nf4_fp8_kernel.py, moves ~1,300-1,600 GB/s). Measured on H200s: under `max_vram_gb = 56` the
+copy leaves no room for a 2,048-token step and NF4 storage trains FP8 at 3,993 tok/s against bf16 QLoRA's 3,803
+(results/h200-2026-11-26/nf4-storage/, an earlier kernel); under 72 GB its 3,584-token steps ran 5,031 / 5,055 tok/s
+against the copy's 2,304-token 4,844 / 4,294 (results/h200-2026-11-26/nf4-lookup/). Which one a run uses:
+`choose_storage` in jobs/training/fp8_convert.py.
 
 The values are exactly those of the e4m3 copy: bitsandbytes' dequantisation (code[nibble] * absmax in fp32, rounded
 to bf16; a nested absmax is code2[byte] * absmax2[block] + offset, in fp32) divided by the per-output-channel scale
@@ -53,10 +54,9 @@ class NF4Source(torch.nn.Module):
     def from_params4bit(cls, weight: Any) -> NF4Source | None:
         """From a bitsandbytes Params4bit with its quant_state (NF4 dequantising to bf16, as a bf16 model's layers
         do); None for anything else (that base gets its e4m3 copy)."""
-        qs = getattr(weight, "quant_state", None)
-        if (qs is None or getattr(qs, "quant_type", None) != "nf4" or len(qs.shape) != 2
-                or getattr(qs, "dtype", torch.bfloat16) != torch.bfloat16):
+        if not kept_in_nf4(weight):
             return None
+        qs = weight.quant_state
         nested = None
         if getattr(qs, "nested", False):
             s2 = qs.state2
@@ -79,6 +79,13 @@ class NF4Source(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"shape={self.shape}, blocksize={self.blocksize}, nested={self.nested}"
+
+
+def kept_in_nf4(weight: Any) -> bool:
+    """Whether NF4 storage can keep this weight as it is: a bitsandbytes NF4 [N, K] dequantising to bf16."""
+    qs = getattr(weight, "quant_state", None)
+    return (qs is not None and getattr(qs, "quant_type", None) == "nf4" and len(qs.shape) == 2
+            and getattr(qs, "dtype", torch.bfloat16) == torch.bfloat16)
 
 
 def row_scales(w: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import structlog
 
 from jobs.contract import FP8Numerics
 from jobs.data.batching import TokenizedSample
-from jobs.training.config import FP8Storage
+from jobs.training.config import FP8Storage, FP8StorageChoice
 from jobs.training.sample_data import data_files, sample_tokens
 
 log = structlog.get_logger("nightshift.train")
@@ -60,19 +60,22 @@ class Fp8Outcome:
 
 
 def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, unsloth: bool,
-               keep_transposed: bool = False, storage: FP8Storage = "fp8", source_dir: Path | None = None,
-               learnable: Learnable | None = None, vocab: int | None = None) -> Fp8Outcome:
-    """See the module doc. `tokens`: one row of sample token ids for the capture forward; `source_dir`:
-    the checkpoint, whose bf16 weights (if not pre-quantised) give NF4's error next to FP8's."""
+               keep_transposed: bool = False, storage: FP8StorageChoice = "auto", cap_gb: float | None = None,
+               source_dir: Path | None = None, learnable: Learnable | None = None,
+               vocab: int | None = None) -> Fp8Outcome:
+    """See the module doc. `tokens`: one row of sample token ids for the capture forward; `storage` "auto" is decided
+    against `cap_gb` ([gpu] max_vram_gb; None: the card's memory); `source_dir`: the checkpoint, whose bf16 weights
+    (if not pre-quantised) give NF4's error next to FP8's."""
     import torch
 
     from jobs.training import fp8_unsloth, numerics
-    from jobs.training.fp8_convert import Conversion, base_bytes, find_units, timed
+    from jobs.training.fp8_convert import Conversion, base_bytes, choose_storage, find_units, timed
 
     t0 = time.perf_counter()
     phases: dict[str, float] = {}
     out = Fp8Outcome("bf16", None)
     conv: Conversion | None = None
+    held: FP8Storage | None = None  # the storage `storage` came to
     cuda = str(device).startswith("cuda")
     alloc0 = torch.cuda.memory_allocated() if cuda else 0
     try:
@@ -84,8 +87,12 @@ def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, 
 
         out.conversion["fast_accum_forward"] = fast_accum_forward()
         units = find_units(model)
+        if cap_gb is None and cuda:
+            cap_gb = torch.cuda.get_device_properties(torch.device(device)).total_memory / 1e9
+        held, out.conversion["storage_why"] = choose_storage(storage, units, keep_transposed=keep_transposed,
+                                                             cap_gb=cap_gb)
         with timed(phases, "self_test"):
-            tested = _self_test(units, unsloth, storage) if cuda else {}
+            tested = _self_test(units, unsloth, held) if cuda else {}
         out.conversion["self_test"] = {f"{k[0]} {list(k[2])}": v or "ok" for k, v in tested.items()}
         bad = {k: v for k, v in tested.items() if v}
         from jobs.training.fp8_selftest import signature
@@ -115,7 +122,7 @@ def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, 
                                                  device=device)
             numerics.lora_restore(model, snap)
         source = numerics.SourceWeights(source_dir) if source_dir is not None else None
-        conv = Conversion(keep_transposed=keep_transposed, storage=storage, keep_originals=learnable is not None,
+        conv = Conversion(keep_transposed=keep_transposed, storage=held, keep_originals=learnable is not None,
                           check=numerics.layer_check(capture, source))
         with timed(phases, "convert"):
             conv.run(units)
@@ -148,7 +155,7 @@ def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, 
         out.compute = "fp8" if conv is not None and conv.converted else "bf16"
     out.conversion.update(converted=0 if conv is None else conv.converted,
                           fallbacks={} if conv is None else dict(conv.fallbacks),
-                          keep_transposed=keep_transposed, storage=storage,
+                          keep_transposed=keep_transposed, storage=held,
                           seconds=round(time.perf_counter() - t0, 2),
                           phase_seconds=phases, convert_seconds={} if conv is None else dict(conv.seconds),
                           **base_bytes(model))
@@ -169,12 +176,14 @@ def _self_test(units: list[Any], unsloth: bool, storage: FP8Storage) -> dict[tup
     return test_units(units, swiglu=swiglu, storage=storage)
 
 
-def enable_for_run(model: Any, tokenizer: Any, cfg: Any, *, unsloth: bool, device: str) -> dict[str, Any]:
+def enable_for_run(model: Any, tokenizer: Any, cfg: Any, *, unsloth: bool, device: str,
+                   cap_gb: float | None) -> dict[str, Any]:
     """The night's FP8 (StepShape.compute == "fp8", decided from the config and calibration): per-layer
-    check on the shipped sample data, no loss comparison (calibrate did it); the load info's "fp8"."""
+    check on the shipped sample data, no loss comparison (calibrate did it); the load info's "fp8". `cap_gb`: [gpu]
+    max_vram_gb, which calibrate's check decides "auto" storage against too."""
     ids, label = sample_tokens(tokenizer, data_files(None, []), n=CAPTURE_TOKENS)
     out = enable_fp8(model, device=device, tokens=ids, activations=label, unsloth=unsloth,
-                     keep_transposed=cfg.fp8_keep_transposed, storage=cfg.fp8_storage)
+                     keep_transposed=cfg.fp8_keep_transposed, storage=cfg.fp8_storage, cap_gb=cap_gb)
     info = out.info()
     if out.numerics is not None:
         info["numerics"] = out.numerics.model_dump(mode="json", exclude={"worst"})
@@ -195,7 +204,7 @@ def calibrate_fp8(loaded: Any, cfg: Any, model_path: Path, learnable: Learnable 
     ids, label = sample_tokens(loaded.tokenizer, files, n=CAPTURE_TOKENS)
     out = enable_fp8(loaded.model, device=loaded.device, tokens=ids, activations=label,
                      unsloth=loaded.backend == "unsloth", keep_transposed=cfg.train.fp8_keep_transposed,
-                     storage=cfg.train.fp8_storage,
+                     storage=cfg.train.fp8_storage, cap_gb=cfg.gpu.max_vram_gb,
                      source_dir=model_path, learnable=learnable or Learnable(), vocab=len(loaded.tokenizer))
     n = out.numerics
     passed = out.error is None and out.compute == "fp8" and n is not None and n.passed

@@ -12,16 +12,19 @@ but dequantises the weight for the input gradient, which is half of the frozen b
 So a replacement base module alone is not enough on Unsloth's fast path: we replace those three instance
 attributes with `fp8_apply_qkv` / `fp8_apply_o` / `fp8_apply_mlp`. They run our FP8 Functions
 (jobs/training/fp8_lora.py: forward AND input gradient on FP8) when the layer's projections were
-converted (the parent holds its FP8Groups) and its LoRA is plain — Unsloth's own checks: one adapter, no
-dropout, no lora bias, no DoRA or QAT —, and otherwise call the function that was there (counted in
-STATS.native_calls with the reason). Instance attributes, not module globals: the patch stays with the
-model it was applied to. Versioned like `enable_varlen_attention`: only Unsloth 2026.10.9 and only when
-every name we rely on exists ("patched"); else "unavailable", and the projections those functions serve
-are not converted (they stay NF4/bf16, counted). Where a model runs PEFT's own forwards (no fused
+converted (the parent holds its FP8Groups) and its LoRA is plain — Unsloth's own checks: one adapter, no dropout, no
+lora bias, no DoRA or QAT —; otherwise (the adapter switched off to score the base, say) they call the projections as
+modules (counted in STATS.native_calls with the reason): PEFT's forward over the FP8Base modules. Never the function
+that was there once the layer is converted: it reads `base_layer.weight` as a dense weight, which an FP8Base does not
+hold as Unsloth expects (kept in NF4 it holds none: the first Qwen3-32B night on an H200 failed there, scoring the
+base with the adapter off). An unconverted layer keeps Unsloth's. Instance attributes, not module globals: the patch
+stays with the model it was applied to. Versioned like `enable_varlen_attention`: only Unsloth 2026.10.9 and only
+when every name we rely on exists ("patched"); else "unavailable", and the projections those functions serve are not
+converted (they stay NF4/bf16, counted). Where a model runs PEFT's own forwards (no fused
 layer), nothing needs patching ("native"): the FP8Base module's forward is the FP8 Function.
 
-During activation capture (numerics), the patched functions call the projections as modules instead,
-so forward pre-hooks see every projection's input.
+During activation capture (numerics), the patched functions call the projections as modules too, so forward
+pre-hooks see every projection's input.
 """
 
 from __future__ import annotations
@@ -108,76 +111,73 @@ def _lora(proj: Any) -> tuple[Any, Any, float]:
     return proj.lora_A[adapter].weight, proj.lora_B[adapter].weight, proj.scaling[adapter]
 
 
-def _failed(parent: Any, attr: str, kind: str, e: Exception) -> None:
-    """An FP8 forward raised (the load-time self-test should make this impossible): this layer goes back
-    to the function Unsloth shipped, for good, and the run goes on."""
+def _by_modules(parent: Any, kind: str) -> bool:
+    """Whether this layer runs its projections as modules: while capturing, or for good after its Function raised."""
+    return _capture() or parent.__dict__.get(f"_ns_modules_{kind}", False)
+
+
+def _failed(parent: Any, kind: str, e: Exception) -> None:
+    """A fused FP8 Function raised (the load-time self-test should make this impossible): this layer runs its
+    projections as modules (PEFT's forward, each FP8Base alone) for good, and the run goes on."""
     if isinstance(e, torch.OutOfMemoryError):
         raise e
-    parent.__dict__[attr] = None
+    parent.__dict__[f"_ns_modules_{kind}"] = True
     STATS.bump(STATS.native_calls, f"{kind}: FP8 forward raised {type(e).__name__}: {str(e)[:120]}")
     log.warning("fp8_layer_disabled", kind=kind, error=f"{type(e).__name__}: {e}"[:500])
 
 
 def fp8_apply_qkv(self: Any, x: Any, inplace: bool = True) -> Any:
-    if _capture():
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-    group, orig = self.__dict__.get("_ns_fp8_qkv"), self.__dict__["_ns_orig_apply_qkv"]
-    if group is None:
-        return orig(self, x, inplace)
+    group = self.__dict__.get("_ns_fp8_qkv")
+    if group is None and not _capture():
+        return self.__dict__["_ns_orig_apply_qkv"](self, x, inplace)
     projs = (self.q_proj, self.k_proj, self.v_proj)
-    why = _why_not_plain(projs, x)
-    if why is not None:
-        STATS.bump(STATS.native_calls, f"qkv: {why}")
-        return orig(self, x, inplace)
-    from jobs.training.fp8_lora import FP8LoraQKV
+    why = "" if _by_modules(self, "qkv") else _why_not_plain(projs, x)
+    if why is None:
+        from jobs.training.fp8_lora import FP8LoraQKV
 
-    args = [t for p in projs for t in _lora(p)]
-    try:
-        return FP8LoraQKV.apply(x, group, *args)
-    except Exception as e:
-        _failed(self, "_ns_fp8_qkv", "qkv", e)
-        return orig(self, x, inplace)
+        try:
+            return FP8LoraQKV.apply(x, group, *[t for p in projs for t in _lora(p)])
+        except Exception as e:
+            _failed(self, "qkv", e)
+    elif why:
+        STATS.bump(STATS.native_calls, f"qkv: {why}")
+    return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
 
 def fp8_apply_o(self: Any, x: Any) -> Any:
-    if _capture():
-        return self.o_proj(x)
-    group, orig = self.__dict__.get("_ns_fp8_o"), self.__dict__["_ns_orig_apply_o"]
-    if group is None:
-        return orig(self, x)
-    why = _why_not_plain((self.o_proj,), x)
-    if why is not None:
-        STATS.bump(STATS.native_calls, f"o: {why}")
-        return orig(self, x)
-    from jobs.training.fp8_lora import FP8LoraW
+    group = self.__dict__.get("_ns_fp8_o")
+    if group is None and not _capture():
+        return self.__dict__["_ns_orig_apply_o"](self, x)
+    why = "" if _by_modules(self, "o") else _why_not_plain((self.o_proj,), x)
+    if why is None:
+        from jobs.training.fp8_lora import FP8LoraW
 
-    try:
-        return FP8LoraW.apply(x, group, *_lora(self.o_proj))
-    except Exception as e:
-        _failed(self, "_ns_fp8_o", "o", e)
-        return orig(self, x)
+        try:
+            return FP8LoraW.apply(x, group, *_lora(self.o_proj))
+        except Exception as e:
+            _failed(self, "o", e)
+    elif why:
+        STATS.bump(STATS.native_calls, f"o: {why}")
+    return self.o_proj(x)
 
 
 def fp8_apply_mlp(self: Any, x: Any) -> Any:
-    if _capture():
-        return type(self).forward(self, x)  # transformers' MLP: down(act(gate(x)) * up(x)), via the modules
-    groups, orig = self.__dict__.get("_ns_fp8_mlp"), self.__dict__["_ns_orig_mlp"]
-    if groups is None:
-        return orig(x)
-    projs = (self.gate_proj, self.up_proj, self.down_proj)
-    why = _why_not_plain(projs, x)
-    if why is not None:
-        STATS.bump(STATS.native_calls, f"mlp: {why}")
-        return orig(x)
-    from jobs.training.fp8_lora import FP8LoraMLP
+    groups = self.__dict__.get("_ns_fp8_mlp")
+    if groups is None and not _capture():
+        return self.__dict__["_ns_orig_mlp"](x)
+    why = "" if _by_modules(self, "mlp") else _why_not_plain((self.gate_proj, self.up_proj, self.down_proj), x)
+    if why is None:
+        from jobs.training.fp8_lora import FP8LoraMLP
 
-    gate_up, down = groups
-    try:
-        return FP8LoraMLP.apply(x, gate_up, down, *_lora(self.gate_proj), *_lora(self.up_proj),
-                                *_lora(self.down_proj), *swiglu_kernels(x))
-    except Exception as e:
-        _failed(self, "_ns_fp8_mlp", "mlp", e)
-        return orig(x)
+        gate_up, down = groups
+        try:
+            return FP8LoraMLP.apply(x, gate_up, down, *_lora(self.gate_proj), *_lora(self.up_proj),
+                                    *_lora(self.down_proj), *swiglu_kernels(x))
+        except Exception as e:
+            _failed(self, "mlp", e)
+    elif why:
+        STATS.bump(STATS.native_calls, f"mlp: {why}")
+    return type(self).forward(self, x)  # transformers' MLP: down(act(gate(x)) * up(x)), via the modules
 
 
 def swiglu_kernels(x: Any) -> tuple[Any, Any]:

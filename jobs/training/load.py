@@ -70,7 +70,7 @@ def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | Non
         from jobs.training.fp8_setup import enable_for_run
 
         loaded.info["fp8"] = enable_for_run(loaded.model, loaded.tokenizer, cfg, unsloth=loaded.backend == "unsloth",
-                                            device=loaded.device)
+                                            device=loaded.device, cap_gb=max_vram_gb)
     loaded.optim = choose_for_model(loaded.model, cfg, device=loaded.device, max_vram_gb=max_vram_gb)
     loaded.info.update(method=cfg.method.value, **loaded.optim.as_info())
     log.info("model_loaded", **{"backend": loaded.backend, "device": device_name(), **loaded.info})

@@ -101,12 +101,22 @@ def _block():
         elif not p.requires_grad:
             p.data.normal_(0, 0.05)
     attn, mlp = model.base_model.model.self_attn, model.base_model.model.mlp
-    attn._ns_orig_apply_qkv = lambda self, x, inplace=True: (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-    attn._ns_orig_apply_o = lambda self, x: self.o_proj(x)
+    attn._ns_orig_apply_qkv = lambda self, x, inplace=True: _shipped(
+        (self.q_proj, self.k_proj, self.v_proj), lambda: (self.q_proj(x), self.k_proj(x), self.v_proj(x)))
+    attn._ns_orig_apply_o = lambda self, x: _shipped((self.o_proj,), lambda: self.o_proj(x))
     attn.apply_qkv, attn.apply_o = fp8_unsloth.fp8_apply_qkv, fp8_unsloth.fp8_apply_o
-    mlp._ns_orig_mlp = types.MethodType(type(mlp).forward, mlp)
+    mlp._ns_orig_mlp = lambda x: _shipped((mlp.gate_proj, mlp.up_proj, mlp.down_proj),
+                                          lambda: type(mlp).forward(mlp, x))
     mlp.forward = types.MethodType(fp8_unsloth.fp8_apply_mlp, mlp)
     return model, attn, mlp
+
+
+def _shipped(projs, compute):
+    """Unsloth's fused functions as shipped: they read each base's `weight` as a dense weight (get_lora_parameters),
+    which an FP8Base does not hold (kept in NF4: none at all), so they must never run over one."""
+    if any(isinstance(p.base_layer, FP8Base) for p in projs):
+        raise AssertionError("Unsloth's function called over an FP8 base")
+    return compute()
 
 
 @pytest.fixture()
@@ -154,19 +164,57 @@ def test_patched_fused_layers_compute_what_peft_computes_with_fp8_bases(fake_uns
     assert torch.equal(again[0], ref[0])  # reverted: exactly the bf16 path again
 
 
-def test_a_layer_that_is_not_plain_lora_goes_back_to_unsloth_and_is_counted(fake_unsloth):
+def test_a_converted_layer_that_is_not_plain_lora_runs_its_projections_as_modules_and_is_counted(fake_unsloth):
     model, attn, _mlp = _block()
     Conversion().run(find_units(model))
     fake_unsloth._lora_dropout_and_bias = lambda projs, x: ((0.1,) * len(projs), (None,) * len(projs))
     before = STATS.native_calls.get("qkv: LoRA dropout", 0)
-    attn.apply_qkv(attn, torch.randn(1, 4, 64))
-    assert STATS.native_calls["qkv: LoRA dropout"] == before + 1
+    x = torch.randn(1, 4, 64)
+    q, _, _ = attn.apply_qkv(attn, x)  # not Unsloth's function: it would read the FP8 base as a dense weight
+    assert STATS.native_calls["qkv: LoRA dropout"] == before + 1 and torch.equal(q, attn.q_proj(x))
     with fp8_unsloth.capturing():  # the capture pass calls the projections as modules
         seen = []
         hook = attn.q_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape))
         attn.apply_qkv(attn, torch.randn(1, 4, 64))
         hook.remove()
     assert seen == [(1, 4, 64)]
+
+
+def test_the_base_scored_with_the_adapter_off_runs_on_the_fp8_bases_not_unsloths_function(fake_unsloth):
+    model, attn, mlp = _block()
+    Conversion().run(find_units(model))
+    fake_unsloth._active_lora_adapter = lambda p: None if p.disable_adapters else "default"
+    fake_unsloth._lora_dropout_and_bias = lambda projs, x: (None if any(p.disable_adapters for p in projs)
+                                                            else (None, (None,) * len(projs)))
+    x = torch.randn(1, 6, 64)
+    with_lora = attn.apply_qkv(attn, x)[0], attn.apply_o(attn, x), mlp(x)
+    with model.disable_adapter():  # how the night scores the base (jobs/night/measure.py)
+        q, _, _ = attn.apply_qkv(attn, x)
+        o, m = attn.apply_o(attn, x), mlp(x)
+        assert torch.equal(q, attn.q_proj.base_layer(x)) and torch.equal(o, attn.o_proj.base_layer(x))
+        gate, up = mlp.gate_proj.base_layer(x), mlp.up_proj.base_layer(x)
+        assert torch.allclose(m, mlp.down_proj.base_layer(torch.nn.functional.silu(gate) * up))
+    back = attn.apply_qkv(attn, x)[0], attn.apply_o(attn, x), mlp(x)
+    assert all(torch.allclose(a, b) for a, b in zip(back, with_lora, strict=True))  # the adapter on again
+    assert not torch.allclose(back[0], q)
+
+
+def test_a_layer_whose_fp8_function_raised_runs_its_projections_as_modules_for_good(fake_unsloth, monkeypatch):
+    from jobs.training import fp8_lora
+
+    model, attn, _ = _block()
+    Conversion().run(find_units(model))
+    calls = []
+
+    def broken(*a):
+        calls.append(1)
+        raise RuntimeError("a kernel refused")
+
+    monkeypatch.setattr(fp8_lora.FP8LoraW, "apply", broken)
+    x = torch.randn(1, 4, 64)
+    for _ in range(2):
+        assert torch.equal(attn.apply_o(attn, x), attn.o_proj(x))
+    assert len(calls) == 1 and attn.__dict__["_ns_modules_o"]
 
 
 def test_a_fused_layer_converts_whole_or_not_at_all_and_every_fallback_is_counted(fake_unsloth):
