@@ -21,8 +21,8 @@ PEAK_BF16 = 790e12  # dense bf16 FLOP/s measured on these H100/H200 machines (AN
 # FP8 e4m3: 1978.9 datasheet dense (H100/H200 SXM); "measured" = the best row-wise FP8 GEMM measured on
 # these H100/H200 (1,353-1,406 TFLOP/s with fast accumulation, measured): 1,400.
 PEAKS = {"bf16": {"measured": 790e12, "datasheet": 989.4e12}, "fp8": {"measured": 1400e12, "datasheet": 1978.9e12}}
-# ours: bf16 base; FP8 base (an e4m3 copy, the product's default); FP8 base kept in NF4; the e4m3 copy with a kept
-# transposed copy
+# ours: bf16 base; FP8 base as an e4m3 copy; FP8 base kept in NF4 (`[train] fp8_storage = "auto"` picks one of the two,
+# jobs/training/fp8_convert.py); the e4m3 copy with a kept transposed copy
 COMPUTES = ("bf16", "fp8", "fp8-nf4", "fp8t")
 FP8_STORAGE: dict[str, FP8Storage] = {"fp8": "fp8", "fp8-nf4": "nf4", "fp8t": "fp8"}  # [train] fp8_storage of each
 STACKS = ("ours", "baseline", "unsloth", "trl")  # `bench`'s default: the published comparison

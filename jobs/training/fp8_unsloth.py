@@ -131,7 +131,7 @@ def fp8_apply_qkv(self: Any, x: Any, inplace: bool = True) -> Any:
     if group is None and not _capture():
         return self.__dict__["_ns_orig_apply_qkv"](self, x, inplace)
     projs = (self.q_proj, self.k_proj, self.v_proj)
-    why = "" if _by_modules(self, "qkv") else _why_not_plain(projs, x)
+    why = "" if _by_modules(self, "qkv") else _why_not_plain(projs, x)  # "": as modules, not counted
     if why is None:
         from jobs.training.fp8_lora import FP8LoraQKV
 
