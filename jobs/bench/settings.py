@@ -7,6 +7,7 @@ worker process as JSON on its stdin; the worker validates them again where it re
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -21,10 +22,23 @@ PEAK_BF16 = 790e12  # dense bf16 FLOP/s measured on these H100/H200 machines (AN
 # FP8 e4m3: 1978.9 datasheet dense (H100/H200 SXM); "measured" = the best row-wise FP8 GEMM measured on
 # these H100/H200 (1,353-1,406 TFLOP/s with fast accumulation, measured): 1,400.
 PEAKS = {"bf16": {"measured": 790e12, "datasheet": 989.4e12}, "fp8": {"measured": 1400e12, "datasheet": 1978.9e12}}
-# ours: bf16 base; FP8 base as an e4m3 copy; FP8 base kept in NF4 (`[train] fp8_storage = "auto"` picks one of the two,
-# jobs/training/fp8_convert.py); the e4m3 copy with a kept transposed copy
-COMPUTES = ("bf16", "fp8", "fp8-nf4", "fp8t")
-FP8_STORAGE: dict[str, FP8Storage] = {"fp8": "fp8", "fp8-nf4": "nf4", "fp8t": "fp8"}  # [train] fp8_storage of each
+
+
+@dataclass(frozen=True)
+class FP8Variant:
+    """One `--compute` of ours with the frozen base on FP8: its [train] fp8_storage and fp8_keep_transposed, and
+    what its rows' label adds."""
+
+    storage: FP8Storage
+    keep_transposed: bool
+    label: str
+
+
+# ours: bf16 base, or one of these (`[train] fp8_storage = "auto"` picks the copy or NF4: jobs/training/fp8_convert.py)
+FP8_VARIANTS = {"fp8": FP8Variant("fp8", False, ", FP8 base"),
+                "fp8-nf4": FP8Variant("nf4", False, ", FP8 base kept in NF4"),
+                "fp8t": FP8Variant("fp8", True, ", FP8 base + transposed copy")}
+COMPUTES = ("bf16", *FP8_VARIANTS)
 STACKS = ("ours", "baseline", "unsloth", "trl")  # `bench`'s default: the published comparison
 
 

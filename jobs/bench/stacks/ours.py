@@ -15,14 +15,13 @@ from typing import Any
 
 from jobs.bench.measure import Window, append_row, peak_gb
 from jobs.bench.model import vocab_size
-from jobs.bench.settings import FP8_STORAGE, BenchSettings
+from jobs.bench.settings import FP8_VARIANTS, BenchSettings
 from jobs.bench.stacks.common import Job, load_ours
 from jobs.contract import GpuEvent
 from jobs.training.synthetic import CAP, make_samples
 
 LABEL = "nightshift (packed, varlen, budgeted)"
 LORA_LABEL = "nightshift, method lora: bf16 base (packed, varlen, budgeted)"
-FP8_LABEL = {"fp8": ", FP8 base", "fp8-nf4": ", FP8 base kept in NF4", "fp8t": ", FP8 base + transposed copy"}
 
 
 def run(s: BenchSettings, job: Job) -> None:
@@ -38,7 +37,7 @@ def run(s: BenchSettings, job: Job) -> None:
     fp8 = setup_fp8(model, tok, s, job) if s.ours_compute != "bf16" else None
     compute = "bf16" if fp8 is None else fp8["compute"]
     base = LORA_LABEL if lora else LABEL
-    label = base if fp8 is None else base + (FP8_LABEL[s.ours_compute] if compute == "fp8" else ", FP8 refused: bf16")
+    label = base if fp8 is None else fp8_label(base, s, compute)
     events: list[GpuEvent] = []
     pool, tokens = token_pool(tok, s)
     for prof in s.profiles:
@@ -67,6 +66,11 @@ def run(s: BenchSettings, job: Job) -> None:
                 f.write(json.dumps(e.model_dump(mode="json")) + "\n")
 
 
+def fp8_label(label: str, s: BenchSettings, compute: str) -> str:
+    """A row's label with what `--compute` set up: its FP8 variant, or that the check refused it."""
+    return label + (FP8_VARIANTS[s.ours_compute].label if compute == "fp8" else ", FP8 refused: bf16")
+
+
 def setup_fp8(model: Any, tok: Any, s: BenchSettings, job: Job) -> dict[str, Any]:
     """The frozen base to FP8 with the numerics check (issue 16): a "numerics" row (JSON, and the table
     under the main one), every projection's errors in fp8-layers-<variant>.json; returns the outcome."""
@@ -74,9 +78,9 @@ def setup_fp8(model: Any, tok: Any, s: BenchSettings, job: Job) -> dict[str, Any
     from jobs.training.sample_data import data_files, sample_tokens
 
     ids, source = sample_tokens(tok, data_files(None, []), n=CAPTURE_TOKENS)
-    keep_transposed = s.ours_compute == "fp8t"
+    variant = FP8_VARIANTS[s.ours_compute]
     out = enable_fp8(model, device="cuda", tokens=ids, activations=source, unsloth=True,
-                     keep_transposed=keep_transposed, storage=FP8_STORAGE[s.ours_compute], source_dir=job.model,
+                     keep_transposed=variant.keep_transposed, storage=variant.storage, source_dir=job.model,
                      learnable=Learnable(steps=s.fp8_learnable_steps) if s.fp8_learnable_steps else None,
                      vocab=vocab_size(job.model))
     info = out.info()

@@ -202,8 +202,8 @@ def frozen_base_compute(label: str, model: Any, tok: Any, s: BenchSettings, job:
     info["compute"] = "bf16"
     if s.ours_compute == "bf16":
         return label
-    from jobs.bench.stacks.ours import FP8_LABEL, setup_fp8
+    from jobs.bench.stacks.ours import fp8_label, setup_fp8
 
     fp8 = setup_fp8(model, tok, s, job)
     info["fp8"], info["compute"] = fp8, fp8["compute"]
-    return label + (FP8_LABEL[s.ours_compute] if fp8["compute"] == "fp8" else ", FP8 refused: bf16")
+    return fp8_label(label, s, fp8["compute"])
