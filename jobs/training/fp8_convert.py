@@ -7,7 +7,8 @@ does not target (k, o and the MLP under a q,v adapter) is replaced in its parent
 is found by its name (q/k/v/o_proj, gate/up/down_proj: never lm_head, embeddings or a router) and
 must be a frozen Linear. The LoRA projections are found by structure (attention: q/k/v and o; MLP:
 gate/up/down; anything else alone) and each unit is computed either by our patched Unsloth function
-("fused": q/k/v, gate/up as groups whose input gradient is one GEMM) or by a module call (PEFT's
+("fused": q/k/v, gate/up as groups whose input gradient is one GEMM; also where LoRA wraps only some of them,
+the others then `ModuleSlot`s of the same unit) or by a module call (PEFT's
 forward calling its base, or the parent calling a projection without LoRA: "modules", each FP8Base
 alone). A unit behind a function we could not patch ("blocked"), a base we cannot read, a shape the
 FP8 GEMM refuses (in/out features not divisible by 16), or a projection whose measured error is over
@@ -41,7 +42,7 @@ from jobs.training.compute import MAX_LAYER_ERROR
 from jobs.training.config import FP8Storage, FP8StorageChoice
 from jobs.training.fp8 import FP8Base, FP8Group, shape_supported
 from jobs.training.fp8_nf4 import NF4Source, kept_in_nf4
-from jobs.training.fp8_unsloth import route
+from jobs.training.fp8_unsloth import not_plain, route
 
 log = structlog.get_logger("nightshift.train")
 
@@ -121,16 +122,20 @@ def find_units(model: Any) -> list[Unit]:
     for name, m in model.named_modules():
         for kind, roles in ROLES.items():
             projs = {r: getattr(m, r, None) for r in roles}
-            if not all(is_lora_layer(p) for p in projs.values()):
-                continue
             how, why = route(m, kind)
-            units.append(Unit(kind, m, {r: (f"{name}.{r}", p) for r, p in projs.items()}, how, why))
+            if all(is_lora_layer(p) for p in projs.values()):
+                slots = dict(projs)
+            elif how == "fused" and all(is_lora_layer(p) or is_frozen_projection(r, p) for r, p in projs.items()):
+                slots = {r: p if is_lora_layer(p) else ModuleSlot(m, r) for r, p in projs.items()}  # LoRA on some
+            else:
+                continue
+            units.append(Unit(kind, m, {r: (f"{name}.{r}", p) for r, p in slots.items()}, how, why))
             claimed |= {id(p) for p in projs.values()}
     for name, m, parent, attr in projection_points(model):
         if is_lora_layer(m):
             if id(m) not in claimed:
                 units.append(Unit("linear", None, {"linear": (name, m)}, "modules"))
-        elif not isinstance(m, FP8Base):
+        elif not isinstance(m, FP8Base) and id(m) not in claimed:
             how, why = route(parent, ROLE_KIND[attr])
             if how != "modules":  # a function we did not write computes it: it may not read the module
                 how, why = "blocked", why or f"{attr} is computed by a fused function"
@@ -158,19 +163,6 @@ def dense_weight(base: Any) -> tuple[torch.Tensor | None, bool, str]:
                                          and w.element_size() >= 2):
         return w.detach(), False, ""
     return None, False, f"unsupported base {type(base).__name__} ({w.dtype})"
-
-
-def not_plain(proj: Any) -> str | None:
-    """Why a LoRA layer is not plain LoRA (one adapter, no dropout, no lora bias, no DoRA), else None."""
-    if len(proj.lora_A) != 1:
-        return "several adapters"
-    if any(not isinstance(d, torch.nn.Identity) for d in proj.lora_dropout.values()):
-        return "LoRA dropout (the FP8 layers run plain LoRA)"
-    if any(getattr(b, "bias", None) is not None for b in proj.lora_B.values()):
-        return "LoRA bias (the FP8 layers run plain LoRA)"
-    if len(getattr(proj, "lora_magnitude_vector", None) or {}):
-        return "DoRA"
-    return None
 
 
 NF4_WHEN_COPY_OVER = 0.30  # "auto": NF4 storage where the e4m3 copy would take more of the card's budget than this
@@ -238,7 +230,7 @@ class Conversion:
     def _unit(self, u: Unit) -> None:
         names = [n for n, _ in u.projs.values()]
         if u.route == "fused":  # the FP8 Functions run plain LoRA only: anything else would run Unsloth's own
-            why = next((w for _, p in u.projs.values() if (w := not_plain(p))), None)
+            why = next((w for _, p in u.projs.values() if is_lora_layer(p) and (w := not_plain(p))), None)
             if why:
                 u.route, u.why = "blocked", why
         if u.route == "blocked":

@@ -16,13 +16,15 @@ calls instead of 4,910 (results/h200-2026-11-26/fp8-launches/). Memory: 7 KB a t
 bench's memory line read 3.632 / 3.643 MB a token against 3.627 / 3.639 before.
 
 Plain LoRA only (one adapter, no dropout, no lora bias, no DoRA): the callers (jobs/training/fp8_unsloth.py)
-hand anything else back to Unsloth. Device-agnostic: on the CPU the scaled matmuls are emulated, which
-is how tests check the gradients against a dense reference.
+call the projections as modules otherwise. A projection may have no LoRA at all (None for its A and B): an
+adapter on q and v leaves k and the whole MLP without one, and those layers run here too. Device-agnostic: on the
+CPU the scaled matmuls are emulated, which is how tests check the gradients against a dense reference.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -86,21 +88,71 @@ def _flat(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+@dataclass(frozen=True)
+class _Lora:
+    """The LoRA terms of a group's projections, where some may have none: an adapter on q and v only leaves k
+    (and the whole MLP) without one, and Unsloth then fuses nothing, so these Functions run such layers too.
+    `idx`: the projections that have LoRA, in group order. The tensors travel through save_for_backward
+    (`saved()` drops them from what ctx keeps, `with_tensors` puts them back)."""
+
+    n: int
+    idx: tuple[int, ...]
+    ranks: tuple[int, ...]
+    scales: tuple[float, ...]
+    dtype: torch.dtype | None  # the LoRA weights' (their gradients')
+    a_cat: Tensor | None = None
+    bs: tuple[Tensor, ...] = ()
+
+    @classmethod
+    def of(cls, As: Sequence[Tensor | None], Bs: Sequence[Tensor | None], scales: Sequence[float],
+           dt: torch.dtype) -> _Lora:
+        idx = tuple(i for i, a in enumerate(As) if a is not None)
+        if not idx:
+            return cls(len(As), (), (), (), None)
+        a_cat, ranks, bs = _weights([As[i] for i in idx], [Bs[i] for i in idx], dt)  # type: ignore[misc]
+        return cls(len(As), idx, tuple(ranks), tuple(scales[i] for i in idx), As[idx[0]].dtype,  # type: ignore[union-attr]
+                   a_cat, tuple(bs))
+
+    def add(self, outs: Sequence[Tensor], x2: Tensor) -> Tensor | None:
+        """outs[i] += s_i (x A_i^T) B_i^T where projection i has LoRA; x A^T over them (None: no LoRA)."""
+        if not self.idx:
+            return None
+        return _lora_add([outs[i] for i in self.idx], x2, self.a_cat, self.ranks, self.bs, self.scales)
+
+    def saved(self) -> _Lora:
+        return replace(self, a_cat=None, bs=())
+
+    def with_tensors(self, a_cat: Tensor | None, bs: Sequence[Tensor]) -> _Lora:
+        return replace(self, a_cat=a_cat, bs=tuple(bs))
+
+    def grads(self, dys: Sequence[Tensor], x2: Tensor, xa: Tensor | None, dx: Tensor) -> list[Tensor | None]:
+        """(dA, dB, None) per projection of the group, Nones where it has no LoRA; dx += LoRA's share."""
+        out: list[Tensor | None] = [None] * (3 * self.n)
+        if self.idx:
+            das, dbs = _lora_grads([dys[i] for i in self.idx], x2, xa, self.a_cat, self.ranks, self.bs, self.scales,
+                                   dx, self.dtype)
+            for i, da, db in zip(self.idx, das, dbs, strict=True):
+                out[3 * i], out[3 * i + 1] = da, db
+        return out
+
+
 class FP8LoraQKV(torch.autograd.Function):
-    """Q, K, V = x Wq^T + LoRA, x Wk^T + LoRA, x Wv^T + LoRA; the group holds (q, k, v)."""
+    """Q, K, V = x Wq^T + LoRA, x Wk^T + LoRA, x Wv^T + LoRA; the group holds (q, k, v); a projection without
+    LoRA passes None for its A and B."""
 
     @staticmethod
     @_fwd
-    def forward(ctx: Any, x: Tensor, group: FP8Group, qa: Tensor, qb: Tensor, qs: float, ka: Tensor, kb: Tensor,
-                ks: float, va: Tensor, vb: Tensor, vs: float) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(ctx: Any, x: Tensor, group: FP8Group, qa: Tensor | None, qb: Tensor | None, qs: float,
+                ka: Tensor | None, kb: Tensor | None, ks: float, va: Tensor | None, vb: Tensor | None, vs: float
+                ) -> tuple[Tensor, Tensor, Tensor]:
         x2 = _flat(x)
         xq, sx = quant_x(x2)
         outs = [fp8_forward(xq, sx, base, x.dtype) for base in group.bases]
-        a_cat, ranks, bs = _weights((qa, ka, va), (qb, kb, vb), x.dtype)
-        xa = _lora_add(outs, x2, a_cat, ranks, bs, (qs, ks, vs))
+        lora = _Lora.of((qa, ka, va), (qb, kb, vb), (qs, ks, vs), x.dtype)
+        xa = lora.add(outs, x2)
         outs = [o.view(*x.shape[:-1], base.out_features) for o, base in zip(outs, group.bases, strict=True)]
-        ctx.save_for_backward(x, xa, a_cat, *bs)
-        ctx.group, ctx.scales, ctx.ranks, ctx.dtype = group, (qs, ks, vs), ranks, qa.dtype
+        ctx.save_for_backward(x, xa, lora.a_cat, *lora.bs)
+        ctx.group, ctx.lora = group, lora.saved()
         STATS.bump(STATS.fp8_calls, "qkv")
         return outs[0], outs[1], outs[2]
 
@@ -112,11 +164,7 @@ class FP8LoraQKV(torch.autograd.Function):
         dys = [(_flat(d) if d is not None else x2.new_zeros(x2.shape[0], base.out_features))
                for d, base in zip((dq, dk, dv), ctx.group.bases, strict=True)]
         dx = fp8_dgrad(dys, ctx.group, x.dtype)
-        das, dbs = _lora_grads(dys, x2, xa, a_cat, ctx.ranks, bs, ctx.scales, dx, ctx.dtype)
-        grads: list[Any] = []
-        for da, db in zip(das, dbs, strict=True):
-            grads += [da, db, None]
-        return (dx.view(x.shape), None, *grads)
+        return (dx.view(x.shape), None, *ctx.lora.with_tensors(a_cat, bs).grads(dys, x2, xa, dx))
 
 
 class FP8LoraW(torch.autograd.Function):
@@ -129,21 +177,20 @@ class FP8LoraW(torch.autograd.Function):
         xq, sx = quant_x(x2)
         (base,) = group.bases
         y = fp8_forward(xq, sx, base, x.dtype)
-        a_, ranks, bs = _weights((a,), (b,), x.dtype)
-        xa = _lora_add((y,), x2, a_, ranks, bs, (s,))
-        ctx.save_for_backward(x, xa, a_, *bs)
-        ctx.group, ctx.s, ctx.ranks, ctx.dtype = group, s, ranks, a.dtype
+        lora = _Lora.of((a,), (b,), (s,), x.dtype)
+        xa = lora.add((y,), x2)
+        ctx.save_for_backward(x, xa, lora.a_cat, *lora.bs)
+        ctx.group, ctx.lora = group, lora.saved()
         STATS.bump(STATS.fp8_calls, "o")
         return y.view(*x.shape[:-1], base.out_features)
 
     @staticmethod
     @_bwd
     def backward(ctx: Any, dy: Tensor) -> tuple[Any, ...]:
-        x, xa, a_, b_ = ctx.saved_tensors
+        x, xa, a_cat, *bs = ctx.saved_tensors
         x2, dy2 = _flat(x), _flat(dy)
         dx = fp8_dgrad((dy2,), ctx.group, x.dtype)
-        (da,), (db,) = _lora_grads((dy2,), x2, xa, a_, ctx.ranks, (b_,), (ctx.s,), dx, ctx.dtype)
-        return dx.view(x.shape), None, da, db, None
+        return (dx.view(x.shape), None, *ctx.lora.with_tensors(a_cat, bs).grads((dy2,), x2, xa, dx))
 
 
 Swiglu = Callable[[Tensor, Tensor], Tensor]
@@ -151,7 +198,7 @@ SwigluBackward = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor
 
 
 class FP8LoraMLP(torch.autograd.Function):
-    """out = down(swiglu(gate(x), up(x))), each projection FP8 base + LoRA.
+    """out = down(swiglu(gate(x), up(x))), each projection FP8 base + LoRA (None for its A and B: none).
 
     `gate_up` holds (up, gate) — the order of [df | de] in the input gradient's one GEMM —, `down` the
     down projection. `fwd(e, g)` -> h for e, g [b, s, I]; `bwd(dh, e, g)` -> (h, df, de), written into
@@ -159,48 +206,49 @@ class FP8LoraMLP(torch.autograd.Function):
 
     @staticmethod
     @_fwd
-    def forward(ctx: Any, x: Tensor, gate_up: FP8Group, down: FP8Group, ga: Tensor, gb: Tensor, gs: float,
-                ua: Tensor, ub: Tensor, us: float, da: Tensor, db: Tensor, ds: float, fwd: Swiglu,
-                bwd: SwigluBackward) -> Tensor:
+    def forward(ctx: Any, x: Tensor, gate_up: FP8Group, down: FP8Group, ga: Tensor | None, gb: Tensor | None,
+                gs: float, ua: Tensor | None, ub: Tensor | None, us: float, da: Tensor | None, db: Tensor | None,
+                ds: float, fwd: Swiglu, bwd: SwigluBackward) -> Tensor:
         x2 = _flat(x)
         dt = x.dtype
         xq, sx = quant_x(x2)
         up, gate = gate_up.bases
         e = fp8_forward(xq, sx, gate, dt)
         g = fp8_forward(xq, sx, up, dt)
-        gu_a, gu_ranks, gu_bs = _weights((ga, ua), (gb, ub), dt)
-        xa = _lora_add((e, g), x2, gu_a, gu_ranks, gu_bs, (gs, us))
+        gu = _Lora.of((ga, ua), (gb, ub), (gs, us), dt)
+        xa = gu.add((e, g), x2)
         h = _flat(fwd(e.view(1, -1, e.shape[-1]), g.view(1, -1, g.shape[-1])))
         hq, sh = quant_x(h)
         (dbase,) = down.bases
         out = fp8_forward(hq, sh, dbase, dt)
-        d_a, d_ranks, (d_b,) = _weights((da,), (db,), dt)
-        ha = _lora_add((out,), h, d_a, d_ranks, (d_b,), (ds,))
-        ctx.save_for_backward(x, e, g, xa, ha, gu_a, *gu_bs, d_a, d_b)
-        ctx.groups, ctx.scales, ctx.bwd, ctx.ranks, ctx.dtype = (gate_up, down), (gs, us, ds), bwd, gu_ranks, ga.dtype
+        dn = _Lora.of((da,), (db,), (ds,), dt)
+        ha = dn.add((out,), h)
+        ctx.save_for_backward(x, e, g, xa, ha, gu.a_cat, dn.a_cat, *gu.bs, *dn.bs)
+        ctx.groups, ctx.bwd, ctx.lora = (gate_up, down), bwd, (gu.saved(), dn.saved())
         STATS.bump(STATS.fp8_calls, "mlp")
         return out.view(*x.shape[:-1], dbase.out_features)
 
     @staticmethod
     @_bwd
     def backward(ctx: Any, dy: Tensor) -> tuple[Any, ...]:
-        x, e, g, xa, ha, gu_a, gb_, ub_, d_a, d_b = ctx.saved_tensors
+        x, e, g, xa, ha, gu_a, d_a, *bs = ctx.saved_tensors
+        gu, dn = ctx.lora
+        gu, dn = gu.with_tensors(gu_a, bs[:len(gu.idx)]), dn.with_tensors(d_a, bs[len(gu.idx):])
         gate_up, down = ctx.groups
-        gs, us, ds = ctx.scales
         x2, dy2 = _flat(x), _flat(dy).contiguous()
         dt = x.dtype
         dh = fp8_dgrad((dy2,), down, dt)  # dy Wd
-        # down's LoRA by hand, not _lora_grads: dx's share goes into dh before the SwiGLU backward, its dA
+        # down's LoRA by hand, not _Lora.grads: dx's share goes into dh before the SwiGLU backward, its dA
         # needs h, which that backward writes into dh afterwards
-        y_bd = dy2 @ d_b
-        lora_add_(dh, y_bd, d_a, ds, b_rows_are_rank=True)
+        if dn.idx:
+            (d_b,), (ds,) = dn.bs, dn.scales
+            y_bd = dy2 @ d_b
+            lora_add_(dh, y_bd, d_a, ds, b_rows_are_rank=True)
         h, df, de = ctx.bwd(dh, e, g)  # in place: dh <- h, e <- df (grad of up), g <- de (grad of gate)
-        d_da = grad_mm(y_bd.t(), h, ds, ctx.dtype)
-        d_db = grad_mm(dy2.t(), ha, ds, ctx.dtype)
+        down_grads = ([grad_mm(y_bd.t(), h, ds, dn.dtype), grad_mm(dy2.t(), ha, ds, dn.dtype)] if dn.idx
+                      else [None, None])
         dx = fp8_dgrad((df, de), gate_up, dt)
-        (d_ga, d_ua), (d_gb, d_ub) = _lora_grads((de, df), x2, xa, gu_a, ctx.ranks, (gb_, ub_), (gs, us), dx,
-                                                 ctx.dtype)
-        return (dx.view(x.shape), None, None, d_ga, d_gb, None, d_ua, d_ub, None, d_da, d_db, None, None, None)
+        return (dx.view(x.shape), None, None, *gu.grads((de, df), x2, xa, dx), *down_grads, None, None, None)
 
 
 def swiglu_forward_ref(e: Tensor, g: Tensor) -> Tensor:

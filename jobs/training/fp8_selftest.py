@@ -31,10 +31,12 @@ from jobs.training.fp8_nf4 import NF4Source, bnb_nf4
 LORA_TOL = 0.02  # LoRA gradients that do not pass through an FP8 GEMM (q/k/v, o) must match closely
 
 
-def _dense(kind: str, x: torch.Tensor, ws: list[torch.Tensor], loras: list[tuple[torch.Tensor, torch.Tensor]],
-           s: float) -> Any:
-    def lin(t: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return t @ w.t() + s * (t @ a.t()) @ b.t()
+Lora = tuple[torch.Tensor, torch.Tensor] | tuple[None, None]
+
+
+def _dense(kind: str, x: torch.Tensor, ws: list[torch.Tensor], loras: list[Lora], s: float) -> Any:
+    def lin(t: torch.Tensor, w: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+        return t @ w.t() if a is None or b is None else t @ w.t() + s * (t @ a.t()) @ b.t()
 
     if kind == "qkv":
         return tuple(lin(x, w, a, b) for w, (a, b) in zip(ws, loras, strict=True))
@@ -47,12 +49,13 @@ def _dense(kind: str, x: torch.Tensor, ws: list[torch.Tensor], loras: list[tuple
 def check_kind(kind: str, shapes: list[tuple[int, int]], *, tokens: int = 64, device: str = "cuda",
                dtype: torch.dtype = torch.bfloat16, rank: int | Sequence[int] = 16, seed: int = 0,
                swiglu: tuple[Callable[..., Any], Callable[..., Any]] | None = None,
-               lora_dtype: torch.dtype | None = None,
+               lora_dtype: torch.dtype | None = None, with_lora: Sequence[bool] | None = None,
                nf4: Callable[[torch.Tensor], tuple[NF4Source, torch.Tensor]] | None = None) -> dict[str, float]:
     """Relative errors of one Function (outputs, dx, LoRA grads) against fp32 autograd on the same weights.
     `shapes`: (out, in) per projection: qkv (q, k, v), o/linear (one), mlp (gate, up, down); `rank`: one
     for all, or one per projection (PEFT's rank_pattern: a group's LoRA products are one GEMM over them);
-    `lora_dtype`: the LoRA weights' (PEFT keeps them fp32), else `dtype`; `nf4`: the bases kept in NF4, made by this
+    `lora_dtype`: the LoRA weights' (PEFT keeps them fp32), else `dtype`; `with_lora`: which projections have LoRA
+    (all unless told: an adapter on q and v leaves k and the MLP without); `nf4`: the bases kept in NF4, made by this
     quantiser (weight -> (its NF4 source, the weight it dequantises to), which the reference then uses)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
 
@@ -65,11 +68,13 @@ def check_kind(kind: str, shapes: list[tuple[int, int]], *, tokens: int = 64, de
     if srcs is not None:
         ws = [dense.float() for _, dense in srcs]
     ranks = [rank] * len(shapes) if isinstance(rank, int) else list(rank)
-    loras = [(rnd(r, k, std=0.05), rnd(n, r, std=0.05)) for (n, k), r in zip(shapes, ranks, strict=True)]
+    wrapped = list(with_lora) if with_lora is not None else [True] * len(shapes)
+    loras: list[Lora] = [(rnd(r, k, std=0.05), rnd(n, r, std=0.05)) if on else (None, None)
+                         for (n, k), r, on in zip(shapes, ranks, wrapped, strict=True)]
     s = 2.0
     x = rnd(1, tokens, k_in)
     ref_in = x.clone().requires_grad_(True)
-    ref_params = [(a.clone().requires_grad_(True), b.clone().requires_grad_(True)) for a, b in loras]
+    ref_params = [_leaves(ab, None) for ab in loras]
     ref = _dense(kind, ref_in, ws, ref_params, s)
     outs = ref if isinstance(ref, tuple) else (ref,)
     dys = [rnd(*o.shape) for o in outs]
@@ -79,8 +84,8 @@ def check_kind(kind: str, shapes: list[tuple[int, int]], *, tokens: int = 64, de
              [FP8Base.from_nf4(src, dense) for src, dense in srcs])
     xin = x.to(dtype).requires_grad_(True)
     ld = lora_dtype or dtype
-    params = [(a.to(ld).requires_grad_(True), b.to(ld).requires_grad_(True)) for a, b in loras]
-    flat = [t for a, b in params for t in (a, b, s)]
+    params = [_leaves(ab, ld) for ab in loras]
+    flat = [t for a, b in params for t in (a, b, s if a is not None else 0.0)]
     if kind == "qkv":
         got = FP8LoraQKV.apply(xin, FP8Group(bases, keep_transposed=False), *flat)
     elif kind == "o":
@@ -96,8 +101,18 @@ def check_kind(kind: str, shapes: list[tuple[int, int]], *, tokens: int = 64, de
     err = {f"out{i}": rel_error(a, b) for i, (a, b) in enumerate(zip(gots, outs, strict=True))}
     err["dx"] = rel_error(xin.grad, ref_in.grad)
     for i, ((a, b), (ra, rb)) in enumerate(zip(params, ref_params, strict=True)):
-        err[f"dA{i}"], err[f"dB{i}"] = rel_error(a.grad, ra.grad), rel_error(b.grad, rb.grad)
+        if a is not None and b is not None and ra is not None and rb is not None:
+            err[f"dA{i}"], err[f"dB{i}"] = rel_error(a.grad, ra.grad), rel_error(b.grad, rb.grad)
     return err
+
+
+def _leaves(ab: Lora, dtype: torch.dtype | None) -> Lora:
+    """LoRA weights as fresh leaves (cast to `dtype`, else cloned); (None, None) stays."""
+    a, b = ab
+    if a is None or b is None:
+        return None, None
+    return (a.to(dtype) if dtype else a.clone()).requires_grad_(True), (b.to(dtype) if dtype else b.clone()
+                                                                          ).requires_grad_(True)
 
 
 def verdict(kind: str, err: dict[str, float]) -> str | None:
@@ -108,8 +123,9 @@ def verdict(kind: str, err: dict[str, float]) -> str | None:
     return None if not bad else "errors over the limit: " + ", ".join(bad)
 
 
-def signature(unit: Any) -> tuple[str, str, tuple[tuple[int, int], ...]] | None:
-    """(kind, route, shapes) of a conversion unit; None when a base has no dense shape."""
+def signature(unit: Any) -> tuple[str, str, tuple[tuple[int, int], ...], tuple[bool, ...]] | None:
+    """(kind, route, shapes, which projections have LoRA) of a conversion unit; None when a base has no dense
+    shape."""
     shapes = []
     for _name, proj in unit.projs.values():
         b = proj.base_layer
@@ -118,7 +134,7 @@ def signature(unit: Any) -> tuple[str, str, tuple[tuple[int, int], ...]] | None:
             return None
         shapes.append((int(n), int(k)))
     kind = unit.kind if unit.route == "fused" else "linear"
-    return kind, unit.route, tuple(shapes)
+    return kind, unit.route, tuple(shapes), tuple(hasattr(proj, "lora_A") for _name, proj in unit.projs.values())
 
 
 def unit_lora_dtype(unit: Any) -> torch.dtype | None:
@@ -139,13 +155,14 @@ def test_units(units: list[Any], *, device: str = "cuda", swiglu: Any = None,
         sig = signature(u)
         if sig is None or sig in out or u.route == "blocked":
             continue
-        kind, _route, shapes = sig
+        kind, _route, shapes, with_lora = sig
         try:
             if kind == "linear":
                 errs = [verdict("linear", check_kind("linear", [sh], device=device, nf4=nf4)) for sh in shapes]
                 out[sig] = next((e for e in errs if e), None)
             else:
                 out[sig] = verdict(kind, check_kind(kind, list(shapes), device=device, lora_dtype=unit_lora_dtype(u),
+                                                    with_lora=with_lora,
                                                     swiglu=swiglu if kind == "mlp" else None, nf4=nf4))
         except torch.OutOfMemoryError:
             raise

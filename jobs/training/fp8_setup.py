@@ -93,7 +93,7 @@ def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, 
                                                              cap_gb=cap_gb)
         with timed(phases, "self_test"):
             tested = _self_test(units, unsloth, held) if cuda else {}
-        out.conversion["self_test"] = {f"{k[0]} {list(k[2])}": v or "ok" for k, v in tested.items()}
+        out.conversion["self_test"] = {_test_name(k): v or "ok" for k, v in tested.items()}
         bad = {k: v for k, v in tested.items() if v}
         from jobs.training.fp8_selftest import signature
 
@@ -212,3 +212,10 @@ def calibrate_fp8(loaded: Any, cfg: Any, model_path: Path, learnable: Learnable 
     decision = decide_calibration(cfg.train.compute, True, why, passed, reason)
     log.info("fp8_calibration", compute=decision.compute, refused=decision.refused)
     return decision, out
+
+
+def _test_name(sig: tuple[Any, ...]) -> str:
+    """A self-test's signature as the report names it: kind, shapes, and which projections have LoRA where not all."""
+    kind, _route, shapes, with_lora = sig
+    part = "" if kind == "linear" or all(with_lora) else f", LoRA on {[i for i, on in enumerate(with_lora) if on]}"
+    return f"{kind} {list(shapes)}{part}"

@@ -23,6 +23,13 @@ when every name we rely on exists ("patched"); else "unavailable", and the proje
 converted (they stay NF4/bf16, counted). Where a model runs PEFT's own forwards (no fused
 layer), nothing needs patching ("native"): the FP8Base module's forward is the FP8 Function.
 
+Layers Unsloth left unfused because LoRA does not wrap all of their projections (an adapter on q and v only, the
+Exxact study's: Unsloth fused nothing) run the same Functions: `install` binds `fp8_apply_qkv` where the attention's
+class forward reads `apply_qkv` and `fp8_apply_mlp` over transformers' SwiGLU forward, when the LoRA there is plain
+and no base has a bias.
+Before, each FP8 projection of such a layer quantised the same input again, every extra input gradient was an add
+and the SwiGLU ran as autograd's elementwise ops.
+
 During activation capture (numerics), the patched functions call the projections as modules too, so forward
 pre-hooks see every projection's input.
 """
@@ -30,6 +37,7 @@ pre-hooks see every projection's input.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import types
 from collections.abc import Iterator
@@ -106,9 +114,22 @@ def _why_not_plain(projs: tuple[Any, ...], x: Any) -> str | None:
     return None
 
 
+def _has_lora(proj: Any) -> bool:
+    return isinstance(getattr(proj, "lora_A", None), torch.nn.ModuleDict)
+
+
 def _lora(proj: Any) -> tuple[Any, Any, float]:
+    """(A, B, scale) of the active adapter; (None, None, 0.0) for a projection no LoRA wraps."""
+    if not _has_lora(proj):
+        return None, None, 0.0
     adapter = _fast_lora()._active_lora_adapter(proj)
     return proj.lora_A[adapter].weight, proj.lora_B[adapter].weight, proj.scaling[adapter]
+
+
+def _why_not(projs: tuple[Any, ...], x: Any) -> str | None:
+    """_why_not_plain over the projections that have LoRA (None where none has: nothing to check)."""
+    wrapped = tuple(p for p in projs if _has_lora(p))
+    return _why_not_plain(wrapped, x) if wrapped else None
 
 
 def _by_modules(parent: Any, kind: str) -> bool:
@@ -126,12 +147,12 @@ def _failed(parent: Any, kind: str, e: Exception) -> None:
     log.warning("fp8_layer_disabled", kind=kind, error=f"{type(e).__name__}: {e}"[:500])
 
 
-def fp8_apply_qkv(self: Any, x: Any, inplace: bool = True) -> Any:
+def fp8_apply_qkv(self: Any, x: Any, *args: Any) -> Any:
     group = self.__dict__.get("_ns_fp8_qkv")
     if group is None and not _capture():
-        return self.__dict__["_ns_orig_apply_qkv"](self, x, inplace)
+        return self.__dict__["_ns_orig_apply_qkv"](self, x, *args)
     projs = (self.q_proj, self.k_proj, self.v_proj)
-    why = "" if _by_modules(self, "qkv") else _why_not_plain(projs, x)  # "": as modules, not counted
+    why = "" if _by_modules(self, "qkv") else _why_not(projs, x)  # "": as modules, not counted
     if why is None:
         from jobs.training.fp8_lora import FP8LoraQKV
 
@@ -165,7 +186,7 @@ def fp8_apply_mlp(self: Any, x: Any) -> Any:
     groups = self.__dict__.get("_ns_fp8_mlp")
     if groups is None and not _capture():
         return self.__dict__["_ns_orig_mlp"](x)
-    why = "" if _by_modules(self, "mlp") else _why_not_plain((self.gate_proj, self.up_proj, self.down_proj), x)
+    why = "" if _by_modules(self, "mlp") else _why_not((self.gate_proj, self.up_proj, self.down_proj), x)
     if why is None:
         from jobs.training.fp8_lora import FP8LoraMLP
 
@@ -201,6 +222,68 @@ def _mlp_override(module: Any) -> tuple[str, Any] | None:
     return None
 
 
+def not_plain(proj: Any) -> str | None:
+    """Why a LoRA layer is not plain LoRA (one adapter, no dropout, no lora bias, no DoRA), else None."""
+    if len(proj.lora_A) != 1:
+        return "several adapters"
+    if any(not isinstance(d, torch.nn.Identity) for d in proj.lora_dropout.values()):
+        return "LoRA dropout (the FP8 layers run plain LoRA)"
+    if any(getattr(b, "bias", None) is not None for b in proj.lora_B.values()):
+        return "LoRA bias (the FP8 layers run plain LoRA)"
+    if len(getattr(proj, "lora_magnitude_vector", None) or {}):
+        return "DoRA"
+    return None
+
+
+def _bindable(m: Any, roles: tuple[str, ...]) -> bool:
+    """An unfused layer our Functions can run whole: plain LoRA where there is any, no base bias (Qwen2's q, k, v
+    have one: each projection then converts alone, behind the module forwards)."""
+    projs = [getattr(m, r) for r in roles]
+    return not any(_has_lora(p) and not_plain(p) for p in projs) and all(
+        getattr(getattr(p, "base_layer", p), "bias", None) is None for p in projs)
+
+
+def _qkv_as_modules(self: Any, x: Any) -> tuple[Any, Any, Any]:
+    """Unsloth's original_apply_qkv: what its attention forward calls when the instance has no apply_qkv."""
+    return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+
+def _is_projection(m: Any) -> bool:
+    return isinstance(m, torch.nn.Linear) or _has_lora(m)
+
+
+def _unfused_qkv(m: Any) -> bool:
+    """An attention layer Unsloth left unfused (LoRA on some of q, k, v, or none, like an adapter on q and v):
+    its class forward reads `apply_qkv` (Unsloth's fast forward) and the instance's is absent or Unsloth's
+    original_apply_qkv, which calls the three projections one by one."""
+    forward = getattr(type(m), "forward", None)
+    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+    if code is None or "apply_qkv" not in code.co_consts + code.co_names:  # Unsloth's wraps it (__wrapped__)
+        return False
+    if not all(_is_projection(getattr(m, r, None)) for r in ("q_proj", "k_proj", "v_proj")):
+        return False
+    f = m.__dict__.get("apply_qkv")
+    return f is None or getattr(f, "__name__", "") == "original_apply_qkv"
+
+
+def _unfused_swiglu(m: Any) -> bool:
+    """A SwiGLU MLP that runs transformers' forward, down(act(gate(x)) * up(x)) with act SiLU (Llama, Qwen3,
+    Mistral), which Unsloth left unfused because LoRA does not wrap all three projections."""
+    code = getattr(getattr(type(m), "forward", None), "__code__", None)
+    if code is None or set(code.co_names) != {"down_proj", "act_fn", "gate_proj", "up_proj"}:
+        return False
+    return _is_silu(getattr(m, "act_fn", None)) and all(
+        _is_projection(getattr(m, r, None)) for r in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _is_silu(act: Any) -> bool:
+    try:
+        from transformers.activations import SiLUActivation  # what ACT2FN["silu"] builds in transformers 5
+    except ImportError:
+        SiLUActivation = torch.nn.SiLU
+    return isinstance(act, torch.nn.SiLU | SiLUActivation)
+
+
 def _dist_version(name: str) -> str:
     import importlib.metadata as md
 
@@ -227,11 +310,18 @@ def install(model: Any) -> PatchReport:
         if m.__dict__.get("apply_qkv") is fl.apply_lora_qkv:
             m._ns_orig_apply_qkv, m.apply_qkv = fl.apply_lora_qkv, fp8_apply_qkv
             rep.qkv += 1
+        elif _unfused_qkv(m) and _bindable(m, ("q_proj", "k_proj", "v_proj")):
+            m._ns_orig_apply_qkv, m.apply_qkv = m.__dict__.get("apply_qkv", _qkv_as_modules), fp8_apply_qkv
+            rep.qkv += 1
         if m.__dict__.get("apply_o") is fl.apply_lora_o:
             m._ns_orig_apply_o, m.apply_o = fl.apply_lora_o, fp8_apply_o
             rep.o += 1
         over = _mlp_override(m)
-        if over is not None:
+        if over is None and _unfused_swiglu(m) and _bindable(m, ("gate_proj", "up_proj", "down_proj")):
+            m._ns_orig_mlp = types.MethodType(type(m).forward, m)
+            m.forward = types.MethodType(fp8_apply_mlp, m)
+            rep.mlp += 1
+        elif over is not None:
             attr, f = over
             func = getattr(f, "__func__", None)
             if func is fl.apply_lora_mlp_swiglu:

@@ -23,6 +23,7 @@ from jobs.training.packing import (
     conservative_memory_model,
     packed_batches,
     second_probe_tokens,
+    with_allocated_growth,
 )
 from jobs.training.step import StepStat, train_step
 
@@ -52,11 +53,13 @@ def probe_memory(model: Any, samples: Sequence[TokenizedSample], settings: Probe
     import torch
 
     probes: list[MemoryProbe] = []
+    allocated: list[MemoryProbe] = []  # the same steps' allocated peaks: growth the reserved peaks may hide
     seen: list[dict[str, float]] = []
     it = iter(samples)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     static = float(torch.cuda.memory_reserved())
+    static_allocated = float(torch.cuda.memory_allocated())
     # Gradients exist during every step whatever its size (unless the optimizer steps in backward):
     # memory a step holds besides its activations, like the optimizer state the warm-up creates.
     grads = 0 if getattr(optimizer, "in_backward", False) else sum(
@@ -73,17 +76,21 @@ def probe_memory(model: Any, samples: Sequence[TokenizedSample], settings: Probe
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         st = train_step(model, b, optimizer)
-        peak = torch.cuda.max_memory_reserved()
+        peak, peak_allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
         if k:
             probes.append(MemoryProbe(b.real_tokens, float(peak)))
+            allocated.append(MemoryProbe(b.real_tokens, float(peak_allocated)))
         else:  # after the warm-up: weights and optimizer state (full fine-tuning: gigabytes), + gradients
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             static = max(static, float(torch.cuda.memory_reserved())) + grads
+            static_allocated = max(static_allocated, float(torch.cuda.memory_allocated())) + grads
         seen.append({"tokens": b.real_tokens, "peak_reserved_gb": round(peak / 1e9, 2),
-                     "seconds": round(st.seconds, 3)})
+                     "peak_allocated_gb": round(peak_allocated / 1e9, 2), "seconds": round(st.seconds, 3)})
         on_step(st, b)
-    memory = conservative_memory_model(probes, static_bytes=static, at_tokens=2 * settings.probe_tokens)
+    at = 2 * settings.probe_tokens
+    memory = with_allocated_growth(conservative_memory_model(probes, static_bytes=static, at_tokens=at),
+                                   conservative_memory_model(allocated, static_bytes=static_allocated, at_tokens=at))
     budget = choose_token_budget(memory, max_vram_gb=settings.max_vram_gb, min_tokens=settings.min_tokens,
                                  max_tokens=settings.max_tokens, headroom_gb=settings.headroom_gb)
     torch.cuda.empty_cache()  # the budgeted steps' peak is measured from here

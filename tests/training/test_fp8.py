@@ -146,6 +146,24 @@ def test_fp32_lora_weights_under_bf16_activations_match_the_reference(kind, shap
     assert verdict(kind, err) is None, err
 
 
+@pytest.mark.parametrize(("kind", "shapes", "with_lora"), [
+    ("qkv", [(64, 64), (32, 64), (32, 64)], (True, False, True)),  # the Exxact study's adapter: q and v
+    ("qkv", [(64, 64), (32, 64), (32, 64)], (False, False, False)),
+    ("mlp", [(128, 64), (128, 64), (64, 128)], (False, False, False)),
+    ("mlp", [(128, 64), (128, 64), (64, 128)], (False, True, False)),
+    ("mlp", [(128, 64), (128, 64), (64, 128)], (True, True, False)),
+    ("mlp", [(128, 64), (128, 64), (64, 128)], (False, False, True)),
+])
+def test_projections_without_lora_run_in_the_same_fused_function(kind, shapes, with_lora):
+    """An adapter that wraps some of a layer's projections (Unsloth then fuses nothing): the Function takes None
+    for the others' A and B, and every output, dx and each present LoRA gradient still match the reference."""
+    err = check_kind(kind, shapes, device="cpu", dtype=torch.float32, tokens=48, with_lora=with_lora,
+                     lora_dtype=torch.float32)
+    assert verdict(kind, err) is None, err
+    assert {k for k in err if k[:2] == "dA"} == {f"dA{i}" for i, on in enumerate(with_lora) if on}
+    assert err["dx"] > 0.005  # FP8 really ran
+
+
 class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the input shape of every dtype conversion of an fp32 tensor with a rank-sized side (<= 24: a LoRA
     weight, or a group's A's; the emulated FP8 path's own fp32 casts are [tokens, features], both > 24, or 3-D)."""

@@ -3,6 +3,7 @@ fallback, the patched fused layers against PEFT, the numerics check and calibrat
 
 from __future__ import annotations
 
+import functools
 import types
 from pathlib import Path
 
@@ -68,29 +69,35 @@ def test_every_frozen_projection_converts_measured_and_the_model_still_trains_an
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
 
 
+class _Projections(torch.nn.Module):
+    """An attention layer's projections (q 64, k and v 32, o 64 wide)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 32, bias=False)
+        self.v_proj, self.o_proj = torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 64, bias=False)
+
+
+class _SwiGLU(torch.nn.Module):
+    """transformers' SwiGLU MLP, its forward as LlamaMLP's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(64, 128, bias=False), torch.nn.Linear(64, 128, bias=False)
+        self.down_proj, self.act_fn = torch.nn.Linear(128, 64, bias=False), torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
 def _block():
     """Unsloth's shape of a decoder layer, its fused functions bound per instance (ours, over PEFT's)."""
     from peft import LoraConfig, get_peft_model
 
-    class Attn(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.q_proj, self.k_proj = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 32, bias=False)
-            self.v_proj, self.o_proj = torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 64, bias=False)
-
-    class MLP(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gate_proj, self.up_proj = torch.nn.Linear(64, 128, bias=False), torch.nn.Linear(64, 128, bias=False)
-            self.down_proj, self.act_fn = torch.nn.Linear(128, 64, bias=False), torch.nn.SiLU()
-
-        def forward(self, x):
-            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
     class Block(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.self_attn, self.mlp = Attn(), MLP()
+            self.self_attn, self.mlp = _Projections(), _SwiGLU()
 
     torch.manual_seed(0)
     model = get_peft_model(Block(), LoraConfig(r=4, lora_alpha=8, target_modules=[
@@ -410,3 +417,97 @@ def test_the_capture_forward_runs_eagerly_even_through_compiled_blocks(tiny_mode
     cap = Capture(loaded.model, rows=8).run(loaded.model, list(range(5, 37)), "cpu")
     assert compiles == [] and cap.x  # nothing compiled, every projection's input kept
     torch._dynamo.reset()
+
+
+def _qv_block(dropout: float = 0.0):
+    """A decoder layer as Unsloth runs it with an adapter on q and v only (the Exxact study's): its attention
+    forward reads `apply_qkv` (none bound: Unsloth fused nothing), its MLP is transformers' SwiGLU forward."""
+    from peft import LoraConfig, get_peft_model
+
+    def qkv(self, x):
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    class Attn(_Projections):
+        def _fast_forward(self, x):
+            q, k, v = getattr(self, "apply_qkv", qkv)(self, x)
+            return self.o_proj(q) + torch.cat([k, v], -1)
+
+        @functools.wraps(_fast_forward)  # Unsloth's class forward is a wrapper of its fast forward
+        def forward(self, *args):
+            return Attn._fast_forward(self, *args)
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.self_attn, self.mlp = Attn(), _SwiGLU()
+
+        def forward(self, x):
+            return self.self_attn(x) + self.mlp(x)
+
+    torch.manual_seed(0)
+    model = get_peft_model(Block(), LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
+                                               target_modules=["q_proj", "v_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.1)
+        elif not p.requires_grad:
+            p.data.normal_(0, 0.05)
+    return model, model.base_model.model.self_attn, model.base_model.model.mlp
+
+
+def test_an_adapter_on_q_and_v_only_runs_its_layers_fused_on_fp8(monkeypatch):
+    """Unsloth fuses a layer only where LoRA wraps all of q, k, v (all of gate, up, down): under the Exxact
+    study's adapter it fused nothing, and each FP8 projection quantised the same input again, with an add per
+    extra input gradient and autograd's SwiGLU. install() now binds our Functions there too: one quantisation and
+    one input-gradient GEMM per group, k's and the MLP's bases without LoRA."""
+    from jobs.training.fp8 import rel_error
+
+    _fake_unsloth_package(monkeypatch)
+    model, attn, mlp = _qv_block()
+    x = torch.randn(2, 24, 64)
+
+    def step():
+        xi = x.clone().requires_grad_(True)
+        out = model(xi)
+        model.zero_grad()
+        (out * torch.linspace(-1, 1, 64)).sum().backward()
+        return out.detach(), xi.grad, _grads(model)
+
+    ref = step()
+    rep = fp8_unsloth.install(model)
+    assert (rep.status, rep.qkv, rep.o, rep.mlp) == ("patched", 1, 0, 1)
+    assert torch.equal(step()[0], ref[0])  # bound but nothing converted: the modules, as before
+    monkeypatch.setattr(fp8_unsloth, "_fast_lora", lambda: types.SimpleNamespace(
+        _has_multiple_active_adapters=lambda p: False, _has_active_dora_adapter=lambda p: False,
+        _has_activation_fake_quantizer=lambda p: False, _active_lora_adapter=lambda p: "default",
+        _lora_dropout_and_bias=lambda projs, x: (None, (None,) * len(projs))))
+    units = find_units(model)
+    assert sorted((u.kind, u.route) for u in units) == [("frozen", "modules"), ("mlp", "fused"), ("qkv", "fused")]
+    conv = Conversion(keep_originals=True).run(units)
+    assert conv.converted == 7 and not conv.fallbacks
+    assert attn._ns_fp8_qkv is not None and isinstance(attn.k_proj, FP8Base) and isinstance(mlp.up_proj, FP8Base)
+    calls = dict(STATS.fp8_calls)
+    got = step()
+    assert {k: STATS.fp8_calls.get(k, 0) - calls.get(k, 0) for k in ("qkv", "mlp", "linear")} == \
+        {"qkv": 1, "mlp": 1, "linear": 1}  # o alone, as its own FP8Linear
+    assert 0.005 < rel_error(got[0], ref[0]) < 0.06 and rel_error(got[1], ref[1]) < 0.06
+    assert sorted(ref[2]) == sorted(got[2]) and len(ref[2]) == 4  # q's and v's A and B
+    for name, g in ref[2].items():
+        assert rel_error(got[2][name], g) < 0.06, name
+    assert conv.revert() == 7 and _fp8_bases(model) == 0 and torch.equal(step()[0], ref[0])
+
+
+def test_an_unfused_layer_whose_lora_is_not_plain_keeps_its_projections_one_by_one(monkeypatch):
+    _fake_unsloth_package(monkeypatch)
+    model, attn, mlp = _qv_block(dropout=0.1)
+    rep = fp8_unsloth.install(model)
+    assert (rep.qkv, rep.mlp) == (0, 1)  # q and v carry dropout: PEFT's forward runs them
+    units = find_units(model)
+    assert sorted((u.kind, u.route) for u in units) == [("frozen", "modules"), ("frozen", "modules"),
+                                                        ("linear", "modules"), ("linear", "modules"),
+                                                        ("mlp", "fused")]
+    conv = Conversion().run(units)
+    assert conv.converted == 7 and "_ns_fp8_qkv" not in attn.__dict__ and mlp._ns_fp8_mlp is not None
+    model2, attn2, _ = _qv_block()
+    attn2.k_proj = torch.nn.Linear(64, 32, bias=True).requires_grad_(False)  # Qwen2's q, k, v carry a bias
+    assert (fp8_unsloth.install(model2).qkv, Conversion().run(find_units(model2)).converted) == (0, 7)

@@ -35,6 +35,23 @@ def test_functions_on_the_card_match_fp32_and_the_emulation(kind, shapes):
 
 
 
+@pytest.mark.parametrize(("kind", "shapes", "with_lora"), [
+    ("qkv", [(4096, 4096), (1024, 4096), (1024, 4096)], (True, False, True)),
+    ("mlp", [(14336, 4096), (14336, 4096), (4096, 14336)], (False, False, False)),
+])
+def test_layers_with_lora_on_some_projections_run_fused_on_the_card(kind, shapes, with_lora):
+    """The Exxact study's adapter (q and v): k and the MLP have no LoRA, the Functions run them all the same."""
+    from unsloth.kernels.swiglu import swiglu_DWf_DW_dfg_kernel, swiglu_fg_kernel
+
+    from jobs.training.fp8_selftest import check_kind, verdict
+
+    sw = (swiglu_fg_kernel, swiglu_DWf_DW_dfg_kernel) if kind == "mlp" else None
+    err = check_kind(kind, shapes, tokens=1000, swiglu=sw, with_lora=with_lora, lora_dtype=torch.float32)
+    assert verdict(kind, err) is None, err
+    assert err["dx"] > 0.005 and {k for k in err if k[:2] == "dA"} == {  # verdict: within FP8's limit
+        f"dA{i}" for i, on in enumerate(with_lora) if on}
+
+
 @pytest.mark.parametrize(("kind", "shapes"), [
     ("qkv", [(4096, 4096), (1024, 4096), (1024, 4096)]),
     ("mlp", [(14336, 4096), (14336, 4096), (4096, 14336)]),
@@ -100,7 +117,8 @@ def test_an_unsloth_model_runs_fp8_patched_checked_and_trains(small_model, tmp_p
 
 
 def test_a_q_v_adapter_on_unsloth_runs_every_frozen_projection_on_fp8(small_model, tmp_path):
-    """The Exxact recipe's adapter: Unsloth fuses nothing, k, o and the MLP are frozen modules of their own."""
+    """The Exxact recipe's adapter: Unsloth fuses nothing; q, k, v and the MLP run the fused FP8 Functions all the
+    same (k and the MLP without LoRA), o alone as its own FP8 module."""
     from jobs.training.fp8 import STATS, FP8Base
     from jobs.training.fp8_setup import CAPTURE_TOKENS, enable_fp8
     from jobs.training.numerics import bigram_samples
@@ -117,9 +135,12 @@ def test_a_q_v_adapter_on_unsloth_runs_every_frozen_projection_on_fp8(small_mode
     n = out.numerics
     assert n.passed, n.reasons
     assert n.converted == 14 and sum(isinstance(m, FP8Base) for m in model.modules()) == 14, out.conversion
-    calls = STATS.fp8_calls.get("linear", 0)
+    assert (out.patch["status"], out.patch["qkv"], out.patch["o"], out.patch["mlp"]) == ("patched", 2, 0, 2)
+    calls = dict(STATS.fp8_calls)
     opt = make_optimizer(model)
     for b in list(packed_batches(bigram_samples(len(tok), 5000), tokens_per_step=2048))[:2]:
         st = train_step(model, b, opt)
         assert st.loss == st.loss
-    assert STATS.fp8_calls["linear"] >= calls + 28
+    # 2 layers x 2 steps: each layer's q, k, v once, its MLP once, o alone
+    assert {k: STATS.fp8_calls.get(k, 0) - calls.get(k, 0) for k in ("qkv", "mlp", "linear")} == \
+        {"qkv": 4, "mlp": 4, "linear": 4} and not STATS.native_calls
