@@ -188,8 +188,8 @@ def with_allocated_growth(reserved: MemoryModel, allocated: MemoryModel) -> Memo
     """The reserved-memory line (what the card sees, what the cap is about), its slope at least the allocated
     line's. Free space inside segments the allocator already holds absorbs a small probe's activations and hides
     their growth from the reserved peak: a calibrate of the 8B (FP8, a q,v adapter, H200) held 24.6 GB reserved
-    after its warm-up, its probes at 2,048 and 4,096 tokens peaked no higher, the slope read 1e-6 MB a token and
-    the budget went to 32,768 tokens under a 40 GB cap. Allocated memory never hides growth."""
+    after its warm-up, no probe peaked higher, the slope read 1e-6 MB a token and the budget went to 32,768 tokens
+    under a 40 GB cap. Allocated memory never hides growth."""
     if allocated.mb_per_token <= reserved.mb_per_token:
         return reserved
     return MemoryModel(static_gb=reserved.static_gb, mb_per_token=allocated.mb_per_token)

@@ -272,8 +272,8 @@ def test_a_deadline_cut_of_best_fit_rows_defers_at_most_the_lookahead_older_than
 
 
 def test_growth_hidden_inside_reserved_segments_still_shrinks_the_budget():
-    """Calibrate of the 8B (FP8, a q,v adapter, H200): 24.6 GB reserved after the warm-up, left in holes by the
-    FP8 conversion; the probes' activations fit in them, the reserved peaks read flat and the budget went to the
+    """Calibrate of the 8B (FP8, a q,v adapter, H200): 24.6 GB reserved after the warm-up, and the probes'
+    activations fit in memory the allocator already held: the reserved peaks read flat and the budget went to the
     32,768-token maximum under a 40 GB cap. The allocated peaks still grow: the budget follows them."""
     from jobs.training.packing import with_allocated_growth
 

@@ -35,9 +35,9 @@ class _Card:
 
 @pytest.mark.parametrize(("held_gb", "why"), [(24.6, "holes"), (0.0, "none")])
 def test_the_probe_budgets_by_the_growth_it_measures_even_inside_held_memory(monkeypatch, held_gb, why):
-    """The 8B's calibrate on an H200 (FP8, a q,v adapter, 40 GB cap): 24.6 GB reserved after the warm-up while
-    10.2 GB were allocated; the probes' activations fit inside and the reserved peaks stayed flat, so the budget
-    went to 32,768 tokens. The step that budget allows must stay under the cap either way."""
+    """The 8B's calibrate on an H200 (FP8, a q,v adapter, 40 GB cap): 24.6 GB reserved after the warm-up (the
+    same model's all-projection calibrate: 10.2), no probe peaked higher, so the budget went to 32,768 tokens.
+    Here 10.2 GB allocated inside 24.6 held: the step the budget allows must stay under the cap either way."""
     card = _Card(static=10.2 * GB, per_token=2.3e6, held=held_gb * GB)
     for name, fn in {
         "synchronize": lambda *a: None, "empty_cache": lambda: None, "reset_peak_memory_stats": card.reset,
