@@ -42,7 +42,7 @@ from jobs.training.compute import MAX_LAYER_ERROR
 from jobs.training.config import FP8Storage, FP8StorageChoice
 from jobs.training.fp8 import FP8Base, FP8Group, shape_supported
 from jobs.training.fp8_nf4 import NF4Source, kept_in_nf4
-from jobs.training.fp8_unsloth import not_plain, route
+from jobs.training.fp8_unsloth import is_lora_layer, not_plain, route
 
 log = structlog.get_logger("nightshift.train")
 
@@ -63,10 +63,6 @@ ROLES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "mlp": ("gate_
 ROLE_KIND = {r: kind for kind, roles in ROLES.items() for r in roles}
 # (layer name, dense weight as the bf16 path computes with, its FP8 replacement) -> per-layer numerics
 Check = Callable[[str, torch.Tensor, FP8Base, bool], LayerNumerics | None]
-
-
-def is_lora_layer(m: Any) -> bool:
-    return hasattr(m, "base_layer") and isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict)
 
 
 def is_frozen_projection(attr: str, m: Any) -> bool:

@@ -27,6 +27,7 @@ from jobs.training.config import FP8Storage
 from jobs.training.fp8 import FP8Base, FP8Group, FP8Linear, emulated, rel_error
 from jobs.training.fp8_lora import FP8LoraMLP, FP8LoraQKV, FP8LoraW, swiglu_backward_ref, swiglu_forward_ref
 from jobs.training.fp8_nf4 import NF4Source, bnb_nf4
+from jobs.training.fp8_unsloth import is_lora_layer
 
 LORA_TOL = 0.02  # LoRA gradients that do not pass through an FP8 GEMM (q/k/v, o) must match closely
 
@@ -134,7 +135,7 @@ def signature(unit: Any) -> tuple[str, str, tuple[tuple[int, int], ...], tuple[b
             return None
         shapes.append((int(n), int(k)))
     kind = unit.kind if unit.route == "fused" else "linear"
-    return kind, unit.route, tuple(shapes), tuple(hasattr(proj, "lora_A") for _name, proj in unit.projs.values())
+    return kind, unit.route, tuple(shapes), tuple(is_lora_layer(proj) for _name, proj in unit.projs.values())
 
 
 def unit_lora_dtype(unit: Any) -> torch.dtype | None:

@@ -94,6 +94,11 @@ def _fast_lora() -> Any:
 
 
 def _why_not_plain(projs: tuple[Any, ...], x: Any) -> str | None:
+    """Why Unsloth's checks say the LoRA of these projections is not plain, else None; projections no LoRA wraps (k
+    and the MLP under a q,v adapter) have nothing to check."""
+    projs = tuple(p for p in projs if is_lora_layer(p))
+    if not projs:
+        return None
     fl = _fast_lora()
     if any(fl._has_multiple_active_adapters(p) for p in projs):
         return "several active adapters"
@@ -114,22 +119,17 @@ def _why_not_plain(projs: tuple[Any, ...], x: Any) -> str | None:
     return None
 
 
-def _has_lora(proj: Any) -> bool:
-    return isinstance(getattr(proj, "lora_A", None), torch.nn.ModuleDict)
+def is_lora_layer(m: Any) -> bool:
+    """A PEFT LoRA layer (its base in `base_layer`), not a projection the adapter leaves alone."""
+    return hasattr(m, "base_layer") and isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict)
 
 
 def _lora(proj: Any) -> tuple[Any, Any, float]:
     """(A, B, scale) of the active adapter; (None, None, 0.0) for a projection no LoRA wraps."""
-    if not _has_lora(proj):
+    if not is_lora_layer(proj):
         return None, None, 0.0
     adapter = _fast_lora()._active_lora_adapter(proj)
     return proj.lora_A[adapter].weight, proj.lora_B[adapter].weight, proj.scaling[adapter]
-
-
-def _why_not(projs: tuple[Any, ...], x: Any) -> str | None:
-    """_why_not_plain over the projections that have LoRA (None where none has: nothing to check)."""
-    wrapped = tuple(p for p in projs if _has_lora(p))
-    return _why_not_plain(wrapped, x) if wrapped else None
 
 
 def _by_modules(parent: Any, kind: str) -> bool:
@@ -152,7 +152,7 @@ def fp8_apply_qkv(self: Any, x: Any, *args: Any) -> Any:
     if group is None and not _capture():
         return self.__dict__["_ns_orig_apply_qkv"](self, x, *args)
     projs = (self.q_proj, self.k_proj, self.v_proj)
-    why = "" if _by_modules(self, "qkv") else _why_not(projs, x)  # "": as modules, not counted
+    why = "" if _by_modules(self, "qkv") else _why_not_plain(projs, x)  # "": as modules, not counted
     if why is None:
         from jobs.training.fp8_lora import FP8LoraQKV
 
@@ -162,7 +162,7 @@ def fp8_apply_qkv(self: Any, x: Any, *args: Any) -> Any:
             _failed(self, "qkv", e)
     elif why:
         STATS.bump(STATS.native_calls, f"qkv: {why}")
-    return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    return _qkv_as_modules(self, x)
 
 
 def fp8_apply_o(self: Any, x: Any) -> Any:
@@ -186,7 +186,7 @@ def fp8_apply_mlp(self: Any, x: Any) -> Any:
     groups = self.__dict__.get("_ns_fp8_mlp")
     if groups is None and not _capture():
         return self.__dict__["_ns_orig_mlp"](x)
-    why = "" if _by_modules(self, "mlp") else _why_not((self.gate_proj, self.up_proj, self.down_proj), x)
+    why = "" if _by_modules(self, "mlp") else _why_not_plain((self.gate_proj, self.up_proj, self.down_proj), x)
     if why is None:
         from jobs.training.fp8_lora import FP8LoraMLP
 
@@ -239,7 +239,7 @@ def _bindable(m: Any, roles: tuple[str, ...]) -> bool:
     """An unfused layer our Functions can run whole: plain LoRA where there is any, no base bias (Qwen2's q, k, v
     have one: each projection then converts alone, behind the module forwards)."""
     projs = [getattr(m, r) for r in roles]
-    return not any(_has_lora(p) and not_plain(p) for p in projs) and all(
+    return not any(is_lora_layer(p) and not_plain(p) for p in projs) and all(
         getattr(getattr(p, "base_layer", p), "bias", None) is None for p in projs)
 
 
@@ -249,7 +249,7 @@ def _qkv_as_modules(self: Any, x: Any) -> tuple[Any, Any, Any]:
 
 
 def _is_projection(m: Any) -> bool:
-    return isinstance(m, torch.nn.Linear) or _has_lora(m)
+    return isinstance(m, torch.nn.Linear) or is_lora_layer(m)
 
 
 def _unfused_qkv(m: Any) -> bool:
