@@ -239,16 +239,6 @@ def cmd_calibrate(args: argparse.Namespace, s: Settings) -> int:
             return proc.wait()
 
 
-def cmd_bench(args: argparse.Namespace, s: Settings) -> int:
-    """The side-by-side benchmark (jobs/bench/) in a child process; arguments pass through
-    (`nightshift bench workloads ...`: another of its modes; else its `bench` mode)."""
-    from jobs.bench.cli import MODES
-
-    mode = [] if args.bench_args[:1] and args.bench_args[0] in MODES else ["bench"]
-    cmd = [sys.executable, "-m", "jobs.bench", *mode, *args.bench_args]
-    return subprocess.run(cmd, env=child_env()).returncode
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="nightshift", description=DESCRIPTION, epilog=exit_codes_help(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -285,9 +275,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-checkpointing-line", action="store_true",
                    help="skip reloading the model to measure the checkpointing line (the night estimates it)")
     p.set_defaults(func=cmd_calibrate)
-    p = sub.add_parser("bench", help="GPU benchmark: baseline, Unsloth, Unsloth+TRL and ours, side by side "
-                       "(its own options follow: `nightshift bench --help`)", add_help=False)
-    p.set_defaults(func=cmd_bench)
     add_adapter_commands(sub)
     add_doctor_command(sub)
     accept_config_after_the_command(ap)
@@ -299,18 +286,13 @@ def accept_config_after_the_command(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
-                if sub.get_default("func") is not cmd_bench:  # the benchmark passes its arguments through
-                    sub.add_argument("--config", type=Path, default=argparse.SUPPRESS, help=config_cli.SEARCH_HELP)
+                sub.add_argument("--config", type=Path, default=argparse.SUPPRESS, help=config_cli.SEARCH_HELP)
                 accept_config_after_the_command(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if args.cmd == "bench":
-        args.bench_args = extra  # the benchmark has its own options (jobs/bench/)
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args = parser.parse_args(argv)
     if args.cmd == "check-config" and args.file is not None:
         args.config = args.file
     needs = getattr(args, "needs_settings", None)

@@ -1,20 +1,23 @@
 """The shape of the code, checked: small modules, no import cycles (lazy and type-checking imports
-included), `daemon -> jobs` only, the benchmark off the night's path, and a daemon that never imports torch."""
+included), `daemon -> jobs` only, the benchmark outside the product, and a daemon that never imports torch."""
 
 import ast
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 from tests.conftest import REPO
 
-PACKAGES = ("daemon", "jobs")
+PRODUCT = ("daemon", "jobs")  # what the wheel installs
+BENCHMARK = "benchmarks"  # run from a checkout, beside the product: never installed, never imported by it
+PACKAGES = (*PRODUCT, BENCHMARK)
 MAX_LINES = 400
 
 
-def modules() -> dict[str, Path]:
+def modules(packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
     out = {}
-    for pkg in PACKAGES:
+    for pkg in packages:
         for path in sorted((REPO / pkg).rglob("*.py")):
             parts = list(path.relative_to(REPO).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -45,10 +48,18 @@ def imports(path: Path, name: str, known: set[str], *, top_level_only: bool = Fa
     return found
 
 
-def test_no_module_of_daemon_or_jobs_is_over_400_lines_except_the_benchmark():
-    long = {name: n for name, path in modules().items()
-            if not name.startswith("jobs.bench") and (n := len(path.read_text().splitlines())) > MAX_LINES}
+def test_no_module_of_daemon_or_jobs_is_over_400_lines():
+    long = {name: n for name, path in modules(PRODUCT).items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_the_benchmark_lives_beside_the_product_and_the_wheel_leaves_it_out():
+    """The benchmark's stacks and harness live in `benchmarks/`, which the wheel's package list does not match
+    (tests/test_wheel.py builds the wheel and reads its file list)."""
+    assert not [name for name in modules(PRODUCT) if "bench" in name.split(".")[-1] or ".bench" in name]
+    assert (REPO / BENCHMARK / "__main__.py").is_file()
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert set(include) == {f"{p}*" for p in PRODUCT}
 
 
 def test_no_import_cycles_and_the_layers_point_one_way():
@@ -56,12 +67,9 @@ def test_no_import_cycles_and_the_layers_point_one_way():
     graph = {name: imports(path, name, set(mods)) for name, path in mods.items()}
     assert not [(a, b) for a, deps in graph.items() if a.startswith("jobs") for b in deps
                 if b.startswith("daemon")], "jobs must never import daemon"
-    # the night (jobs outside the bench) never touches the benchmark; the daemon reaches it only inside the
-    # function of `nightshift bench`, never at import
-    off_path = [(a, b) for a, deps in graph.items() if not a.startswith(("jobs.bench", "daemon")) for b in deps
-                if b.startswith("jobs.bench")]
-    off_path += [(a, b) for a, p in mods.items() if a.startswith("daemon")
-                 for b in imports(p, a, set(mods), top_level_only=True) if b.startswith("jobs.bench")]
+    # the product (daemon and jobs) never imports the benchmark, not even inside a function: the wheel lacks it
+    off_path = [(a, b) for a, deps in graph.items() if a.startswith(PRODUCT) for b in deps
+                if b.startswith(BENCHMARK)]
     assert not off_path, f"the benchmark is imported by the product: {off_path}"
     state: dict[str, int] = {}  # 1: on the stack, 2: done
 
@@ -93,11 +101,11 @@ GPU_ONLY = ("triton", "unsloth", "bitsandbytes")
 
 def test_every_module_imports_on_a_machine_without_the_gpu_libraries():
     """Triton, Unsloth and bitsandbytes are imported where they are used (a kernel's `_jit()`, the backend's loader),
-    never at module level: a CPU machine (CI) imports every module of daemon/ and jobs/."""
+    never at module level: a CPU machine (CI) imports every module of daemon/, jobs/ and benchmarks/."""
     import importlib
 
     failed = []
-    for path in sorted([*(REPO / "jobs").rglob("*.py"), *(REPO / "daemon").rglob("*.py")]):
+    for path in sorted(path for pkg in PACKAGES for path in (REPO / pkg).rglob("*.py")):
         name = ".".join(path.relative_to(REPO).with_suffix("").parts)
         if name.endswith("__main__"):
             continue

@@ -1,7 +1,7 @@
 """Real sample tokens for measurements on the GPU: the operator's data where the tokenizer covers it.
 
 The FP8 check captures the projections' activations over them (calibrate: the regression set and the
-sources' inboxes first), and `nightshift bench --token-file` cuts its samples from a file's tokens (an
+sources' inboxes first), and `python -m benchmarks bench --token-file` cuts its samples from a file's tokens (an
 8B's steps ran as fast on uniform random ids as on a night's records: H200, 2026-11-26). Random ids
 are the fallback where no sample data fits (a random-initialised model's word-level tokenizer).
 """

@@ -15,7 +15,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from daemon.cli import build_parser, cmd_bench
+from daemon.cli import build_parser
 from daemon.cli_help import EXIT_CODE_MEANINGS
 from daemon.config_cli import CONFIG_ENV, leaves, resolve_config_path, schema, to_toml
 from daemon.settings import ConfigError, load_settings
@@ -49,8 +49,7 @@ def _actions(parser: argparse.ArgumentParser, path: str = "nightshift"):
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
-                if sub.get_default("func") is not cmd_bench:  # its own parser: `nightshift bench --help`
-                    yield from _actions(sub, f"{path} {name}")
+                yield from _actions(sub, f"{path} {name}")
         elif not isinstance(action, argparse._HelpAction):
             yield path, action
 

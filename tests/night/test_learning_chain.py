@@ -1,6 +1,6 @@
 """Learning that holds night after night, on whole nights of the tiny model with the default gate and replay.
 
-The chain (jobs/bench/chain.py, the README's figures): three nights of task A, a night of A with
+The chain (benchmarks/chain.py, the README's figures): three nights of task A, a night of A with
 every answer wrong, then task B (the same keys, other answers). Task A must stay learned, the
 wrong night must be rejected without using up or replaying its samples, B must be learned.
 """
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from jobs.bench.chain import run_chain
-from jobs.bench.tasks import TASK_A, TASK_B
+from benchmarks.chain import run_chain
+from benchmarks.tasks import TASK_A, TASK_B
 from jobs.store import learning
 from jobs.store.ledger import Ledger
 from tests.conftest import alpaca, run, write_jsonl

@@ -1,4 +1,4 @@
-"""Samples cut from real tokens (`nightshift bench --token-file`, the FP8 capture): the profile's lengths,
+"""Samples cut from real tokens (`python -m benchmarks bench --token-file`, the FP8 capture): the profile's lengths,
 the file's tokens in order, random ids where the tokenizer covers none of the data."""
 
 from __future__ import annotations

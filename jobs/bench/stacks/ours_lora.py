@@ -1,5 +1,0 @@
-"""ours_lora: nightshift's path with `[train] method = "lora"` (the base in bf16), beside `ours` (qlora)."""
-
-from jobs.bench.stacks.ours import run
-
-__all__ = ["run"]
