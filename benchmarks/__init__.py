@@ -32,7 +32,7 @@ built random-initialised (or read) in a child of its own (model.py). Workers get
 (settings.BenchSettings) as JSON on stdin and append their rows to a JSON-lines file.
 
 Data: random token ids, lengths log-normal with mean 117 ("alpaca") or 861 ("wiki"), capped at
-2048 (jobs.training.synthetic). Each row: warm-up steps, then timed steps (up to --max-steps or
+2048 (jobs.training.models.synthetic). Each row: warm-up steps, then timed steps (up to --max-steps or
 --seconds) (measure.py). real tok/s counts non-padding tokens. MFU = real tok/s x 4 x matmul
 params / --peak-flops (report.py); the table shows each row against its own format's peaks.
 Power and energy: NVML (jobs.gpu.GpuSampler) over the timed window.

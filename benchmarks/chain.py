@@ -49,7 +49,7 @@ CHAINS: dict[str, dict[str, Any]] = {  # name -> config overrides; "gate": [] tu
 
 
 def build_model(out: Path) -> Path:
-    from jobs.training.tinymodel import build_tiny_llama
+    from jobs.training.models.tiny import build_tiny_llama
 
     if not (out / "config.json").exists():
         build_tiny_llama(out, sorted((REPO / "config" / "sample-inbox").glob("*.json*")))

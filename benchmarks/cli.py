@@ -24,7 +24,7 @@ from benchmarks.model import in_memory_model, resolve_model
 from benchmarks.report import gpu_info, numerics_table, read_rows, summarise, table, write_result
 from benchmarks.settings import PEAK_BF16, STACKS, BenchSettings
 from benchmarks.spawn import spawn
-from jobs.training.synthetic import CAP, PROFILES
+from jobs.training.models.synthetic import CAP, PROFILES
 
 MODES = ("bench", "faststart", "budget", "moe", "workloads", "scaling")
 
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     hidden = argparse.SUPPRESS
     p.add_argument("mode", choices=[*MODES, "worker"], metavar="{" + ",".join(MODES) + "}")
     p.add_argument("--model", help="local HF model directory")
-    p.add_argument("--arch", help="architecture name, built random-initialised (jobs.training.architectures)")
+    p.add_argument("--arch", help="architecture name, built random-initialised (jobs.training.models.architectures)")
     p.add_argument("--models-dir", default=os.environ.get("NIGHTSHIFT_BENCH_MODELS", "/tmp/nightshift-models"))
     p.add_argument("--build-4bit", action="store_true", help="build the random model directly as NF4 (32B)")
     p.add_argument("--out", default="bench-out")
@@ -225,7 +225,7 @@ def worker(a: argparse.Namespace) -> int:
     text = Path(a.settings).read_text() if a.settings else ("" if sys.stdin.isatty() else sys.stdin.read())
     s = BenchSettings.model_validate_json(text) if text.strip() else BenchSettings.from_args(a)
     setup_caches(s.state_dir)  # before anything imports torch's compile machinery
-    from jobs.training.distributed import bind_device
+    from jobs.training.ranks.collectives import bind_device
 
     bind_device()  # a torchrun worker (scaling): its own card before Unsloth's import looks at CUDA
     # moe: our own MoE path; the plain HF stacks as shipped; scaling_ours: Unsloth where it is installed

@@ -2,7 +2,7 @@
 
 The quantisations one decoder layer of the architecture runs per step (forward: the inputs of q/k/v,
 o, gate/up and down; backward: the input-gradient operands with the weight scales folded in), each
-timed as our Triton kernel (jobs/training/fp8_quant_kernel.py) and as Inductor's compilation of the
+timed as our Triton kernel (jobs/training/fp8/quant_kernel.py) and as Inductor's compilation of the
 reference (torch.compile(dynamic=True), the path the FP8 step used before), with the bytes each must
 move, the effective bandwidth, and how the results compare with the reference (identical codes, or
 codes that differ only where the exact quotient sits on a rounding midpoint).
@@ -34,7 +34,7 @@ def layer_calls(hidden: int, intermediate: int, q: int, kv: int) -> list[Shape]:
 
 def arch_widths(arch: str) -> tuple[int, int, int, int]:
     """(hidden, intermediate, query width, key/value width) of a dense architecture we build."""
-    from jobs.training.arch_specs import ARCHITECTURES
+    from jobs.training.models.specs import ARCHITECTURES
 
     a = ARCHITECTURES[arch]
     head = a.get("head_dim") or a["hidden_size"] // a["num_attention_heads"]
@@ -42,7 +42,7 @@ def arch_widths(arch: str) -> tuple[int, int, int, int]:
 
 
 def dense_archs() -> list[str]:
-    from jobs.training.arch_specs import ARCHITECTURES
+    from jobs.training.models.specs import ARCHITECTURES
 
     return sorted(n for n, a in ARCHITECTURES.items() if "intermediate_size" in a and "num_key_value_heads" in a
                   and not any("expert" in k for k in a))
@@ -68,8 +68,8 @@ def _one_call(name: str, widths: tuple[int, ...], scaled: bool, tokens: int, rep
               inductor: tuple[Any, Any], g: Any) -> dict[str, Any]:
     import torch
 
-    from jobs.training.fp8 import quant_rows_ref
-    from jobs.training.fp8_quant_kernel import quant_rows
+    from jobs.training.fp8.matmul import quant_rows_ref
+    from jobs.training.fp8.quant_kernel import quant_rows
 
     ts = [torch.randn(tokens, w, device="cuda", dtype=torch.bfloat16, generator=g) for w in widths]
     ss = [torch.rand(1, w, device="cuda", generator=g) * 1e-3 if scaled else torch.ones(1, w, device="cuda")
@@ -117,7 +117,7 @@ def measure(arch: str, tokens: int, reps: int) -> dict[str, Any]:
     (the reference; with the column scales and the `cat` for the dgrad operands)."""
     import torch
 
-    from jobs.training.fp8 import quant_rows_ref
+    from jobs.training.fp8.matmul import quant_rows_ref
 
     def inductor_fn(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ts, ss = args[0::2], args[1::2]

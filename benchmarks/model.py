@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jobs.training.architectures import MARKER  # the module imports torch only inside its builders
+from jobs.training.models.architectures import MARKER  # the module imports torch only inside its builders
 
 if TYPE_CHECKING:
     from benchmarks.settings import BenchSettings
@@ -52,7 +52,7 @@ def in_memory_model(s: BenchSettings) -> ModelInfo:
     parameters come from the architecture's table (no transformers in the parent)."""
     from types import SimpleNamespace
 
-    from jobs.training.architectures import ARCHITECTURES, matmul_params
+    from jobs.training.models.architectures import ARCHITECTURES, matmul_params
 
     assert s.arch  # BenchSettings requires it with --in-memory
     if s.arch not in ARCHITECTURES:
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from transformers import AutoConfig
 
-    from jobs.training.architectures import build_random_model, matmul_params
+    from jobs.training.models.architectures import build_random_model, matmul_params
 
     if a.arch:
         build_random_model(a.arch, a.path, load_in_4bit=a.build_4bit)

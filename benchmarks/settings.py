@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from benchmarks.worker_table import WORKERS
 from benchmarks.workload_table import WORKLOADS
 from jobs.training.config import FP8Storage
-from jobs.training.synthetic import PROFILES
+from jobs.training.models.synthetic import PROFILES
 
 PEAK_BF16 = 790e12  # dense bf16 FLOP/s measured on these H100/H200 machines (ANCHORS.md)
 # MFU against each number format's own peak (issue 16). bf16: 790 measured, 989.4 datasheet dense.
@@ -34,7 +34,7 @@ class FP8Variant:
     label: str
 
 
-# ours: bf16 base, or one of these (`[train] fp8_storage = "auto"` picks the copy or NF4: jobs/training/fp8_convert.py)
+# ours: bf16 base, or one of these (`[train] fp8_storage = "auto"` picks the copy or NF4: jobs/training/fp8/convert.py)
 FP8_VARIANTS = {"fp8": FP8Variant("fp8", False, ", FP8 base"),
                 "fp8-nf4": FP8Variant("nf4", False, ", FP8 base kept in NF4"),
                 "fp8t": FP8Variant("fp8", True, ", FP8 base + transposed copy")}

@@ -4,7 +4,7 @@ publication's way and ours on this GPU in one run, side by side.
     python -m benchmarks workloads --quick --out DIR --state-dir S      (every workload's key rows, ~8 min, H200)
     ... --compute bf16,fp8      (ours also with the frozen base on FP8, each beside the same recipe run)
 
-Models are random-initialised from the real configs (jobs/training/architectures.py) and built once per
+Models are random-initialised from the real configs (jobs/training/models/architectures.py) and built once per
 run: Llama-3.1-8B in bf16 (exxact, alpaca, full; Llama-3-8B has the same shapes), Qwen3-8B / Qwen3-32B
 directly as NF4 (fixstars). Data are random tokens with the workloads' lengths. Each side runs in its own
 worker process (benchmarks/stacks/w_*.py); the report (workload_report.py) puts ours beside the recipe:

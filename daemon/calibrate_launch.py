@@ -15,7 +15,7 @@ from pathlib import Path
 
 from daemon.settings import Settings
 from daemon.supervisor import night_world
-from jobs.training.topology import DistributedConfig, launch_command, launch_env
+from jobs.training.ranks.topology import DistributedConfig, launch_command, launch_env
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ command line; its events arrive as JSON lines on its stdout, its log lines on
 stderr (passed through, the last ones kept for a failure report). A stop request
 sends SIGTERM, waits the grace for the checkpoint, then SIGKILLs.
 
-Several processes (`[train] gpus`, jobs/training/topology.py): the child is torchrun, which starts
+Several processes (`[train] gpus`, jobs/training/ranks/topology.py): the child is torchrun, which starts
 the ranks; the config goes in a file (every worker shares torchrun's stdin), torchrun forwards
 SIGTERM to every rank, each rank dies with it if it is SIGKILLed, and the outcome is rank 0's
 result event (torchrun's own exit status is only 0 or 1).
@@ -35,7 +35,7 @@ from jobs.contract import ChildEvent, ExitCode, ResultEvent, RunSummary, new_run
 from jobs.store.ledger import Ledger
 from jobs.store.locking import LOCK_FD_ENV
 from jobs.training.config import TrainConfig
-from jobs.training.topology import World, launch_command, launch_env, resolve_world, visible_gpus
+from jobs.training.ranks.topology import World, launch_command, launch_env, resolve_world, visible_gpus
 
 log = structlog.get_logger("nightshift.supervisor")
 

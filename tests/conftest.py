@@ -19,7 +19,7 @@ SAMPLE_INBOX = REPO / "config" / "sample-inbox"
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from jobs.training.tinymodel import build_tiny_llama
+    from jobs.training.models.tiny import build_tiny_llama
 
     out = tmp_path_factory.mktemp("model") / "tiny-llama"
     return build_tiny_llama(out, sorted(SAMPLE_INBOX.glob("*.json*")))

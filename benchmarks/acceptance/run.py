@@ -1,6 +1,6 @@
 """`python -m benchmarks acceptance`: the workstation night, proven end to end on one card.
 
-1. builds (or takes) the model: a random-initialised real architecture (jobs/training/architectures.py)
+1. builds (or takes) the model: a random-initialised real architecture (jobs/training/models/architectures.py)
    on a GPU, the tiny demo Llama on a CPU;
 2. starts a long-lived inference server on the same card (benchmarks/acceptance/server.py) holding a
    share of its memory, serving the base model and, from night 1 on, the adapter in service; a
@@ -67,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks acceptance", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="llama3.2-1b" if gpu else "tiny",
-                    help="random-initialised architecture (jobs/training/architectures.py) or 'tiny' (the CPU demo "
-                    "model); default: %(default)s")
+                    help="random-initialised architecture (jobs/training/models/architectures.py) or 'tiny' "
+                    "(the CPU demo model); default: %(default)s")
     ap.add_argument("--model", type=Path, help="an existing local model directory instead of --arch")
     ap.add_argument("--models-dir", type=Path, default=Path(os.environ.get("NIGHTSHIFT_BENCH_MODELS",
                                                                           "/tmp/nightshift-models")))
@@ -109,7 +109,7 @@ def build_model(a: argparse.Namespace, work: Path) -> Path:
     if a.arch == "tiny":
         path = work / "models" / "tiny-llama"
         corpus = sorted((REPO / "config" / "sample-inbox").glob("*.json*"))
-        code = ("import sys; from pathlib import Path; from jobs.training.tinymodel import build_tiny_llama; "
+        code = ("import sys; from pathlib import Path; from jobs.training.models.tiny import build_tiny_llama; "
                 "build_tiny_llama(Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]])")
         subprocess.run([python(), "-c", code, str(path), *map(str, corpus)], check=True, cwd=REPO)
         return path

@@ -14,7 +14,7 @@ from benchmarks.measure import Window, append_row, peak_gb
 from benchmarks.model import vocab_size
 from benchmarks.settings import BenchSettings
 from benchmarks.stacks.common import Job, padded_rows
-from jobs.training.synthetic import make_samples
+from jobs.training.models.synthetic import make_samples
 
 
 def run(s: BenchSettings, job: Job) -> None:
@@ -26,7 +26,7 @@ def run(s: BenchSettings, job: Job) -> None:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
 
-    from jobs.training.architectures import bnb_config
+    from jobs.training.models.architectures import bnb_config
 
     t0 = time.time()
     kw: dict[str, Any] = {

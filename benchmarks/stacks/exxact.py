@@ -27,8 +27,8 @@ def run(s: BenchSettings, job: Job) -> None:
     from torch.nn.parallel import DistributedDataParallel
     from transformers import AutoModelForCausalLM
 
-    from jobs.training.distributed import init_group
-    from jobs.training.topology import DistributedConfig
+    from jobs.training.ranks.collectives import init_group
+    from jobs.training.ranks.topology import DistributedConfig
 
     group = init_group(DistributedConfig(timeout_seconds=900, setup_timeout_seconds=3600))
     cuda = torch.cuda.is_available()

@@ -11,7 +11,7 @@ from benchmarks.measure import append_row
 from benchmarks.model import vocab_size
 from benchmarks.settings import BenchSettings
 from benchmarks.stacks.common import Job, load_ours
-from jobs.training.synthetic import make_samples
+from jobs.training.models.synthetic import make_samples
 
 
 def run(s: BenchSettings, job: Job) -> None:

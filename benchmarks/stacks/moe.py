@@ -6,7 +6,7 @@ Stages, each named in the log and in an error row if it fails (a GPU lease gives
   checks     the flash varlen + sinks attention against per-sample SDPA, and the NF4 grouped expert GEMMs
              against a loop over the dequantised weights (small random data); a failed attention check
              switches that run to the per-sample path (recorded)
-  build      the model, layer by layer in NF4 (jobs/training/build_in_memory.py)
+  build      the model, layer by layer in NF4 (jobs/training/moe/build.py)
   prepare    LoRA on attention and every expert (PEFT target_parameters), routed through grouped GEMMs
   <profile>  per length profile: probe memory, choose the token budget, timed packed steps (as `ours`),
              then --profile-steps steps under torch.profiler (top kernels, GPU idle share)
@@ -28,7 +28,7 @@ from benchmarks.measure import Window, append_row, peak_gb
 from benchmarks.settings import BenchSettings
 from benchmarks.stacks.common import Job
 from benchmarks.stacks.wcommon import sft_window
-from jobs.training.synthetic import CAP, make_samples
+from jobs.training.models.synthetic import CAP, make_samples
 
 LABEL = "nightshift MoE (NF4 experts, grouped GEMM, packed varlen + sinks)"
 RECIPE = "published recipe: TRL SFTTrainer, padded, grad. ckpt"
@@ -75,8 +75,8 @@ def run(s: BenchSettings, job: Job) -> None:
 def _run(s: BenchSettings, job: Job, common: dict[str, Any]) -> None:
     import torch
 
-    from jobs.training import packed_attention
-    from jobs.training.architectures import make_config, matmul_params
+    from jobs.training.models.architectures import make_config, matmul_params
+    from jobs.training.moe import packed_attention
 
     assert s.arch, "BenchSettings requires --arch with --in-memory"
     with stage("env", job, common) as env:
@@ -88,7 +88,7 @@ def _run(s: BenchSettings, job: Job, common: dict[str, Any]) -> None:
         common.update(max_vram_gb=cap, matmul_params=matmul)
         print(f"moe: {env}; step memory cap {cap} GB", flush=True)
     with stage("checks", job, common) as checks:
-        from jobs.training import experts_nf4
+        from jobs.training.moe import experts_nf4
 
         checks["attention"] = packed_attention.check_flash(torch.device("cuda"), torch.bfloat16)
         checks["experts_nf4"] = experts_nf4.self_check(torch.device("cuda"))
@@ -96,7 +96,7 @@ def _run(s: BenchSettings, job: Job, common: dict[str, Any]) -> None:
         if not checks["experts_nf4"]["ok"]:
             raise RuntimeError(f"NF4 grouped expert GEMMs failed their check: {checks['experts_nf4']}")
     with stage("build", job, common) as built:
-        from jobs.training.build_in_memory import build_random_in_memory
+        from jobs.training.moe.build import build_random_in_memory
 
         def progress(i: int, n: int, secs: float) -> None:
             if i % 6 == 0 or i == n - 1:
@@ -106,13 +106,13 @@ def _run(s: BenchSettings, job: Job, common: dict[str, Any]) -> None:
         model, tok, info = build_random_in_memory(s.arch, device="cuda", seed=s.seed, on_layer=progress)
         built.update(info)
     with stage("prepare", job, common):
-        from jobs.training.moe_path import prepare_moe_for_training
+        from jobs.training.moe.load import prepare_moe_for_training
 
         loaded = prepare_moe_for_training(model, tok, r=s.lora_r, alpha=s.lora_r, gradient_checkpointing=s.ours_ckpt,
                                           seed=s.seed, build_info=info)
         model = loaded.model
     with stage("watch", job, common):
-        from jobs.training.moe import ExpertLoraWatch
+        from jobs.training.moe.lora import ExpertLoraWatch
 
         watch = ExpertLoraWatch(model, strict=False)
     vocab = int(model.config.vocab_size)

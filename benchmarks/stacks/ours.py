@@ -18,7 +18,7 @@ from benchmarks.model import vocab_size
 from benchmarks.settings import FP8_VARIANTS, BenchSettings
 from benchmarks.stacks.common import Job, load_ours
 from jobs.contract import GpuEvent
-from jobs.training.synthetic import CAP, make_samples
+from jobs.training.models.synthetic import CAP, make_samples
 
 LABEL = "nightshift (packed, varlen, budgeted)"
 LORA_LABEL = "nightshift, method lora: bf16 base (packed, varlen, budgeted)"
@@ -28,7 +28,7 @@ def run(s: BenchSettings, job: Job) -> None:
     """`ours` trains qlora (the default method); the `ours_lora` stack the same path on a bf16 base."""
     import torch
 
-    from jobs.training.fp8 import STATS
+    from jobs.training.fp8.matmul import STATS
 
     gc = "unsloth" if s.ours_ckpt else False
     lora = job.stack == "ours_lora"
@@ -74,8 +74,8 @@ def fp8_label(label: str, s: BenchSettings, compute: str) -> str:
 def setup_fp8(model: Any, tok: Any, s: BenchSettings, job: Job) -> dict[str, Any]:
     """The frozen base to FP8 with the numerics check (issue 16): a "numerics" row (JSON, and the table
     under the main one), every projection's errors in fp8-layers-<variant>.json; returns the outcome."""
-    from jobs.training.fp8_setup import CAPTURE_TOKENS, Learnable, enable_fp8
-    from jobs.training.sample_data import data_files, sample_tokens
+    from jobs.training.fp8.enable import CAPTURE_TOKENS, Learnable, enable_fp8
+    from jobs.training.fp8.sample_data import data_files, sample_tokens
 
     ids, source = sample_tokens(tok, data_files(None, []), n=CAPTURE_TOKENS)
     variant = FP8_VARIANTS[s.ours_compute]
@@ -99,7 +99,7 @@ TOKEN_FILE_TOKENS = 65536  # tokens of `--token-file` the samples are cut from (
 def token_pool(tok: Any, s: BenchSettings) -> tuple[list[int] | None, str]:
     """`--token-file`: the tokens the samples are cut from, and where they came from (a file the model's
     tokenizer does not cover is refused: random ids under its name would mislead)."""
-    from jobs.training.sample_data import RANDOM, sample_tokens
+    from jobs.training.fp8.sample_data import RANDOM, sample_tokens
 
     if s.token_file is None:
         return None, "random token ids"

@@ -3,7 +3,7 @@
 Loaded as the night loads (jobs.training.load: Unsloth NF4 on CUDA, transformers + PEFT on a CPU), LoRA
 r=--lora-r on all linear layers, packed rows at one token budget per card (--budget, else calibration's
 probe on each card and the smallest), each global step one row per rank and the gradients reduced once
-(jobs.training.distributed). Rank 0 writes one row per profile: the whole group's real tok/s.
+(jobs.training.ranks.collectives). Rank 0 writes one row per profile: the whole group's real tok/s.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from benchmarks.settings import BenchSettings
 from benchmarks.stacks.common import Job
 from benchmarks.stacks.group_window import peak_reserved_gb, timed
 from jobs.contract import StepShape
-from jobs.training.synthetic import CAP, make_samples
+from jobs.training.models.synthetic import CAP, make_samples
 
 CPU_BUDGET = 1024  # tokens per step per rank where there is no GPU to probe (the CPU smoke test)
 
@@ -23,11 +23,11 @@ def run(s: BenchSettings, job: Job) -> None:
     import torch
 
     from jobs.training.config import TrainConfig
-    from jobs.training.distributed import init_group
     from jobs.training.load import load_for_training
     from jobs.training.packing import packed_batches
+    from jobs.training.ranks.collectives import init_group
+    from jobs.training.ranks.topology import DistributedConfig
     from jobs.training.step import make_optimizer
-    from jobs.training.topology import DistributedConfig
 
     group = init_group(DistributedConfig(timeout_seconds=900, setup_timeout_seconds=3600))
     cuda = torch.cuda.is_available()

@@ -13,7 +13,7 @@ from benchmarks.model import vocab_size
 from benchmarks.settings import BenchSettings
 from benchmarks.stacks.common import Job, load_ours
 from benchmarks.stacks.wcommon import sft_window
-from jobs.training.synthetic import CAP, make_samples
+from jobs.training.models.synthetic import CAP, make_samples
 
 
 def configs(s: BenchSettings, big_card: bool) -> list[tuple[str, dict[str, Any], dict[str, int], str | bool]]:

@@ -6,7 +6,7 @@ from benchmarks.measure import Window, append_row, peak_gb
 from benchmarks.model import vocab_size
 from benchmarks.settings import BenchSettings
 from benchmarks.stacks.common import Job, load_ours, padded_rows
-from jobs.training.synthetic import CAP, make_samples
+from jobs.training.models.synthetic import CAP, make_samples
 
 
 def run(s: BenchSettings, job: Job) -> None:

@@ -14,7 +14,7 @@ from benchmarks.model import vocab_size
 from benchmarks.settings import BenchSettings
 from benchmarks.stacks.common import Job
 from benchmarks.stacks.wcommon import LORA_FLOPS, error_row, sft_window, write
-from jobs.training.synthetic import make_samples
+from jobs.training.models.synthetic import make_samples
 
 
 def batch_of(arch: str | None) -> int:

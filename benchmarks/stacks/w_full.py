@@ -14,7 +14,7 @@ from benchmarks.model import vocab_size
 from benchmarks.settings import BenchSettings
 from benchmarks.stacks.common import Job
 from benchmarks.stacks.wcommon import FULL_FLOPS, error_row, hard_cap, sft_window, write
-from jobs.training.synthetic import make_samples
+from jobs.training.models.synthetic import make_samples
 
 LABEL = "Unsloth full fine-tuning + TRL SFTTrainer (adamw_8bit, batch 4)"
 

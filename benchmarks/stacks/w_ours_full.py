@@ -13,7 +13,7 @@ from benchmarks.model import vocab_size
 from benchmarks.settings import BenchSettings
 from benchmarks.stacks.common import Job
 from benchmarks.stacks.wcommon import FULL_FLOPS, error_row, hard_cap, ours_window, write
-from jobs.training.synthetic import CAP, make_samples
+from jobs.training.models.synthetic import CAP, make_samples
 
 LABEL = "nightshift, method full (optimizer from memory, packed, budget from memory)"
 

@@ -10,7 +10,7 @@ from benchmarks.model import vocab_size
 from benchmarks.settings import BenchSettings
 from benchmarks.stacks.common import Job
 from benchmarks.stacks.wcommon import LORA_FLOPS, frozen_base_compute, ours_window, write
-from jobs.training.synthetic import CAP, make_samples
+from jobs.training.models.synthetic import CAP, make_samples
 
 
 def run(s: BenchSettings, job: Job) -> None:

@@ -17,7 +17,7 @@ from benchmarks.measure import Window, append_row, peak_gb
 from benchmarks.settings import BenchSettings
 from benchmarks.stacks.common import Job
 from jobs.data.batching import IGNORE_INDEX, TokenizedSample
-from jobs.training.synthetic import sample_lengths
+from jobs.training.models.synthetic import sample_lengths
 
 LORA_FLOPS, FULL_FLOPS = 4, 6
 

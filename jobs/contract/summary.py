@@ -81,7 +81,7 @@ EvalMetrics = dict[str, float]
 
 
 class ExpertLoraReport(BaseModel):
-    """Did the adapter train a mixture-of-experts base's experts? Counted every night (jobs/training/moe.py).
+    """Did the adapter train a mixture-of-experts base's experts? Counted every night (jobs/training/moe/lora.py).
 
     A tensor is one LoRA factor (lora_A or lora_B) of an expert weight; a fused expert weight (PEFT
     `target_parameters`) holds every expert's factors in one tensor, so its experts are also counted

@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="the night's config (JSON); default: stdin")
     args = ap.parse_args(argv)
     cfg = NightConfig.model_validate_json(Path(args.config).read_text() if args.config else sys.stdin.read())
-    from jobs.training.distributed import bind_device, die_with_parent, init_group, launched
     from jobs.training.load import device_name, resolve_backend
+    from jobs.training.ranks.collectives import bind_device, die_with_parent, init_group, launched
 
     if launched():
         die_with_parent()
@@ -101,7 +101,7 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     with an inference server is the use this is for (a probe beside another process once went out
     of memory on the configured cap alone). Then the overheads, a half-size step, and the
     checkpointing line (reloaded with checkpointing on), so the night can shrink its step honestly.
-    `group` (jobs.training.distributed): the ranks measured together (None: one process)."""
+    `group` (jobs.training.ranks.collectives): the ranks measured together (None: one process)."""
     import dataclasses
     import gc as pygc
     import time
@@ -110,8 +110,8 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
 
     from jobs.gpu import free_vram_gb, torch_device_uuid
     from jobs.night.overheads import measure_overheads
-    from jobs.training.distributed import SOLO
     from jobs.training.load import device_name, load_for_training
+    from jobs.training.models.synthetic import PROFILES, make_samples
     from jobs.training.optim import build_optimizer
     from jobs.training.probe import (
         PROCESS_WARMUP_SECONDS,
@@ -120,7 +120,7 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
         probe_memory,
         timed_steps,
     )
-    from jobs.training.synthetic import PROFILES, make_samples
+    from jobs.training.ranks.collectives import SOLO
 
     t = cfg.train
     cap = cfg.gpu.max_vram_gb or DEFAULT_MAX_VRAM_GB
@@ -138,7 +138,7 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     load_seconds = time.perf_counter() - t0
     fp8 = decision = None
     if t.compute != "bf16":  # issue 16: the FP8 check decides what is measured (refused: says why)
-        from jobs.training.fp8_setup import calibrate_fp8
+        from jobs.training.fp8.enable import calibrate_fp8
 
         decision, fp8 = calibrate_fp8(loaded, cfg, model_path)
         if decision.error:
@@ -224,9 +224,9 @@ def _checkpointing_line(cfg: NightConfig, model_path: Path, settings, profile: s
     import torch
 
     from jobs.training.load import load_for_training
+    from jobs.training.models.synthetic import make_samples
     from jobs.training.optim import build_optimizer
     from jobs.training.probe import probe_memory, timed_steps
-    from jobs.training.synthetic import make_samples
 
     t = cfg.train
     shape = StepShape(tokens_per_step=settings.max_tokens, gradient_checkpointing=True, basis="calibration")

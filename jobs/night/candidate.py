@@ -26,7 +26,7 @@ from jobs.store.integrity import verified
 from jobs.training.checkpoints import latest_checkpoint
 from jobs.training.load import Loaded, load_for_training
 from jobs.training.loop import TrainResult, train
-from jobs.training.moe import ExpertLoraError, watch_experts
+from jobs.training.moe.lora import ExpertLoraError, watch_experts
 
 log = structlog.get_logger("nightshift.night")
 Measured = dict[str, EvalMetrics | None]  # "<heldout|regression>_<before|after>" -> metrics

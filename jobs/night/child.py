@@ -6,7 +6,7 @@ of VRAM. Events go out as JSON lines on the original stdout; anything else a lib
 prints is redirected to stderr (the log). SIGTERM asks for a graceful stop: the
 trainer checkpoints and the process exits with EXIT_INTERRUPTED.
 
-[distributed] Started by torchrun as one of several ranks (jobs/training/topology.py): rank 0 runs
+[distributed] Started by torchrun as one of several ranks (jobs/training/ranks/topology.py): rank 0 runs
 the night and alone writes events (its result event is the outcome: torchrun's exit status is only
 0 or 1); the other ranks follow it (jobs/night/ranks.py) and write only logs. `--join`: a host other
 than node 0, whose ranks learn the night and its deadline from rank 0.
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.join and (args.night is None or args.deadline is None):
         ap.error("--night and --deadline are required (unless --join)")
 
-    from jobs.training.distributed import bind_device, die_with_parent, init_group, launched
+    from jobs.training.ranks.collectives import bind_device, die_with_parent, init_group, launched
 
     if launched():
         die_with_parent()  # the launcher SIGKILLed must not leave this worker holding its card
@@ -150,7 +150,7 @@ def _wait_for_opening(start_at: float, stop: threading.Event, run_id: str | None
 def _holds_night_lock(state_dir: str | Path) -> bool:
     """The night lock came with this process: its own descriptor (started by the daemon), or, for a
     worker of torchrun, the launcher's (torchrun does not pass descriptors on to its workers)."""
-    from jobs.training.distributed import launched
+    from jobs.training.ranks.collectives import launched
 
     return inherited_night_lock(Path(state_dir)) or (
         launched() and inherited_night_lock(Path(state_dir), holder_pid=os.getppid()))

@@ -29,7 +29,7 @@ class ModelConfig(BaseModel):
     @field_validator("build")
     @classmethod
     def _known_build(cls, v: str | None) -> str | None:
-        from jobs.training.architectures import ARCHITECTURES  # no torch: a table
+        from jobs.training.models.architectures import ARCHITECTURES  # no torch: a table
 
         if v is None or v == "tiny-llama":
             return v

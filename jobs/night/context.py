@@ -23,7 +23,7 @@ from jobs.store.cleanup import close_run, sweep_checkpoints
 from jobs.store.ledger import Ledger
 from jobs.store.readonly import open_read_only
 from jobs.store.registry import Registry
-from jobs.training.distributed import SOLO, Solo
+from jobs.training.ranks.collectives import SOLO, Solo
 
 log = structlog.get_logger("nightshift.night")
 

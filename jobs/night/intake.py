@@ -19,7 +19,7 @@ from jobs.data.token_cache import TokenCache
 from jobs.night.context import RunContext
 from jobs.store import learning
 from jobs.store.ledger import SampleRow
-from jobs.training.compute import with_compute
+from jobs.training.fp8.compute import with_compute
 from jobs.training.shape import history_for_shape, length_curve, resolve_step
 
 log = structlog.get_logger("nightshift.night")

@@ -36,7 +36,7 @@ def model_to_read(cfg: NightConfig) -> Iterator[Path]:
     if (path / "config.json").exists() or cfg.model.build != "tiny-llama":
         yield ensure_model(cfg)
         return
-    from jobs.training.tinymodel import build_tiny_llama
+    from jobs.training.models.tiny import build_tiny_llama
 
     with tempfile.TemporaryDirectory(prefix="nightshift-model-") as tmp:
         yield build_tiny_llama(Path(tmp) / path.name, demo_corpus(cfg))
@@ -47,7 +47,7 @@ def ensure_model(cfg: NightConfig) -> Path:
     if (path / "config.json").exists():
         return path
     if cfg.model.build == "tiny-llama":
-        from jobs.training.tinymodel import build_tiny_llama
+        from jobs.training.models.tiny import build_tiny_llama
 
         corpus = demo_corpus(cfg)
         log.info("building_tiny_model", path=str(path), corpus_files=len(corpus))
@@ -56,7 +56,7 @@ def ensure_model(cfg: NightConfig) -> Path:
                 build_tiny_llama(path, corpus)
         return path
     if cfg.model.build and cfg.model.build.startswith("in-memory:"):  # issue 15: no weights on disk
-        from jobs.training.moe_path import write_in_memory_stub
+        from jobs.training.moe.load import write_in_memory_stub
 
         with StateLock(Path(cfg.state_dir) / "lock", what="build model"):
             if not (path / "config.json").exists():

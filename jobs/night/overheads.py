@@ -26,7 +26,7 @@ def measure_overheads(loaded: Loaded, cfg: NightConfig, *, load_seconds: float, 
                       cap: int = 2048) -> dict[str, float]:
     """{"load", "evaluate", "publish", "total"} seconds, measured on the loaded model."""
     from jobs import evaluate
-    from jobs.training.synthetic import make_samples
+    from jobs.training.models.synthetic import make_samples
 
     heldout = make_samples("alpaca", int(cfg.eval.max_eval_samples * 117), vocab=vocab, cap=cap, seed=7)
     heldout = heldout[: cfg.eval.max_eval_samples]

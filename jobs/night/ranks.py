@@ -4,7 +4,7 @@ Rank 0 owns the night's state: the ledger, the plan, the registry, publication, 
 events to the daemon. The other ranks touch none of it: once rank 0 has pulled, planned and loaded,
 it broadcasts a TrainJob (the tokenised training set in plan order, the step shape, the deadline
 and the adapter to start from); each rank loads the same base model from its own `[model] path`,
-trains its share of every step with rank 0 (jobs/training/loop.py, jobs/training/distributed.py)
+trains its share of every step with rank 0 (jobs/training/loop.py, jobs/training/ranks/collectives.py)
 and exits. Rank 0 then evaluates, publishes and announces alone.
 
 Ranks on rank 0's host read the start adapter (a checkpoint or the adapter in service) from its path;
@@ -30,7 +30,7 @@ from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun
 from jobs.night.model import ensure_model, model_fingerprint
 from jobs.training.config import TrainConfig
-from jobs.training.distributed import Solo
+from jobs.training.ranks.collectives import Solo
 
 log = structlog.get_logger("nightshift.night")
 

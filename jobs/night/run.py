@@ -28,8 +28,8 @@ from jobs.night.publish import announce_version, close_run, finish_published, ju
 from jobs.night.ranks import share_prepared
 from jobs.store.files import DamagedState
 from jobs.store.integrity import check_registry_known, parent_for_night
-from jobs.training.distributed import SOLO, Solo
-from jobs.training.topology import night_size
+from jobs.training.ranks.collectives import SOLO, Solo
+from jobs.training.ranks.topology import night_size
 
 log = structlog.get_logger("nightshift.night")
 

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from jobs.contract import Method
 from jobs.data.render import OverlongPolicy, SpecialTokens
-from jobs.training.topology import DistributedConfig
+from jobs.training.ranks.topology import DistributedConfig
 
 FULL_LEARNING_RATE = 2e-5  # full fine-tuning's default: every weight moves, so ten times smaller than LoRA's
 FP8Storage = Literal["fp8", "nf4"]  # where an FP8 frozen base is held: an e4m3 copy, or its NF4 bytes kept
@@ -59,7 +59,7 @@ class TrainConfig(BaseModel):
         "auto", description="fp8: where the frozen base is held: fp8, an e4m3 copy (1 byte per parameter); nf4, a "
         "4-bit base kept in NF4 (~0.52 bytes) and dequantised to the same e4m3 values at each use; auto: nf4 where "
         "the copy of the NF4 bases would take over 30 % of [gpu] max_vram_gb (else of the card's memory), the copy "
-        "otherwise (jobs/training/fp8_convert.py's choose_storage says what was measured); a bf16 base gets its "
+        "otherwise (jobs/training/fp8/convert.py's choose_storage says what was measured); a bf16 base gets its "
         "e4m3 copy either way")
     optimizer: Literal["auto", "adamw", "adamw_8bit"] = Field(
         "auto", description="adamw: torch AdamW (fused kernel on CUDA); adamw_8bit: bitsandbytes' 8-bit AdamW; "
@@ -68,7 +68,7 @@ class TrainConfig(BaseModel):
         "auto", description="step each weight as soon as its gradient is ready, so the whole model's gradients "
         "never exist at once (full fine-tuning; no gradient clipping then); auto: only where memory asks for it")
 
-    # ---- several GPUs / hosts (jobs/training/topology.py, jobs/training/distributed.py) ----
+    # ---- several GPUs / hosts (jobs/training/ranks/topology.py, jobs/training/ranks/collectives.py) ----
     gpus: int | Literal["all"] = Field(
         1, description="processes training the night: one per card; without a GPU, N CPU processes (gloo)")
     devices: list[int] | None = Field(None, description="CUDA indices to use (default: the first `gpus` visible)")

@@ -12,9 +12,9 @@ from typing import Any
 import structlog
 
 from jobs.contract import Method, StepShape
-from jobs.training import moe
 from jobs.training.config import TrainConfig
 from jobs.training.loaded import Loaded, ensure_pad_token, load_tokenizer
+from jobs.training.moe import lora as moe
 from jobs.training.peft_env import hide_torchao_peft_refuses
 
 log = structlog.get_logger("nightshift.train")
@@ -54,7 +54,7 @@ def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | Non
     """The model to train and its optimizer's choice. `adapter`: what the night continues from (the
     version in service, or a checkpoint): a LoRA adapter for qlora/lora, a whole model for full;
     None: a fresh LoRA on the base, or the base itself."""
-    from jobs.training import moe_path
+    from jobs.training.moe import load as moe_path
     from jobs.training.optim import choose_for_model
 
     if adapter is not None:
@@ -67,7 +67,7 @@ def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | Non
     else:
         loaded = _load_hf(model_path, cfg, adapter, shape)
     if shape.compute == "fp8":  # issue 16: the frozen base on FP8 tensor cores (never fails the load)
-        from jobs.training.fp8_setup import enable_for_run
+        from jobs.training.fp8.enable import enable_for_run
 
         loaded.info["fp8"] = enable_for_run(loaded.model, loaded.tokenizer, cfg, unsloth=loaded.backend == "unsloth",
                                             device=loaded.device, cap_gb=max_vram_gb)

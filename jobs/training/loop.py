@@ -18,7 +18,7 @@ step of a slow model once took 337 s in a 3-minute window): two probe steps of a
 each (the first warms up, the second is timed) size the rest, so a step takes at most
 1/STEPS_IN_TIME_LEFT of the time left, never more than the configured shape.
 
-Several ranks (jobs/training/distributed.py): each step is one row of the batch sequence per rank,
+Several ranks (jobs/training/ranks/collectives.py): each step is one row of the batch sequence per rank,
 and every decision that stops the loop or changes the sequence is the same on every rank.
 """
 
@@ -41,8 +41,8 @@ from jobs.data.batching import Batch, TokenizedSample
 from jobs.training.batch_sequence import cut_first, later_epochs, probe_sizes, samples_to_cut, sequence
 from jobs.training.checkpoints import save_checkpoint
 from jobs.training.config import TrainConfig
-from jobs.training.distributed import SOLO, Solo
 from jobs.training.load import Loaded
+from jobs.training.ranks.collectives import SOLO, Solo
 
 log = structlog.get_logger("nightshift.train")
 

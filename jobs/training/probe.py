@@ -142,7 +142,7 @@ def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step:
     is a third of the time, and calibrate's figure for that profile (64k tok/s against the 81-83k its
     nights trained at) planned every night.
 
-    [distributed] `group` (jobs.training.distributed): each step is one row per rank, the end of the
+    [distributed] `group` (jobs.training.ranks.collectives): each step is one row per rank, the end of the
     warm-up and of the window is decided together, and the tokens are the global step's: tokens/s for
     this count of cards."""
     import torch

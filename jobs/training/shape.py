@@ -147,7 +147,7 @@ def measured_rates(cal: CalibrationRecord) -> list[ShapeRate]:
 def length_curve(cal: CalibrationRecord | None) -> dict[float, float]:
     """Calibrate's rates by the mean tokens a sample of each timed length profile: how the speed moves with
     the data's length (the planner takes tonight's rate on it)."""
-    from jobs.training.synthetic import PROFILES
+    from jobs.training.models.synthetic import PROFILES
 
     if cal is None:
         return {}

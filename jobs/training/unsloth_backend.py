@@ -169,7 +169,7 @@ def enable_varlen_attention() -> str:
 def rank_device_map() -> dict[str, Any]:
     """[distributed] A rank of several loads onto its own card (bound by the group before Unsloth's import);
     one process: Unsloth's own default, as before."""
-    from jobs.training.distributed import launched
+    from jobs.training.ranks.collectives import launched
 
     if not launched():
         return {}

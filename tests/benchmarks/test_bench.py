@@ -15,8 +15,8 @@ import pytest
 from benchmarks.cli import build_parser, main
 from benchmarks.report import summarise, table
 from benchmarks.settings import BenchSettings
-from jobs.training.architectures import ARCHITECTURES, MARKER, build_random_model, make_config, matmul_params
-from jobs.training.synthetic import PROFILES, make_samples, sample_lengths
+from jobs.training.models.architectures import ARCHITECTURES, MARKER, build_random_model, make_config, matmul_params
+from jobs.training.models.synthetic import PROFILES, make_samples, sample_lengths
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,8 +10,8 @@ import pytest
 from benchmarks.cli import build_parser, main
 from benchmarks.profiling import busy_time
 from benchmarks.settings import BenchSettings
-from jobs.training.architectures import make_config, matmul_params
-from jobs.training.moe import expected_lora_parameters
+from jobs.training.models.architectures import make_config, matmul_params
+from jobs.training.moe.lora import expected_lora_parameters
 from tests.benchmarks.test_bench import _parent
 
 

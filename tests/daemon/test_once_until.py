@@ -61,7 +61,7 @@ def test_once_refuses_an_until_inside_the_save_margin(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def slow_model(tmp_path_factory):
     """A model slow enough on a CPU (~50-100 tok/s) that the configured 16,384-token step would take minutes."""
-    from jobs.training.architectures import build_random_model
+    from jobs.training.models.architectures import build_random_model
 
     return build_random_model("small-llama", tmp_path_factory.mktemp("slow") / "small-llama")
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from jobs.night.run import run_night
-from jobs.training.tinymodel import texts_for_tokenizer
+from jobs.training.models.tiny import texts_for_tokenizer
 from tests.conftest import alpaca, run, write_jsonl
 
 DEEP = b"[" * 100_000  # deeper than any JSON parser recurses

@@ -25,7 +25,7 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jobs.training.architectures import make_config
+    from jobs.training.models.architectures import make_config
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     cfg = make_config("tiny-gpt-oss")
@@ -77,7 +77,7 @@ def test_a_gpt_oss_night_through_the_cli_trains_every_expert_and_publishes(tmp_p
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jobs.training.moe import expected_lora_parameters
+    from jobs.training.moe.lora import expected_lora_parameters
 
     cfg, inbox = _config(tmp_path, tiny_moe)
     write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(80)])

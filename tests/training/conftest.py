@@ -9,7 +9,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory):
-    from jobs.training.architectures import build_random_model
+    from jobs.training.models.architectures import build_random_model
 
     return build_random_model("small-llama", tmp_path_factory.mktemp("models") / "small-llama")
 
@@ -20,7 +20,7 @@ def fp8_card() -> bool:
 
     if not torch.cuda.is_available():
         return False
-    from jobs.training.compute import assess_card, card_info
+    from jobs.training.fp8.compute import assess_card, card_info
 
     return assess_card(card_info())[0]
 

@@ -34,13 +34,13 @@ from jobs.contract import StepShape
 from jobs.data.batching import TokenizedSample
 from jobs.training import loop
 from jobs.training.config import TrainConfig
-from jobs.training.distributed import Solo, init_group
 from jobs.training.load import Loaded
 from jobs.training.loop import train
 from jobs.training.optim import OptimizerChoice
 from jobs.training.packing import pack, unpack
+from jobs.training.ranks.collectives import Solo, init_group
+from jobs.training.ranks.topology import DistributedConfig
 from jobs.training.step import train_step
-from jobs.training.topology import DistributedConfig
 
 
 class OomAbove(torch.nn.Module):

@@ -16,7 +16,7 @@ import pytest
 
 from jobs.data.batching import Batch
 from jobs.night.ranks import decode_samples, encode_samples
-from jobs.training.distributed import label_tokens
+from jobs.training.ranks.collectives import label_tokens
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -103,7 +103,7 @@ def test_a_killed_launcher_takes_its_workers_with_it(tmp_path):
     """torchrun starts each worker in its own session: a SIGKILL of the launcher (the daemon's last resort)
     would orphan them on their cards; the parent-death signal kills them."""
     script = tmp_path / "w.py"
-    script.write_text("import os, sys, time\nfrom jobs.training.distributed import die_with_parent\n"
+    script.write_text("import os, sys, time\nfrom jobs.training.ranks.collectives import die_with_parent\n"
                       "die_with_parent()\nopen(sys.argv[1] + f'/{os.getpid()}', 'w').close()\ntime.sleep(300)\n")
     launcher = subprocess.Popen(torchrun(str(script), str(tmp_path)), cwd=REPO, start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -148,8 +148,8 @@ def test_a_hung_rank_fails_the_collective_after_the_timeout_instead_of_hanging(t
     script.write_text(textwrap.dedent("""
         import sys, time
         from pathlib import Path
-        from jobs.training.distributed import init_group
-        from jobs.training.topology import DistributedConfig
+        from jobs.training.ranks.collectives import init_group
+        from jobs.training.ranks.topology import DistributedConfig
 
         out = Path(sys.argv[1])
         group = init_group(DistributedConfig(timeout_seconds=3))

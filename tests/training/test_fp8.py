@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from jobs.contract import CalibrationRecord, MemoryModel, StepShape
-from jobs.training.compute import (
+from jobs.training.config import TrainConfig
+from jobs.training.fp8.compute import (
     CardInfo,
     assess_card,
     decide_calibration,
     resolve_compute,
     with_compute,
 )
-from jobs.training.config import TrainConfig
-from jobs.training.fp8 import (
+from jobs.training.fp8.matmul import (
     E4M3,
     FP8Base,
     FP8Group,
@@ -25,7 +25,7 @@ from jobs.training.fp8 import (
     rel_error,
     scaled_mm,
 )
-from jobs.training.fp8_selftest import check_kind, verdict
+from jobs.training.fp8.selftest import check_kind, verdict
 
 H100 = CardInfo("NVIDIA H100 80GB HBM3", (9, 0), True, None)
 
@@ -94,7 +94,7 @@ def test_lora_add_adds_the_scaled_product_of_either_layout():
 def test_a_kernel_that_cannot_load_falls_back_to_eager_once_and_is_counted(monkeypatch):
     """Where a Triton kernel would run (CUDA, not emulated) but cannot be imported or compiled, the eager
     function computes the result, the failure is counted once, and later calls go straight to eager."""
-    import jobs.training.fp8 as f
+    import jobs.training.fp8.matmul as f
 
     monkeypatch.setattr(f, "_emulating", lambda t: False)
     monkeypatch.setattr(f.STATS, "compile_fallbacks", {})
@@ -183,8 +183,8 @@ class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
 def test_lora_weights_are_cast_once_in_the_forward_and_never_in_the_backward(kind, n_proj):
     """Casting fp32 LoRA weights at each use was ~25 launches a layer: a group's A's are concatenated then cast
     once, each B cast once, and the backward reuses them."""
-    import jobs.training.fp8_lora as fl
-    from jobs.training.fp8_selftest import swiglu_backward_ref, swiglu_forward_ref
+    import jobs.training.fp8.lora as fl
+    from jobs.training.fp8.selftest import swiglu_backward_ref, swiglu_forward_ref
 
     torch.manual_seed(0)
     k, n = 64, 32
@@ -210,7 +210,7 @@ def test_lora_weights_are_cast_once_in_the_forward_and_never_in_the_backward(kin
 
 
 def test_a_lora_gradient_is_the_scaled_product_in_its_weights_dtype():
-    from jobs.training.fp8_lora import grad_mm
+    from jobs.training.fp8.lora import grad_mm
 
     a, b = torch.randn(8, 32, dtype=torch.bfloat16), torch.randn(32, 16, dtype=torch.bfloat16)
     g = grad_mm(a, b, 2.0, torch.float32)
@@ -220,7 +220,7 @@ def test_a_lora_gradient_is_the_scaled_product_in_its_weights_dtype():
 
 
 def test_a_wrong_group_order_is_caught_by_the_reference_check(monkeypatch):
-    import jobs.training.fp8_lora as fl
+    import jobs.training.fp8.lora as fl
 
     real = fl.fp8_dgrad
     monkeypatch.setattr(fl, "fp8_dgrad", lambda dys, group, dt: real(list(dys)[::-1], group, dt)

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from jobs.contract import StepShape
-from jobs.training.fp8 import STATS, FP8Base, rel_error
-from jobs.training.fp8_convert import Conversion, find_units
+from jobs.training.fp8.convert import Conversion, find_units
+from jobs.training.fp8.matmul import STATS, FP8Base, rel_error
 
 SHAPE = StepShape(tokens_per_step=256, gradient_checkpointing=False, basis="test")
 QV = ["q_proj", "v_proj"]
@@ -26,7 +26,7 @@ def _load(path: Path, targets: list[str] | str = QV):
 
 
 def _batch(loaded):
-    from jobs.training.numerics import bigram_samples
+    from jobs.training.fp8.numerics import bigram_samples
     from jobs.training.packing import packed_batches
 
     return next(packed_batches(bigram_samples(len(loaded.tokenizer), 300), tokens_per_step=256))
@@ -42,8 +42,8 @@ def _loss(model, batch) -> float:
 def test_a_q_v_adapter_runs_every_frozen_projection_on_fp8_and_still_trains_and_saves(tiny_model, tmp_path):
     from peft import get_peft_model_state_dict
 
-    from jobs.training.fp8_setup import CAPTURE_TOKENS, enable_fp8
-    from jobs.training.sample_data import data_files, sample_tokens
+    from jobs.training.fp8.enable import CAPTURE_TOKENS, enable_fp8
+    from jobs.training.fp8.sample_data import data_files, sample_tokens
     from jobs.training.step import make_optimizer, train_step
 
     loaded = _load(tiny_model)

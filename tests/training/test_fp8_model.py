@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from jobs.contract import StepShape
-from jobs.training import fp8_unsloth
-from jobs.training.compute import CardInfo
-from jobs.training.fp8 import STATS, FP8Base
-from jobs.training.fp8_convert import Conversion, find_units
+from jobs.training.fp8 import unsloth_layers as fp8_unsloth
+from jobs.training.fp8.compute import CardInfo
+from jobs.training.fp8.convert import Conversion, find_units
+from jobs.training.fp8.matmul import STATS, FP8Base
 
 SHAPE = StepShape(tokens_per_step=256, gradient_checkpointing=False, basis="test")
 
@@ -34,10 +34,10 @@ def _fp8_bases(model) -> int:
 def test_every_frozen_projection_converts_measured_and_the_model_still_trains_and_saves(tiny_model, tmp_path):
     from peft import get_peft_model_state_dict
 
-    from jobs.training.fp8_setup import CAPTURE_TOKENS, enable_fp8
-    from jobs.training.numerics import bigram_samples
+    from jobs.training.fp8.enable import CAPTURE_TOKENS, enable_fp8
+    from jobs.training.fp8.numerics import bigram_samples
+    from jobs.training.fp8.sample_data import data_files, sample_tokens
     from jobs.training.packing import packed_batches
-    from jobs.training.sample_data import data_files, sample_tokens
     from jobs.training.step import make_optimizer, train_step
 
     loaded = _load(tiny_model)
@@ -142,7 +142,7 @@ def _grads(model):
 
 
 def test_patched_fused_layers_compute_what_peft_computes_with_fp8_bases(fake_unsloth):
-    from jobs.training.fp8 import rel_error
+    from jobs.training.fp8.matmul import rel_error
 
     model, attn, mlp = _block()
     x = torch.randn(2, 24, 64)
@@ -207,7 +207,7 @@ def test_the_base_scored_with_the_adapter_off_runs_on_the_fp8_bases_not_unsloths
 
 
 def test_a_layer_whose_fp8_function_raised_runs_its_projections_as_modules_for_good(fake_unsloth, monkeypatch):
-    from jobs.training import fp8_lora
+    from jobs.training.fp8 import lora as fp8_lora
 
     model, attn, _ = _block()
     Conversion().run(find_units(model))
@@ -250,7 +250,7 @@ def test_a_fused_layer_with_lora_dropout_stays_bf16(fake_unsloth):
 
 
 def test_a_layer_with_too_much_error_stays_bf16(fake_unsloth, monkeypatch):
-    import jobs.training.fp8_convert as fc
+    import jobs.training.fp8.convert as fc
     from jobs.contract import LayerNumerics
 
     model, _, _ = _block()
@@ -269,9 +269,9 @@ def _night_cfg(night_env, compute: str):
 
 
 def test_calibrate_check_passes_on_a_learnable_task_and_refuses_with_the_reason(night_env, tiny_model, monkeypatch):
-    import jobs.training.fp8_convert as fc
-    import jobs.training.numerics as nm
-    from jobs.training.fp8_setup import Learnable, calibrate_fp8
+    import jobs.training.fp8.convert as fc
+    import jobs.training.fp8.numerics as nm
+    from jobs.training.fp8.enable import Learnable, calibrate_fp8
 
     ok = CardInfo("NVIDIA H200", (9, 0), True)
     learn = Learnable(steps=5, tokens_per_step=128, lr=1e-2)
@@ -298,7 +298,7 @@ def test_calibrate_check_passes_on_a_learnable_task_and_refuses_with_the_reason(
 
 
 def test_the_loss_comparison_catches_a_broken_fp8_path():
-    from jobs.training.numerics import compare_losses
+    from jobs.training.fp8.numerics import compare_losses
 
     bf16 = [7.6, 7.5, 7.3, 7.1, 6.9, 6.6, 6.3, 6.0, 5.8, 5.5]
     worst, ok, learned, why = compare_losses(bf16, [v * 1.01 for v in bf16])
@@ -320,7 +320,7 @@ H100_FP8 = [12.60689, 12.17316, 11.64451, 10.80012, 7.93067, 7.25271, 8.41282, 6
 
 
 def test_a_curve_learned_down_to_noise_is_judged_against_the_starting_loss():
-    from jobs.training.numerics import compare_losses
+    from jobs.training.fp8.numerics import compare_losses
 
     worst, ok, learned, why = compare_losses(H100_BF16, H100_FP8)
     assert ok and learned and why is None and worst == pytest.approx(0.0101, abs=5e-4)
@@ -329,8 +329,8 @@ def test_a_curve_learned_down_to_noise_is_judged_against_the_starting_loss():
 
 
 def test_nf4_emulation_gives_nf4s_known_error():
-    from jobs.training.fp8 import quant_rows_ref, rel_error
-    from jobs.training.numerics import NF4_CODE, nf4_roundtrip
+    from jobs.training.fp8.matmul import quant_rows_ref, rel_error
+    from jobs.training.fp8.numerics import NF4_CODE, nf4_roundtrip
 
     w = torch.randn(256, 512) * 0.02
     back = nf4_roundtrip(w)
@@ -403,7 +403,7 @@ def test_the_capture_forward_runs_eagerly_even_through_compiled_blocks(tiny_mode
     """On the H200 the capture forward through Unsloth's compiled blocks, hooked, recompiled for 241 s."""
     import torch
 
-    from jobs.training.numerics import Capture
+    from jobs.training.fp8.numerics import Capture
 
     loaded = _load(tiny_model)
     compiles = []
@@ -460,7 +460,7 @@ def test_an_adapter_on_q_and_v_only_runs_its_layers_fused_on_fp8(monkeypatch):
     study's adapter it fused nothing, and each FP8 projection quantised the same input again, with an add per
     extra input gradient and autograd's SwiGLU. install() now binds our Functions there too: one quantisation and
     one input-gradient GEMM per group, k's and the MLP's bases without LoRA."""
-    from jobs.training.fp8 import rel_error
+    from jobs.training.fp8.matmul import rel_error
 
     _fake_unsloth_package(monkeypatch)
     model, attn, mlp = _qv_block()

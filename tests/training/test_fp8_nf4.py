@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from jobs.training.config import TrainConfig
-from jobs.training.fp8 import E4M3, FP8Base, FP8Group, transpose_cat
-from jobs.training.fp8_nf4 import NF4Source
-from jobs.training.fp8_selftest import check_kind, verdict
+from jobs.training.fp8.matmul import E4M3, FP8Base, FP8Group, transpose_cat
+from jobs.training.fp8.nf4 import NF4Source
+from jobs.training.fp8.selftest import check_kind, verdict
 
 # bitsandbytes' NF4 code (functional.get_4bit_type("nf4"))
 NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -103,8 +103,8 @@ class Nf4Linear(torch.nn.Linear):
 
 
 def test_the_conversion_keeps_nf4_bases_in_nf4_and_accounts_for_them(monkeypatch):
-    from jobs.training import fp8_convert
-    from jobs.training.fp8_convert import Conversion, Unit, base_bytes
+    from jobs.training.fp8 import convert as fp8_convert
+    from jobs.training.fp8.convert import Conversion, Unit, base_bytes
 
     torch.manual_seed(2)
 
@@ -166,7 +166,7 @@ def test_storage_is_a_config_key_auto_by_default_and_contradictions_are_named(tm
 
 def test_calibrate_names_nf4_storage_only_where_fp8_runs_as_a_copy_of_a_4bit_base():
     from jobs.night.calibrate import nothing_fits
-    from jobs.training.compute import CalibrationDecision
+    from jobs.training.fp8.compute import CalibrationDecision
 
     fp8, bf16 = CalibrationDecision("fp8", None), CalibrationDecision("bf16", None)
     msg = nothing_fits(40.0, TrainConfig(), fp8, "fp8")
@@ -177,8 +177,8 @@ def test_calibrate_names_nf4_storage_only_where_fp8_runs_as_a_copy_of_a_4bit_bas
 
 
 def _units(*shapes):
-    from jobs.training import fp8_convert
-    from jobs.training.fp8_convert import Unit
+    from jobs.training.fp8 import convert as fp8_convert
+    from jobs.training.fp8.convert import Unit
 
     m = torch.nn.Module()
     names = ["o_proj", "up_proj", "down_proj"][: len(shapes)]  # found by name, as a model's frozen projections are
@@ -188,7 +188,7 @@ def _units(*shapes):
 
 
 def test_auto_storage_keeps_nf4_where_the_copy_would_take_a_large_share_of_the_budget():
-    from jobs.training.fp8_convert import NF4_WHEN_COPY_OVER, choose_storage
+    from jobs.training.fp8.convert import NF4_WHEN_COPY_OVER, choose_storage
 
     _, units = _units((1024, 1024), (512, 1024), (1024, 2048))  # NF4: 1,048,576 + 2,097,152 values; one bf16
     copy_gb = 3 * 2**20 / 1e9
@@ -209,8 +209,8 @@ def test_auto_storage_keeps_nf4_where_the_copy_would_take_a_large_share_of_the_b
 
 
 def test_enable_fp8_holds_the_bases_as_auto_decided_and_says_why(monkeypatch):
-    from jobs.training import fp8_convert
-    from jobs.training.fp8_setup import enable_fp8
+    from jobs.training.fp8 import convert as fp8_convert
+    from jobs.training.fp8.enable import enable_fp8
 
     monkeypatch.setattr(fp8_convert, "dense_weight", lambda base: (
         (base.src.dequantized(), True, "") if isinstance(base, Nf4Linear) else (base.weight.detach(), False, "")))
@@ -252,7 +252,7 @@ def _run_ptx(asm: str, regs: dict[str, int]) -> dict[str, int]:
 def test_the_kernels_table_lookup_picks_each_nibbles_entry_in_column_order():
     import random
 
-    from jobs.training.nf4_fp8_kernel import LOOKUP_PTX
+    from jobs.training.fp8.nf4_kernel import LOOKUP_PTX
 
     rng = random.Random(0)
     for _ in range(3000):

@@ -22,8 +22,8 @@ pytestmark = fp8_gpu_marks("unsloth")
 def test_functions_on_the_card_match_fp32_and_the_emulation(kind, shapes):
     from unsloth.kernels.swiglu import swiglu_DWf_DW_dfg_kernel, swiglu_fg_kernel
 
-    from jobs.training.fp8 import emulated
-    from jobs.training.fp8_selftest import check_kind, verdict
+    from jobs.training.fp8.matmul import emulated
+    from jobs.training.fp8.selftest import check_kind, verdict
 
     sw = (swiglu_fg_kernel, swiglu_DWf_DW_dfg_kernel) if kind == "mlp" else None
     err = check_kind(kind, shapes, tokens=1000, swiglu=sw)
@@ -43,7 +43,7 @@ def test_layers_with_lora_on_some_projections_run_fused_on_the_card(kind, shapes
     """The Exxact study's adapter (q and v): k and the MLP have no LoRA, the Functions run them all the same."""
     from unsloth.kernels.swiglu import swiglu_DWf_DW_dfg_kernel, swiglu_fg_kernel
 
-    from jobs.training.fp8_selftest import check_kind, verdict
+    from jobs.training.fp8.selftest import check_kind, verdict
 
     sw = (swiglu_fg_kernel, swiglu_DWf_DW_dfg_kernel) if kind == "mlp" else None
     err = check_kind(kind, shapes, tokens=1000, swiglu=sw, with_lora=with_lora, lora_dtype=torch.float32)
@@ -61,9 +61,9 @@ def test_fp32_lora_weights_train_through_the_card_without_a_cast_in_the_backward
     dtype (the forward's bf16 copies are reused, cuBLAS writes the fp32 gradients)."""
     from unsloth.kernels.swiglu import swiglu_DWf_DW_dfg_kernel, swiglu_fg_kernel
 
-    from jobs.training.fp8 import FP8Base, FP8Group
-    from jobs.training.fp8_lora import FP8LoraMLP, FP8LoraQKV
-    from jobs.training.fp8_selftest import check_kind, verdict
+    from jobs.training.fp8.lora import FP8LoraMLP, FP8LoraQKV
+    from jobs.training.fp8.matmul import FP8Base, FP8Group
+    from jobs.training.fp8.selftest import check_kind, verdict
 
     sw = (swiglu_fg_kernel, swiglu_DWf_DW_dfg_kernel) if kind == "mlp" else None
     err = check_kind(kind, shapes, tokens=1000, swiglu=sw, lora_dtype=torch.float32)
@@ -89,11 +89,11 @@ def test_fp32_lora_weights_train_through_the_card_without_a_cast_in_the_backward
 
 
 def test_an_unsloth_model_runs_fp8_patched_checked_and_trains(small_model, tmp_path):
-    from jobs.training.fp8 import STATS, FP8Base
-    from jobs.training.fp8_setup import CAPTURE_TOKENS, Learnable, enable_fp8
-    from jobs.training.numerics import bigram_samples
+    from jobs.training.fp8.enable import CAPTURE_TOKENS, Learnable, enable_fp8
+    from jobs.training.fp8.matmul import STATS, FP8Base
+    from jobs.training.fp8.numerics import bigram_samples
+    from jobs.training.fp8.sample_data import data_files, sample_tokens
     from jobs.training.packing import packed_batches
-    from jobs.training.sample_data import data_files, sample_tokens
     from jobs.training.step import make_optimizer, train_step
     from jobs.training.unsloth_backend import LoraSpec, load_unsloth
 
@@ -119,11 +119,11 @@ def test_an_unsloth_model_runs_fp8_patched_checked_and_trains(small_model, tmp_p
 def test_a_q_v_adapter_on_unsloth_runs_every_frozen_projection_on_fp8(small_model, tmp_path):
     """The Exxact recipe's adapter: Unsloth fuses nothing; q, k, v and the MLP run the fused FP8 Functions all the
     same (k and the MLP without LoRA), o alone as its own FP8 module."""
-    from jobs.training.fp8 import STATS, FP8Base
-    from jobs.training.fp8_setup import CAPTURE_TOKENS, enable_fp8
-    from jobs.training.numerics import bigram_samples
+    from jobs.training.fp8.enable import CAPTURE_TOKENS, enable_fp8
+    from jobs.training.fp8.matmul import STATS, FP8Base
+    from jobs.training.fp8.numerics import bigram_samples
+    from jobs.training.fp8.sample_data import data_files, sample_tokens
     from jobs.training.packing import packed_batches
-    from jobs.training.sample_data import data_files, sample_tokens
     from jobs.training.step import make_optimizer, train_step
     from jobs.training.unsloth_backend import LoraSpec, load_unsloth
 

@@ -20,8 +20,8 @@ def test_a_linear4bit_converts_to_the_e4m3_copys_very_bytes(n, k, nested):
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnbf
 
-    from jobs.training.fp8 import STATS, FP8Base, FP8Group, transpose_cat
-    from jobs.training.fp8_nf4 import NF4Source
+    from jobs.training.fp8.matmul import STATS, FP8Base, FP8Group, transpose_cat
+    from jobs.training.fp8.nf4 import NF4Source
 
     torch.manual_seed(0)
     layer = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4",
@@ -52,8 +52,8 @@ def test_the_functions_on_nf4_bases_match_fp32_on_the_card(kind, shapes):
     pytest.importorskip("unsloth")
     from unsloth.kernels.swiglu import swiglu_DWf_DW_dfg_kernel, swiglu_fg_kernel
 
-    from jobs.training.fp8_nf4 import bnb_nf4
-    from jobs.training.fp8_selftest import check_kind, verdict
+    from jobs.training.fp8.nf4 import bnb_nf4
+    from jobs.training.fp8.selftest import check_kind, verdict
 
     sw = (swiglu_fg_kernel, swiglu_DWf_DW_dfg_kernel) if kind == "mlp" else None
     err = check_kind(kind, shapes, tokens=1000, swiglu=sw, nf4=bnb_nf4)

@@ -31,7 +31,7 @@ def assert_same_but_exact_ties(q, s, cat) -> None:
     the exact quotient x / s lies on a rounding midpoint of the e4m3 grid (bf16 inputs often sit at simple
     ratios of their row's amax), where the last fp32 bit of the division decides and torch's division and
     Triton's differ. There, the two codes are the midpoint's neighbours."""
-    from jobs.training.fp8 import quant_rows_ref
+    from jobs.training.fp8.matmul import quant_rows_ref
 
     qr, sr = quant_rows_ref(cat)
     assert q.shape == qr.shape and q.is_contiguous() and torch.equal(s, sr)
@@ -51,7 +51,7 @@ def assert_same_but_exact_ties(q, s, cat) -> None:
     (53, [4096, 1024, 1024], True), (19, [14336, 14336], True), (7, [4096], True), (0, [64], False),
 ])
 def test_the_kernel_matches_the_reference_up_to_exact_ties(rows, widths, scaled):
-    from jobs.training.fp8_quant_kernel import quant_rows
+    from jobs.training.fp8.quant_kernel import quant_rows
 
     ts = _inputs(rows, widths, seed=rows)
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -66,7 +66,7 @@ def test_off_the_grid_quotients_round_once_to_nearest_even():
     """Triton casts fp32 to e4m3 through fp16: 167.99 -> 168 -> 176 where nearest is 160. The kernel
     rounds on the e4m3 grid first, so values off a midpoint go to their nearest neighbour (the row's
     amax is 448: the scale is 1 within an fp32 ulp, far from moving these values across a midpoint)."""
-    from jobs.training.fp8_quant_kernel import quant_rows
+    from jobs.training.fp8.quant_kernel import quant_rows
 
     row = torch.tensor([[448.0, 167.99, -167.99, 168.01, 0.0029296, -0.0029296, 1e-4, -1e-4]], device="cuda")
     q, s = quant_rows([torch.nn.functional.pad(row, (0, 8))])
@@ -76,7 +76,7 @@ def test_off_the_grid_quotients_round_once_to_nearest_even():
 
 
 def test_the_product_path_uses_the_kernel_and_counts_no_fallback():
-    from jobs.training.fp8 import STATS, quant_scaled, quant_x
+    from jobs.training.fp8.matmul import STATS, quant_scaled, quant_x
 
     x = torch.randn(100, 4096, device="cuda", dtype=torch.bfloat16)
     assert_same_but_exact_ties(*quant_x(x), x)

@@ -25,7 +25,7 @@ def _bf16_ulp(v):
     (2077, 8200, 48, True, torch.bfloat16),    # an input gradient: xa [M, r] @ A [r, N]
 ])
 def test_the_kernel_rounds_once_like_addmm(m, n, r, b_rows_are_rank, b_dtype):
-    from jobs.training import lora_add_kernel as k
+    from jobs.training.fp8 import lora_add_kernel as k
 
     g = torch.Generator(device="cuda").manual_seed(m)
     out0 = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -46,7 +46,7 @@ def test_the_kernel_rounds_once_like_addmm(m, n, r, b_rows_are_rank, b_dtype):
 
 
 def test_small_or_strided_outputs_keep_addmm():
-    from jobs.training import lora_add_kernel as k
+    from jobs.training.fp8 import lora_add_kernel as k
 
     out = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
     xa = torch.randn(512, 16, device="cuda", dtype=torch.bfloat16)
@@ -59,9 +59,9 @@ def test_small_or_strided_outputs_keep_addmm():
 
 def test_the_fp8_functions_take_the_kernel_and_stay_within_fp8_error(monkeypatch):
     """The MLP Function at a size where every LoRA add of the forward and of dh goes through the kernel."""
-    from jobs.training import lora_add_kernel as k
-    from jobs.training.fp8 import STATS
-    from jobs.training.fp8_selftest import check_kind, verdict
+    from jobs.training.fp8 import lora_add_kernel as k
+    from jobs.training.fp8.matmul import STATS
+    from jobs.training.fp8.selftest import check_kind, verdict
 
     taken = []
     real = k.takes

@@ -21,7 +21,7 @@ pytestmark = [
 
 def test_flash_varlen_with_sinks_equals_per_sample_attention_at_gpt_oss_shapes():
     """64 query heads, 8 K/V heads, head 64, a 128-token window, samples shorter and longer than it."""
-    from jobs.training.packed_attention import flash_attention, sdpa_attention, segments
+    from jobs.training.moe.packed_attention import flash_attention, sdpa_attention, segments
 
     lengths, h, kv, d = [17, 300, 128, 5, 700], 64, 8, 64
     t = sum(lengths)
@@ -44,7 +44,7 @@ def test_flash_varlen_with_sinks_equals_per_sample_attention_at_gpt_oss_shapes()
 
 
 def test_nf4_grouped_expert_gemms():
-    from jobs.training.experts_nf4 import self_check
+    from jobs.training.moe.experts_nf4 import self_check
 
     r = self_check("cuda")
     print(r)
@@ -53,8 +53,8 @@ def test_nf4_grouped_expert_gemms():
 
 @pytest.fixture(scope="module")
 def small_moe():
-    from jobs.training.build_in_memory import build_random_in_memory
-    from jobs.training.moe_path import prepare_moe_for_training
+    from jobs.training.moe.build import build_random_in_memory
+    from jobs.training.moe.load import prepare_moe_for_training
 
     model, tok, info = build_random_in_memory("gpt-oss-small", device="cuda")
     loaded = prepare_moe_for_training(model, tok, r=16, alpha=16, build_info=info)
@@ -97,10 +97,10 @@ def test_packed_rows_keep_samples_apart_on_the_gpu(small_moe):
 
 
 def test_packed_steps_train_every_expert_lora_tensor(small_moe):
-    from jobs.training.moe import ExpertLoraWatch
+    from jobs.training.models.synthetic import make_samples
+    from jobs.training.moe.lora import ExpertLoraWatch
     from jobs.training.packing import packed_batches
     from jobs.training.step import make_optimizer, train_step
-    from jobs.training.synthetic import make_samples
 
     model = small_moe.model
     watch = ExpertLoraWatch(model)

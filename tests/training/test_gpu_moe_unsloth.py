@@ -29,7 +29,7 @@ def test_unsloth_night_of_gpt_oss_small_trains_every_expert_lora_tensor(tmp_path
 
     from jobs.night.config import NightConfig
     from jobs.night.run import run_night
-    from jobs.training.architectures import build_random_model
+    from jobs.training.models.architectures import build_random_model
     from tests.conftest import SAMPLE_INBOX
 
     model = build_random_model("gpt-oss-small", tmp_path / "gpt-oss-small")

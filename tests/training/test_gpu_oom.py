@@ -32,11 +32,11 @@ def extra_peak(model, batch, optimizer) -> int:
 
 def test_memory_taken_mid_night_is_survived_by_halving(tmp_path):
     from jobs.contract import StepShape
-    from jobs.training.architectures import build_random_model
     from jobs.training.batch_sequence import plan_batches
     from jobs.training.config import TrainConfig
     from jobs.training.load import load_for_training
     from jobs.training.loop import train
+    from jobs.training.models.architectures import build_random_model
     from jobs.training.packing import split_in_two
     from jobs.training.step import make_optimizer
 

@@ -93,7 +93,7 @@ def test_what_a_night_continues_must_match_its_method(tmp_path):
 
 
 def test_a_rank_of_several_loads_onto_its_own_card_and_one_process_as_before(fake_unsloth, tiny_model, monkeypatch):
-    """torchrun's rank with local rank 1 has bound card 1 (jobs/training/distributed.py bind_device): every
+    """torchrun's rank with local rank 1 has bound card 1 (jobs/training/ranks/collectives.py bind_device): every
     loader puts the model there, not on card 0; one process passes no device_map (Unsloth's default)."""
     import torch
 

@@ -11,8 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from jobs.training.architectures import make_config  # noqa: E402
-from jobs.training.moe import (  # noqa: E402
+from jobs.training.models.architectures import make_config  # noqa: E402
+from jobs.training.moe.lora import (  # noqa: E402
     ExpertLoraError,
     ExpertLoraWatch,
     expected_lora_parameters,
@@ -48,9 +48,9 @@ def with_lora(model, r=4, target="all-linear"):
 
 
 def packed_steps(model, n, *, tokens=256, lr=1e-2):
+    from jobs.training.models.synthetic import make_samples
     from jobs.training.packing import packed_batches
     from jobs.training.step import make_optimizer, train_step
-    from jobs.training.synthetic import make_samples
 
     opt = make_optimizer(model, lr=lr)
     batches = list(packed_batches(make_samples("alpaca", tokens * (n + 2), vocab=256), tokens_per_step=tokens))
@@ -153,7 +153,7 @@ def _segment_logits(model, ids, lengths):
 
 
 def test_gpt_oss_packed_rows_leak_across_samples_in_transformers_and_not_with_ours():
-    from jobs.training.moe import adapt_base
+    from jobs.training.moe.lora import adapt_base
 
     model = tiny_gpt_oss().eval()
     ids = torch.randint(3, 250, (1, 40))
@@ -239,7 +239,7 @@ def _eager_with_sinks(q, k, v, lengths, scale, window, sinks):
 def test_flash_sink_renormalisation_and_its_backward_equal_softmax_with_sinks(lse_3d):
     """The CUDA path's algebra on the CPU: out * sigmoid(lse - sink), and the flash backward fed dout * r and
     the renormalised output, give softmax-with-sinks attention and its exact gradients (sinks included)."""
-    from jobs.training.packed_attention import flash_attention, sdpa_attention, segments
+    from jobs.training.moe.packed_attention import flash_attention, sdpa_attention, segments
 
     RefFlash.lse_3d = lse_3d
     lengths, h, kv, d, window = [3, 17, 9], 4, 2, 8, 5
@@ -269,7 +269,7 @@ def test_flash_sink_renormalisation_and_its_backward_equal_softmax_with_sinks(ls
 
 
 def test_the_flash_self_check_passes_with_right_kernels_and_reports_missing_ones():
-    from jobs.training.packed_attention import self_check
+    from jobs.training.moe.packed_attention import self_check
 
     RefFlash.lse_3d = False
     assert self_check("cpu", torch.float32, kernels=RefFlash)["ok"]
@@ -281,7 +281,7 @@ def test_the_flash_self_check_passes_with_right_kernels_and_reports_missing_ones
 
 
 def _frozen_copy(model, quantize=False):
-    from jobs.training.experts_nf4 import DenseWeight, NF4Weight, replace_experts
+    from jobs.training.moe.experts_nf4 import DenseWeight, NF4Weight, replace_experts
 
     out = copy.deepcopy(model)
     for layer in out.model.layers:
@@ -308,7 +308,7 @@ def _same_lora(a, b):
 
 def test_grouped_expert_lora_equals_peft_folding_it_into_the_weight():
     """Frozen experts + LoRA as grouped GEMMs (route_lora) == PEFT's ParamWrapper on dense experts."""
-    from jobs.training.experts_nf4 import route_lora
+    from jobs.training.moe.experts_nf4 import route_lora
 
     dense = tiny_gpt_oss()
     frozen = _frozen_copy(dense)
@@ -326,7 +326,7 @@ def test_grouped_expert_lora_equals_peft_folding_it_into_the_weight():
 
 @needs_bnb
 def test_nf4_experts_compute_with_their_dequantised_weights():
-    from jobs.training.experts_nf4 import NF4Weight, route_lora
+    from jobs.training.moe.experts_nf4 import NF4Weight, route_lora
 
     dense = tiny_gpt_oss()
     nf4 = _frozen_copy(dense, quantize=True)
@@ -351,8 +351,8 @@ def test_in_memory_gpt_oss_trains_its_experts_and_saves_a_plain_peft_adapter(tmp
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from jobs.training.build_in_memory import build_random_in_memory
-    from jobs.training.moe_path import prepare_moe_for_training
+    from jobs.training.moe.build import build_random_in_memory
+    from jobs.training.moe.load import prepare_moe_for_training
 
     model, tok, info = build_random_in_memory("tiny-gpt-oss", device="cpu", quantize=quantize)
     assert info["quantized"] == ("nf4" if quantize else "none") and info["layers"] == 2

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from jobs.training import probe as probe_mod
+from jobs.training.models.synthetic import make_samples
 from jobs.training.step import StepStat
-from jobs.training.synthetic import make_samples
 
 GB = 1e9
 

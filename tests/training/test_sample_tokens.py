@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from jobs.training.architectures import make_tokenizer
-from jobs.training.sample_data import RANDOM, sample_tokens
-from jobs.training.synthetic import make_samples
+from jobs.training.fp8.sample_data import RANDOM, sample_tokens
+from jobs.training.models.architectures import make_tokenizer
+from jobs.training.models.synthetic import make_samples
 
 
 class _Cfg:

@@ -12,8 +12,8 @@ from jobs.training.step import make_optimizer, model_inputs, train_step
 def _setup(tiny_model):
     from jobs.contract import StepShape
     from jobs.training.config import TrainConfig
+    from jobs.training.fp8.numerics import bigram_samples
     from jobs.training.load import load_for_training
-    from jobs.training.numerics import bigram_samples
     from jobs.training.packing import packed_batches
 
     cfg = TrainConfig(backend="hf", lora_rank=4, lora_alpha=8, max_seq_length=256, gradient_checkpointing=False)

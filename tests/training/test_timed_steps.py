@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from jobs.training import probe
+from jobs.training.models.synthetic import make_samples
 from jobs.training.step import StepStat
-from jobs.training.synthetic import make_samples
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, per_token: list[float], clock=None,

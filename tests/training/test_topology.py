@@ -4,7 +4,14 @@ import pytest
 
 from daemon.settings import ConfigError, load_settings
 from jobs.training.config import TrainConfig
-from jobs.training.topology import DistributedConfig, World, launch_command, launch_env, resolve_world, visible_gpus
+from jobs.training.ranks.topology import (
+    DistributedConfig,
+    World,
+    launch_command,
+    launch_env,
+    resolve_world,
+    visible_gpus,
+)
 
 ONE_HOST = DistributedConfig()
 

@@ -1,4 +1,4 @@
-"""nightshift's training path for a mixture-of-experts model held in memory (jobs/training/build_in_memory.py).
+"""nightshift's training path for a mixture-of-experts model held in memory (jobs/training/moe/build.py).
 
 From a transformers model object (4-bit attention, NF4 frozen experts) to the `Loaded` the step, the
 loop, the probe and the benchmark take:
@@ -22,11 +22,11 @@ from typing import Any
 
 import structlog
 
-from jobs.training import packed_attention
-from jobs.training.architectures import MARKER, matmul_params
-from jobs.training.experts_nf4 import route_lora
 from jobs.training.loaded import Loaded, load_tokenizer
-from jobs.training.moe import expected_lora_parameters, lora_targets
+from jobs.training.models.architectures import MARKER, matmul_params
+from jobs.training.moe import packed_attention
+from jobs.training.moe.experts_nf4 import route_lora
+from jobs.training.moe.lora import expected_lora_parameters, lora_targets
 from jobs.training.unsloth_backend import parameter_counts  # imports no GPU stack
 
 log = structlog.get_logger("nightshift.train")
@@ -96,7 +96,7 @@ def in_memory_arch(model_path: Path) -> str | None:
 
 def write_in_memory_stub(arch: str, out_dir: Path) -> Path:
     """config.json, the tokenizer and the marker of an in-memory model (kilobytes), written atomically."""
-    from jobs.training.architectures import make_config, make_tokenizer
+    from jobs.training.models.architectures import make_config, make_tokenizer
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -117,7 +117,7 @@ def write_in_memory_stub(arch: str, out_dir: Path) -> Path:
 
 def load_in_memory(model_path: Path, cfg: Any, *, adapter: Path | None, gradient_checkpointing: bool) -> Loaded:
     """The night's load for an in-memory base (jobs.training.load calls it): build, then LoRA."""
-    from jobs.training.build_in_memory import build_random_in_memory
+    from jobs.training.moe.build import build_random_in_memory
 
     arch = in_memory_arch(model_path)
     if arch is None:

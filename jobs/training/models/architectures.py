@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from jobs.training.arch_specs import ARCHITECTURES  # the table, kept apart
+from jobs.training.models.specs import ARCHITECTURES  # the table, kept apart
 
 MARKER = "nightshift_random.json"  # written beside config.json: which arch, which dtype, random
 

@@ -22,8 +22,8 @@ gradients are ONE GEMM over the concatenated contraction, dx = [dy_q s_q | dy_k 
 (dequantise both fp8 operands, fp32 matmul) that enforces the CUDA kernel's operand rules (row-major
 mat1, column-major mat2, dims divisible by 16, fp32 scales shaped (M, 1) and (1, N)), so a layout or
 scale mistake fails on the CPU as it would on the GPU. The quantisation is one Triton kernel on CUDA
-(jobs/training/fp8_quant_kernel.py; eager it costs ~10x), and so is adding a LoRA product into a large
-output (jobs/training/lora_add_kernel.py); each runs eagerly if its kernel fails (counted).
+(jobs/training/fp8/quant_kernel.py; eager it costs ~10x), and so is adding a LoRA product into a large
+output (jobs/training/fp8/lora_add_kernel.py); each runs eagerly if its kernel fails (counted).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from typing import Any
 import structlog
 import torch
 
-from jobs.training.fp8_format import ALIGN, E4M3, FMAX
-from jobs.training.fp8_nf4 import NF4Source, nf4_to_fp8_ref, row_scales
+from jobs.training.fp8.e4m3 import ALIGN, E4M3, FMAX
+from jobs.training.fp8.nf4 import NF4Source, nf4_to_fp8_ref, row_scales
 
 log = structlog.get_logger("nightshift.train")
 
@@ -159,11 +159,11 @@ def lora_add_ref(out: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, alpha: fl
     return out.addmm_(xa, (b if b_rows_are_rank else b.t()).to(xa.dtype), alpha=alpha)
 
 
-_QUANT = _FastPath("quant_rows", _quant_eager, _triton("jobs.training.fp8_quant_kernel", "quant_rows"))
-# an NF4-stored base to e4m3 at each use (jobs/training/fp8_nf4.py)
-_NF4 = _FastPath("nf4_to_fp8", nf4_to_fp8_ref, _triton("jobs.training.nf4_fp8_kernel", "nf4_to_fp8"))
-# the LoRA products added into base outputs and input gradients (jobs/training/lora_add_kernel.py)
-lora_add_ = _FastPath("lora_add_", lora_add_ref, _triton("jobs.training.lora_add_kernel", "lora_add_"))
+_QUANT = _FastPath("quant_rows", _quant_eager, _triton("jobs.training.fp8.quant_kernel", "quant_rows"))
+# an NF4-stored base to e4m3 at each use (jobs/training/fp8/nf4.py)
+_NF4 = _FastPath("nf4_to_fp8", nf4_to_fp8_ref, _triton("jobs.training.fp8.nf4_kernel", "nf4_to_fp8"))
+# the LoRA products added into base outputs and input gradients (jobs/training/fp8/lora_add_kernel.py)
+lora_add_ = _FastPath("lora_add_", lora_add_ref, _triton("jobs.training.fp8.lora_add_kernel", "lora_add_"))
 
 
 def quant_x(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,7 +246,7 @@ class FP8Base(torch.nn.Module):
     (transformers' FbgemmFp8Linear layout). Its forward is FP8Linear: FP8 forward and input gradient.
 
     Storage: the e4m3 weight itself (`weight`), or the NF4 bytes it came from (`nf4`, `weight` None), dequantised
-    straight to the same e4m3 values at each use (jobs/training/fp8_nf4.py)."""
+    straight to the same e4m3 values at each use (jobs/training/fp8/nf4.py)."""
 
     def __init__(self, weight: torch.Tensor | None, scale: torch.Tensor, bias: torch.Tensor | None = None, *,
                  nf4: NF4Source | None = None) -> None:

@@ -5,7 +5,7 @@ Used three ways:
   Function fails or is wrong stays bf16 (so nothing can break mid-training for a shape reason);
 - by the CPU tests, where the scaled matmuls are emulated (the logic: quantise rows, fold s_w into dy,
   group order, LoRA gradients);
-- as the lead's pre-flight on the GPU: `python -m jobs.training.fp8_selftest [--out DIR]` runs every
+- as the lead's pre-flight on the GPU: `python -m jobs.training.fp8.selftest [--out DIR]` runs every
   Function on the Llama-3.1-8B and Qwen3-32B shapes (CUDA against emulation against fp32), times
   bf16 against FP8 per projection, and prints a table (a few seconds plus the first compile).
 """
@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from jobs.training.compute import MAX_LAYER_ERROR
 from jobs.training.config import FP8Storage
-from jobs.training.fp8 import FP8Base, FP8Group, FP8Linear, emulated, rel_error
-from jobs.training.fp8_lora import FP8LoraMLP, FP8LoraQKV, FP8LoraW, swiglu_backward_ref, swiglu_forward_ref
-from jobs.training.fp8_nf4 import NF4Source, bnb_nf4
-from jobs.training.fp8_unsloth import is_lora_layer
+from jobs.training.fp8.compute import MAX_LAYER_ERROR
+from jobs.training.fp8.lora import FP8LoraMLP, FP8LoraQKV, FP8LoraW, swiglu_backward_ref, swiglu_forward_ref
+from jobs.training.fp8.matmul import FP8Base, FP8Group, FP8Linear, emulated, rel_error
+from jobs.training.fp8.nf4 import NF4Source, bnb_nf4
+from jobs.training.fp8.unsloth_layers import is_lora_layer
 
 LORA_TOL = 0.02  # LoRA gradients that do not pass through an FP8 GEMM (q/k/v, o) must match closely
 
@@ -197,7 +197,7 @@ def _time(fn: Callable[[], Any], iters: int = 10) -> float:
 def timing(n: int, k: int, m: int = 8192) -> dict[str, float]:
     """ms per forward + input gradient of one frozen projection: bf16 matmuls vs FP8 (quantisation and,
     without a kept copy, the per-backward transpose included)."""
-    from jobs.training.fp8 import fp8_dgrad, fp8_forward, quant_x
+    from jobs.training.fp8.matmul import fp8_dgrad, fp8_forward, quant_x
 
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -213,11 +213,11 @@ def timing(n: int, k: int, m: int = 8192) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.training.fp8_selftest")
+    ap = argparse.ArgumentParser(prog="python -m jobs.training.fp8.selftest")
     ap.add_argument("--out", type=Path, help="write fp8-selftest.json here")
     ap.add_argument("--tokens", type=int, default=2048)
     a = ap.parse_args(argv)
-    from jobs.training.compute import assess_card, card_info
+    from jobs.training.fp8.compute import assess_card, card_info
 
     card = card_info()
     ok, why = assess_card(card)
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["timing"][name] = t = timing(n, k)
         print(f"{name:24} bf16 {t['bf16_ms']:.3f} ms  fp8 {t['fp8_ms']:.3f} ms (x{t['speedup']})  "
               f"kept transposed {t['fp8_kept_t_ms']:.3f} ms (x{t['speedup_kept_t']})", flush=True)
-    from jobs.training.fp8 import STATS
+    from jobs.training.fp8.matmul import STATS
 
     doc["stats"] = STATS.as_dict()
     if a.out:

@@ -166,7 +166,7 @@ def expected_lora_parameters(config: Any, r: int) -> dict[str, int] | None:
 def adapt_base(model: Any) -> bool:
     """A base whose attention has sinks (GPT-OSS) gets the packed attention that keeps samples apart
     (transformers' own masks ignore the packing there). True when switched."""
-    from jobs.training import packed_attention
+    from jobs.training.moe import packed_attention
 
     if not packed_attention.has_sinks(model):
         return False

@@ -1,4 +1,4 @@
-"""NF4 -> e4m3 in one pass, into [N, K] or its transpose (jobs/training/fp8_nf4.py says why and what it computes).
+"""NF4 -> e4m3 in one pass, into [N, K] or its transpose (jobs/training/fp8/nf4.py says why and what it computes).
 
 A block of `blocksize` values shares one absmax and a row shares one scale, so each (row, block) has only 16 possible
 e4m3 bytes: code[c] * absmax rounded to bf16 as bitsandbytes does, divided by the row's scale (IEEE division), rounded
@@ -10,7 +10,7 @@ The packed bytes are read as 32-bit words (eight values; the even-indexed value 
 is written as 32-bit words into a row-major [N, K] (the forward), byte by byte through its strides into the input
 gradient's [K, sum N] column slice. Compiled without floating-point contraction: a fused multiply-add would round
 code2 * absmax2 + offset differently from bitsandbytes' two operations. A weight whose rows are not whole absmax
-blocks (K % blocksize != 0: no architecture in jobs/training/arch_specs.py has one), or packed bytes not 4-byte
+blocks (K % blocksize != 0: no architecture in jobs/training/models/specs.py has one), or packed bytes not 4-byte
 aligned, takes the eager path. Triton is imported when the kernel is first defined (`_jit`), so that a machine without
 it imports this module.
 
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from jobs.training.fp8_format import FMAX
-from jobs.training.fp8_nf4 import NF4Source, nf4_to_fp8_ref
+from jobs.training.fp8.e4m3 import FMAX
+from jobs.training.fp8.nf4 import NF4Source, nf4_to_fp8_ref
 
 BLOCK_N, BLOCK_K, NUM_WARPS = 32, 256, 8
 
@@ -61,7 +61,7 @@ def _jit() -> Any:
     import triton
     import triton.language as tl
 
-    from jobs.training import fp8_quant_kernel
+    from jobs.training.fp8 import quant_kernel as fp8_quant_kernel
 
     fp8_quant_kernel._jit()  # defines its `_to_e4m3`, which this kernel calls
     _to_e4m3 = fp8_quant_kernel._to_e4m3

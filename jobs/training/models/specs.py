@@ -1,4 +1,4 @@
-"""The architectures by name: the config values `jobs/training/architectures.py` builds random-initialised
+"""The architectures by name: the config values `jobs/training/models/architectures.py` builds random-initialised
 models from (the real models' shapes, and small stand-ins for the tests)."""
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ ARCHITECTURES["llama3.2-3b"] = {**ARCHITECTURES["llama3.2-1b"], "hidden_size": 3
 ARCHITECTURES["qwen3-32b"] = {**ARCHITECTURES["qwen3-8b"], "hidden_size": 5120, "intermediate_size": 25600,
                               "num_hidden_layers": 64, "num_attention_heads": 64}
 # GPT-OSS-120B (issue 15): GPT-OSS-20B's widths, 36 layers, 128 experts (top-4): 116.8 B parameters, ~5.1 B
-# active per token. Its NF4 weights (~61 GB) outgrow a 64 GB disk: jobs/training/build_in_memory.py builds it
+# active per token. Its NF4 weights (~61 GB) outgrow a 64 GB disk: jobs/training/moe/build.py builds it
 # on the GPU. tiny-gpt-oss: the same architecture at test size (CPU tests).
 ARCHITECTURES["gpt-oss-120b"] = {
     **ARCHITECTURES["gpt-oss-small"],

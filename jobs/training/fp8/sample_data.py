@@ -23,7 +23,7 @@ def data_files(regression_set: Path | None, inboxes: list[Path]) -> list[Path]:
     files = [regression_set] if regression_set else []
     for d in inboxes:
         files += sorted(p for pat in ("*.jsonl", "*.json") for p in Path(d).glob(pat))[:2]
-    shipped = Path(__file__).resolve().parents[2] / "config" / "sample-inbox"
+    shipped = Path(__file__).resolve().parents[3] / "config" / "sample-inbox"
     files += sorted(shipped.glob("*.jsonl"))
     return [f for f in files if f is not None and Path(f).is_file()]
 
@@ -32,7 +32,7 @@ def sample_tokens(tokenizer: Any, files: list[Path], *, n: int) -> tuple[list[in
     """Up to `n` tokens of real samples, concatenated, and where they came from; `n` random token ids
     when there is no data or the tokenizer does not cover it (a random-initialised bench model)."""
     from jobs.evaluate import load_regression_set
-    from jobs.training.numerics import activation_tokens
+    from jobs.training.fp8.numerics import activation_tokens
 
     for f in files:
         try:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from jobs.training.fp8_format import E4M3, FMAX, MIN_AMAX
+from jobs.training.fp8.e4m3 import E4M3, FMAX, MIN_AMAX
 
 MAX_INPUTS = 3
 # torch divides by a Python scalar as a multiply by its fp32 reciprocal (the reference's amax / 448):

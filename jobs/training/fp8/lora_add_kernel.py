@@ -1,6 +1,6 @@
 """A LoRA product added into a base output as one Triton kernel (issue 16): out += alpha * xa @ b^T.
 
-Why: in the FP8 Functions (jobs/training/fp8_lora.py) every projection's output, and every input
+Why: in the FP8 Functions (jobs/training/fp8/lora.py) every projection's output, and every input
 gradient, gets its LoRA share added by `addmm_` — a GEMM of inner size r (16) over an [M, N] output it
 reads and writes, memory-bound. cuBLAS ran it at ~1.9 TB/s on one H100 (216 us for the 8B's gate output,
 7,168 x 14,336); this kernel, one [64, 128] tile of out a program with the rank-r product from one
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from jobs.training.fp8 import lora_add_ref
+from jobs.training.fp8.matmul import lora_add_ref
 
 MIN_ELEMENTS = 1 << 24  # outputs smaller than this keep cuBLAS's addmm_ (measured, above)
 MAX_RANK = 128  # wider ranks keep addmm_ (the sweep ran ranks up to 64, the GPU tests up to 48)

@@ -7,12 +7,12 @@ GPU (141 GB on an H200) holds it easily, so the model is built where it is used:
 1. the architecture is instantiated on the meta device (no memory);
 2. layer by layer, every weight is drawn at random on the device and quantised at once: nn.Linear layers
    (attention) become bitsandbytes NF4 Linear4bit, fused expert weights become NF4 chunks of whole experts
-   (jobs/training/experts_nf4.py), so at most one chunk (<= 1 GB) ever exists in bf16;
+   (jobs/training/moe/experts_nf4.py), so at most one chunk (<= 1 GB) ever exists in bf16;
 3. embeddings, norms, routers, sinks, biases and lm_head are materialised in bf16 (as bitsandbytes leaves
    them), rotary tables recomputed on the device;
 4. the tokenizer is the benchmark's word-level one, built in memory.
 
-The result is a plain transformers model object: jobs/training/moe_path.py turns it into the training
+The result is a plain transformers model object: jobs/training/moe/load.py turns it into the training
 path's `Loaded` (LoRA on attention and experts, packed attention), so the benchmark (and a night) can
 start from an object instead of a directory. Random weights suffice: throughput, memory and power depend
 on shapes, not on what the weights say.
@@ -26,8 +26,8 @@ from typing import Any
 
 import structlog
 
-from jobs.training.architectures import make_config, make_tokenizer, matmul_params
-from jobs.training.experts_nf4 import EXPERT_WEIGHTS, DenseWeight, NF4Weight, replace_experts
+from jobs.training.models.architectures import make_config, make_tokenizer, matmul_params
+from jobs.training.moe.experts_nf4 import EXPERT_WEIGHTS, DenseWeight, NF4Weight, replace_experts
 
 log = structlog.get_logger("nightshift.train")
 GB = 1e9
@@ -37,7 +37,7 @@ def build_random_in_memory(
     arch: str, *, device: Any = None, seed: int = 0, quantize: bool | None = None,
     on_layer: Callable[[int, int, float], None] | None = None,
 ) -> tuple[Any, Any, dict[str, Any]]:
-    """(model, tokenizer, info) for a named architecture (jobs.training.architectures), on `device`.
+    """(model, tokenizer, info) for a named architecture (jobs.training.models.architectures), on `device`.
 
     quantize (default: on CUDA): NF4 attention and experts; else the weights stay dense (CPU tests).
     on_layer(i, layers, seconds): progress after each decoder layer.
@@ -211,6 +211,6 @@ def _is_fused_experts(name: str, module: Any) -> bool:
 
 
 def _is_router(leaf: str, module: Any, config: Any) -> bool:
-    from jobs.training.moe import ROUTER_LEAVES, num_experts
+    from jobs.training.moe.lora import ROUTER_LEAVES, num_experts
 
     return leaf in ROUTER_LEAVES and module.out_features == num_experts(config)

@@ -1,7 +1,7 @@
 """LoRA over FP8 frozen bases, fused the way Unsloth's LoRA_QKV / LoRA_W / LoRA_MLP are (issue 16).
 
 Each Function computes out = x W^T + S (x A^T) B^T per projection with the base term on FP8
-(jobs/training/fp8.py: one quantisation of x per group, fast-accumulation forward) and the LoRA term in
+(jobs/training/fp8/matmul.py: one quantisation of x per group, fast-accumulation forward) and the LoRA term in
 the activations' dtype; backward: the base input gradient is one FP8 GEMM per group with the weight
 scales folded into dy, the LoRA gradients (in the weights' dtype) and their share of dx from bf16 GEMMs.
 A group's LoRA products that read the same x (q, k, v; gate, up) are one GEMM each (x A^T, dA, dx's
@@ -15,7 +15,7 @@ recomputes x A^T nor casts a weight, and cuBLAS writes the fp32 gradients itself
 calls instead of 4,910 (results/h200-2026-11-26/fp8-launches/). Memory: 7 KB a token more by arithmetic; the
 bench's memory line read 3.632 / 3.643 MB a token against 3.627 / 3.639 before.
 
-Plain LoRA only (one adapter, no dropout, no lora bias, no DoRA): the callers (jobs/training/fp8_unsloth.py)
+Plain LoRA only (one adapter, no dropout, no lora bias, no DoRA): the callers (jobs/training/fp8/unsloth_layers.py)
 call the projections as modules otherwise. A projection may have no LoRA at all (None for its A and B): an
 adapter on q and v leaves k and the whole MLP without one, and those layers run here too. Device-agnostic: on the
 CPU the scaled matmuls are emulated, which is how tests check the gradients against a dense reference.
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from jobs.training.fp8 import STATS, FP8Group, fp8_dgrad, fp8_forward, lora_add_, quant_x
+from jobs.training.fp8.matmul import STATS, FP8Group, fp8_dgrad, fp8_forward, lora_add_, quant_x
 
 _fwd = torch.amp.custom_fwd(device_type="cuda")
 _bwd = torch.amp.custom_bwd(device_type="cuda")

@@ -3,11 +3,11 @@
 An e4m3 copy of the base costs 1 byte a parameter against NF4's ~0.52 (Qwen3-32B's 31.2 GB against 16.1). Kept in
 NF4, the base leaves that memory to the step; the price is one pass over the packed bytes per use (the forward
 reads [N, K], the input gradient the transposed [K, N], written so by the same kernel: no separate transpose; the
-kernel, jobs/training/nf4_fp8_kernel.py, moves ~1,300-1,600 GB/s). Measured on H200s: under `max_vram_gb = 56` the
+kernel, jobs/training/fp8/nf4_kernel.py, moves ~1,300-1,600 GB/s). Measured on H200s: under `max_vram_gb = 56` the
 copy leaves no room for a 2,048-token step and NF4 storage trains FP8 at 3,993 tok/s against bf16 QLoRA's 3,803
 (results/h200-2026-11-26/nf4-storage/, an earlier kernel); under 72 GB its 3,584-token steps ran 5,031 / 5,055 tok/s
 against the copy's 2,304-token 4,844 / 4,294 (results/h200-2026-11-26/nf4-lookup/). Which one a run uses:
-`choose_storage` in jobs/training/fp8_convert.py.
+`choose_storage` in jobs/training/fp8/convert.py.
 
 The values are exactly those of the e4m3 copy: bitsandbytes' dequantisation (code[nibble] * absmax in fp32, rounded
 to bf16; a nested absmax is code2[byte] * absmax2[block] + offset, in fp32) divided by the per-output-channel scale
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from jobs.training.fp8_format import E4M3, FMAX, MIN_AMAX
+from jobs.training.fp8.e4m3 import E4M3, FMAX, MIN_AMAX
 
 
 class NF4Source(torch.nn.Module):

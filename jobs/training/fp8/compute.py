@@ -2,7 +2,7 @@
 
 - "bf16": as before (the base is NF4 or bf16 in memory, dequantised per use, bf16 tensor cores).
 - "fp8": the frozen projections run their forward and input-gradient matmuls on FP8 (e4m3) tensor
-  cores with per-output-channel weight scales and per-token activation scales (jobs/training/fp8.py);
+  cores with per-output-channel weight scales and per-token activation scales (jobs/training/fp8/matmul.py);
   the LoRA path and everything else stay bf16. Needs a CUDA card with FP8 tensor cores (compute
   capability >= 8.9: Ada, Hopper, Blackwell) where torch's row-wise `_scaled_mm` runs.
 - "auto": fp8 where the card can AND `nightshift calibrate` measured the numerics check passing for
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 Compute = Literal["bf16", "fp8"]
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x, 12.x)
 
-# The numerics gate (jobs/training/numerics.py), stated once:
+# The numerics gate (jobs/training/fp8/numerics.py), stated once:
 # - e4m3 with per-row scales on both operands gives ~3.75 % relative output error on Gaussian data
 #   (2.65 % per operand, sqrt(2) of it for two; 3.75 % measured on the H100 and the H200: the benchmark's
 #   FP8 error median, results/h100-2026-11-25/fp8-bench/), NF4 weights alone 9-10 %.
@@ -78,7 +78,7 @@ def card_info() -> CardInfo:
     has = hasattr(torch, "_scaled_mm") and hasattr(torch, "float8_e4m3fn")
     err = None
     if has and cap >= MIN_CAPABILITY:
-        from jobs.training.fp8 import probe_scaled_mm
+        from jobs.training.fp8.matmul import probe_scaled_mm
 
         err = probe_scaled_mm()
     return CardInfo(name, (int(cap[0]), int(cap[1])), has, err)

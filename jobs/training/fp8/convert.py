@@ -18,7 +18,7 @@ is counted with its reason.
 Memory: e4m3 holds 1 byte per parameter (+4 bytes per output channel) against NF4's ~0.52; the
 transposed copy for the backward (`keep_transposed`) adds 1 byte more. With `storage = "nf4"` a base that was
 NF4 stays NF4 (+4 bytes per output channel) and is dequantised to the same e4m3 values at each use
-(jobs/training/fp8_nf4.py); a bf16 base gets its e4m3 copy either way. The originals are kept until
+(jobs/training/fp8/nf4.py); a bf16 base gets its e4m3 copy either way. The originals are kept until
 `commit()` only when asked (`keep_originals`, so that calibrate can revert everything when the check
 fails); otherwise each one is freed as soon as its projection is converted.
 """
@@ -38,11 +38,11 @@ import structlog
 import torch
 
 from jobs.contract import LayerNumerics
-from jobs.training.compute import MAX_LAYER_ERROR
 from jobs.training.config import FP8Storage, FP8StorageChoice
-from jobs.training.fp8 import FP8Base, FP8Group, shape_supported
-from jobs.training.fp8_nf4 import NF4Source, kept_in_nf4
-from jobs.training.fp8_unsloth import is_lora_layer, not_plain, route
+from jobs.training.fp8.compute import MAX_LAYER_ERROR
+from jobs.training.fp8.matmul import FP8Base, FP8Group, shape_supported
+from jobs.training.fp8.nf4 import NF4Source, kept_in_nf4
+from jobs.training.fp8.unsloth_layers import is_lora_layer, not_plain, route
 
 log = structlog.get_logger("nightshift.train")
 

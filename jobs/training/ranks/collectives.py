@@ -36,8 +36,8 @@ import structlog
 from jobs.contract import Emit
 from jobs.data.batching import IGNORE_INDEX, Batch
 from jobs.training import step as one_step
+from jobs.training.ranks.topology import DistributedConfig
 from jobs.training.step import StepStat, is_unsloth, model_inputs
-from jobs.training.topology import DistributedConfig
 
 log = structlog.get_logger("nightshift.distributed")
 

@@ -1,5 +1,5 @@
-"""The e4m3 format's constants, shared by the FP8 path (jobs/training/fp8.py) and its Triton
-quantisation kernel (jobs/training/fp8_quant_kernel.py)."""
+"""The e4m3 format's constants, shared by the FP8 path (jobs/training/fp8/matmul.py) and its Triton
+quantisation kernel (jobs/training/fp8/quant_kernel.py)."""
 
 import torch
 

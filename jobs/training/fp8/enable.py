@@ -1,8 +1,8 @@
 """Turn a loaded LoRA model's frozen base to FP8, checked (issue 16): the one entry point.
 
-`enable_fp8` patches Unsloth's fused LoRA layers (jobs/training/fp8_unsloth.py), self-tests each
+`enable_fp8` patches Unsloth's fused LoRA layers (jobs/training/fp8/unsloth_layers.py), self-tests each
 distinct layer shape on the card, captures the projections' inputs over sample tokens, converts
-every projection it can (jobs/training/fp8_convert.py) while measuring its error (numerics.py), and —
+every projection it can (jobs/training/fp8/convert.py) while measuring its error (numerics.py), and —
 when asked (calibrate, the benchmark) — trains a learnable task from the same LoRA initialisation in
 bf16 before and in FP8 after the conversion and compares the losses. A failed check with the
 originals kept (calibrate) puts the bf16 base back; in a night, projections that fail stay bf16 and
@@ -23,7 +23,7 @@ import structlog
 from jobs.contract import FP8Numerics
 from jobs.data.batching import TokenizedSample
 from jobs.training.config import FP8Storage, FP8StorageChoice
-from jobs.training.sample_data import data_files, sample_tokens
+from jobs.training.fp8.sample_data import data_files, sample_tokens
 
 log = structlog.get_logger("nightshift.train")
 CAPTURE_TOKENS = 1024  # tokens of the capture forward
@@ -51,7 +51,7 @@ class Fp8Outcome:
 
     def info(self) -> dict[str, Any]:
         """For the load info / the benchmark's rows (JSON)."""
-        from jobs.training.fp8 import STATS
+        from jobs.training.fp8.matmul import STATS
 
         n = self.numerics
         return {"compute": self.compute, "patch": self.patch, "conversion": self.conversion, "error": self.error,
@@ -68,8 +68,9 @@ def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, 
     (if not pre-quantised) give NF4's error next to FP8's."""
     import torch
 
-    from jobs.training import fp8_unsloth, numerics
-    from jobs.training.fp8_convert import Conversion, base_bytes, choose_storage, find_units, timed
+    from jobs.training.fp8 import numerics
+    from jobs.training.fp8 import unsloth_layers as fp8_unsloth
+    from jobs.training.fp8.convert import Conversion, base_bytes, choose_storage, find_units, timed
 
     t0 = time.perf_counter()
     phases: dict[str, float] = {}
@@ -83,7 +84,7 @@ def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, 
             patch = fp8_unsloth.install(model) if unsloth else fp8_unsloth.PatchReport(
                 "native", "PEFT's forwards call the FP8 base modules")
         out.patch = patch.as_dict()
-        from jobs.training.fp8 import fast_accum_forward
+        from jobs.training.fp8.matmul import fast_accum_forward
 
         out.conversion["fast_accum_forward"] = fast_accum_forward()
         units = find_units(model)
@@ -95,7 +96,7 @@ def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, 
             tested = _self_test(units, unsloth, held) if cuda else {}
         out.conversion["self_test"] = {_test_name(k): v or "ok" for k, v in tested.items()}
         bad = {k: v for k, v in tested.items() if v}
-        from jobs.training.fp8_selftest import signature
+        from jobs.training.fp8.selftest import signature
 
         for u in units:
             sig = signature(u)
@@ -166,7 +167,7 @@ def enable_fp8(model: Any, *, device: Any, tokens: list[int], activations: str, 
 
 
 def _self_test(units: list[Any], unsloth: bool, storage: FP8Storage) -> dict[tuple[Any, ...], str | None]:
-    from jobs.training.fp8_selftest import test_units
+    from jobs.training.fp8.selftest import test_units
 
     swiglu = None
     if unsloth:
@@ -194,7 +195,7 @@ def calibrate_fp8(loaded: Any, cfg: Any, model_path: Path, learnable: Learnable 
                   card: Any = None) -> tuple[Any, Fp8Outcome | None]:
     """calibrate's FP8 check: the card, then the numerics with the loss comparison on real sample data.
     Returns (CalibrationDecision, outcome); a refused check leaves the model in bf16."""
-    from jobs.training.compute import assess_card, card_info, decide_calibration
+    from jobs.training.fp8.compute import assess_card, card_info, decide_calibration
 
     ok, why = assess_card(card or card_info())
     if not ok:

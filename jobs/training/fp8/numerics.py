@@ -11,7 +11,7 @@ projection's own inputs captured from one forward over sample data,
   error against the source.
 The learnable task: the same LoRA initialisation trained on the same batches of a bigram task (each
 token's successor fixed by a permutation of 256 ids) in bf16 and then in FP8; every LOSS_WINDOW-step
-window's mean loss must be within LOSS_TOLERANCE of bf16's (jobs/training/compute.py states both).
+window's mean loss must be within LOSS_TOLERANCE of bf16's (jobs/training/fp8/compute.py states both).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 
 from jobs.contract import FP8Numerics, LayerNumerics
 from jobs.data.batching import TokenizedSample
-from jobs.training.compute import LOSS_TOLERANCE, LOSS_WINDOW, MAX_LAYER_ERROR
-from jobs.training.fp8 import FP8Base, fp8_dgrad, fp8_forward, quant_x, rel_error
+from jobs.training.fp8.compute import LOSS_TOLERANCE, LOSS_WINDOW, MAX_LAYER_ERROR
+from jobs.training.fp8.matmul import FP8Base, fp8_dgrad, fp8_forward, quant_x, rel_error
 
 NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
             -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
@@ -82,7 +82,7 @@ class Capture:
     """The inputs of every frozen projection during one forward: the first `rows` tokens of each."""
 
     def __init__(self, model: Any, rows: int = 512) -> None:
-        from jobs.training.fp8_convert import projection_points
+        from jobs.training.fp8.convert import projection_points
 
         self.rows, self.x, self._hooks = rows, {}, []
         self._last: tuple[Any, torch.Tensor] | None = None  # (input tensor, its copy): q, k, v share one
@@ -104,7 +104,7 @@ class Capture:
         self._last = None
 
     def run(self, model: Any, ids: list[int], device: Any) -> Capture:
-        from jobs.training.fp8_unsloth import capturing
+        from jobs.training.fp8.unsloth_layers import capturing
 
         # eager: under hooks, the compiled blocks recompiled for minutes (240.9 s of an 8B's 269 s on the H200)
         eager = torch.compiler.set_stance("force_eager")

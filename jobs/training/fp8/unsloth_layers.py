@@ -11,7 +11,7 @@ but dequantises the weight for the input gradient, which is half of the frozen b
 
 So a replacement base module alone is not enough on Unsloth's fast path: we replace those three instance
 attributes with `fp8_apply_qkv` / `fp8_apply_o` / `fp8_apply_mlp`. They run our FP8 Functions
-(jobs/training/fp8_lora.py: forward AND input gradient on FP8) when the layer's projections were
+(jobs/training/fp8/lora.py: forward AND input gradient on FP8) when the layer's projections were
 converted (the parent holds its FP8Groups) and its LoRA is plain — Unsloth's own checks: one adapter, no dropout, no
 lora bias, no DoRA or QAT —; otherwise (the adapter switched off to score the base, say) they call the projections as
 modules (counted in STATS.native_calls with the reason): PEFT's forward over the FP8Base modules. Never the function
@@ -47,7 +47,7 @@ from typing import Any
 import structlog
 import torch
 
-from jobs.training.fp8 import STATS
+from jobs.training.fp8.matmul import STATS
 
 log = structlog.get_logger("nightshift.train")
 
@@ -154,7 +154,7 @@ def fp8_apply_qkv(self: Any, x: Any, *args: Any) -> Any:
     projs = (self.q_proj, self.k_proj, self.v_proj)
     why = "" if _by_modules(self, "qkv") else _why_not_plain(projs, x)  # "": as modules, not counted
     if why is None:
-        from jobs.training.fp8_lora import FP8LoraQKV
+        from jobs.training.fp8.lora import FP8LoraQKV
 
         try:
             return FP8LoraQKV.apply(x, group, *[t for p in projs for t in _lora(p)])
@@ -171,7 +171,7 @@ def fp8_apply_o(self: Any, x: Any) -> Any:
         return self.__dict__["_ns_orig_apply_o"](self, x)
     why = "" if _by_modules(self, "o") else _why_not_plain((self.o_proj,), x)
     if why is None:
-        from jobs.training.fp8_lora import FP8LoraW
+        from jobs.training.fp8.lora import FP8LoraW
 
         try:
             return FP8LoraW.apply(x, group, *_lora(self.o_proj))
@@ -188,7 +188,7 @@ def fp8_apply_mlp(self: Any, x: Any) -> Any:
         return self.__dict__["_ns_orig_mlp"](x)
     why = "" if _by_modules(self, "mlp") else _why_not_plain((self.gate_proj, self.up_proj, self.down_proj), x)
     if why is None:
-        from jobs.training.fp8_lora import FP8LoraMLP
+        from jobs.training.fp8.lora import FP8LoraMLP
 
         gate_up, down = groups
         try:
@@ -208,7 +208,7 @@ def swiglu_kernels(x: Any) -> tuple[Any, Any]:
         from unsloth.kernels.swiglu import swiglu_DWf_DW_dfg_kernel, swiglu_fg_kernel
 
         return swiglu_fg_kernel, swiglu_DWf_DW_dfg_kernel
-    from jobs.training.fp8_lora import swiglu_backward_ref, swiglu_forward_ref
+    from jobs.training.fp8.lora import swiglu_backward_ref, swiglu_forward_ref
 
     return swiglu_forward_ref, swiglu_backward_ref
 
