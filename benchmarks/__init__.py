@@ -35,5 +35,5 @@ Data: random token ids, lengths log-normal with mean 117 ("alpaca") or 861 ("wik
 2048 (jobs.training.models.synthetic). Each row: warm-up steps, then timed steps (up to --max-steps or
 --seconds) (measure.py). real tok/s counts non-padding tokens. MFU = real tok/s x 4 x matmul
 params / --peak-flops (report.py); the table shows each row against its own format's peaks.
-Power and energy: NVML (jobs.gpu.GpuSampler) over the timed window.
+Power and energy: NVML (jobs.gpu.telemetry.GpuSampler) over the timed window.
 """

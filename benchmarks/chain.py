@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.tasks import TASK_A, TASK_B, Task
-from jobs.tables import markdown
+from daemon.tables import markdown
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = {"backend": "hf", "lora_rank": 8, "lora_alpha": 16, "learning_rate": 2e-3, "epochs": 3, "batching": "padded",
@@ -73,9 +73,9 @@ def night_config(workdir: Path, model: Path, over: dict[str, Any] | None = None)
 
 def exact_match(model: Path, adapter: Path | None, tasks: Sequence[Task]) -> dict[str, float]:
     """Each task's exact match on its fixed test set, under the base model plus `adapter`."""
-    from jobs import evaluate
     from jobs.contract import StepShape
     from jobs.data.render import tokenize_record
+    from jobs.learning import evaluate
     from jobs.training.config import TrainConfig
     from jobs.training.load import load_for_training
 
@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--chains", default=",".join(CHAINS), help="comma-separated names of: " + ", ".join(CHAINS))
     ap.add_argument("--work", type=Path, default=Path("/tmp/nightshift-chain"))
     args = ap.parse_args(argv)
-    from jobs import logs
+    from jobs.runtime import logs
 
     logs.configure("WARNING")
     model = build_model(args.work / "model")

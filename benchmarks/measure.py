@@ -59,7 +59,7 @@ class Window:
     def _begin(self) -> None:
         import torch
 
-        from jobs.gpu import GpuSampler
+        from jobs.gpu.telemetry import GpuSampler
 
         torch.cuda.synchronize()
         self.sampler = GpuSampler(self.on_gpu_event, hz=self.hz)

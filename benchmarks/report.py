@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.settings import PEAKS
-from jobs.tables import markdown
+from daemon.tables import markdown
 
 COLUMNS = (
     "stack", "data", "batch", "grad. ckpt", "real tok/s", "samples/h", "peak alloc / reserved GB", "W",

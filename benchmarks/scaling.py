@@ -24,7 +24,7 @@ from typing import Any
 from benchmarks.model import resolve_model
 from benchmarks.report import gpu_info, read_rows, write_result
 from benchmarks.settings import BenchSettings
-from jobs.tables import markdown
+from daemon.tables import markdown
 
 WORKLOADS = {"ours": "scaling_ours", "exxact": "exxact"}  # row "stack" -> worker
 PUBLISHED = {"exxact": "Exxact: 96.1 % (2x RTX PRO 6000), 96.5 % (4x RTX PRO 4500)"}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from jobs.tables import markdown
+from daemon.tables import markdown
 
 if TYPE_CHECKING:
     from benchmarks.workload_table import Workload

@@ -20,12 +20,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from daemon.tables import grid
 from jobs.contract import ExitCode
 from jobs.hotswap import HotswapConfig, HotswapOutcome
 from jobs.store.adapters import AdapterError, Adapters, RegistryConfig, VersionInfo, diff
 from jobs.store.locking import LockTimeout
 from jobs.store.registry import IntegrityError
-from jobs.tables import grid
 
 EXIT_REFUSED = 1
 EXIT_HOTSWAP_FAILED = 4

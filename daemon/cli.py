@@ -24,7 +24,6 @@ from daemon.progress import NightProgress, choose_mode, relay
 from daemon.settings import ConfigError, Settings, check_paths, load_settings
 from daemon.supervisor import NightChild, child_env, night_world, run_id_for, wait_interruptibly
 from daemon.window import Window
-from jobs import logs
 from jobs.contract import (
     ChildEvent,
     Outcome,
@@ -33,6 +32,7 @@ from jobs.contract import (
     nightshift_version,
     outcome_exit_code,
 )
+from jobs.runtime import logs
 from jobs.store.ledger import Ledger
 from jobs.store.outcomes import NightOutcomes
 

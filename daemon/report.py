@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from daemon.tables import key_values
 from jobs.contract import Outcome, Plan, RunSummary
-from jobs.tables import key_values
 
 
 def _num(x: Any, fmt: str = ",.0f") -> str:

@@ -32,7 +32,7 @@ from daemon.settings import Settings
 from daemon.supervisor import ChildOutcome, NightChild, night_world, run_id_for, wait_interruptibly
 from daemon.window import Window, utcnow
 from jobs.contract import ChildEvent, ExitCode, Outcome, PhaseEvent, ProgressEvent, RunSummary
-from jobs.gpu import free_vram_gb
+from jobs.gpu.telemetry import free_vram_gb
 from jobs.night.space import night_disk_need_gb
 from jobs.store.ledger import Ledger
 from jobs.store.locking import LockTimeout, StateLock, night_lock

@@ -30,11 +30,11 @@ from daemon.metrics import MetricsConfig
 from daemon.window import WindowConfig
 from jobs.data.quarantine import QuarantineConfig
 from jobs.data.sources import SourceConfig
-from jobs.evaluate import EvalConfig
-from jobs.gpu import GpuConfig
+from jobs.gpu.telemetry import GpuConfig
 from jobs.hotswap import HotswapConfig
+from jobs.learning.gate import EvalConfig
+from jobs.learning.plan import PlanConfig
 from jobs.night.config import ModelConfig, NightConfig
-from jobs.plan import PlanConfig
 from jobs.store.adapters import RegistryConfig
 from jobs.training.config import TrainConfig
 

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from daemon.settings import Settings
+from daemon.tables import grid, key_values
 from jobs.store import learning
 from jobs.store.ledger import Ledger
 from jobs.store.registry import Registry
-from jobs.tables import grid, key_values
 
 
 def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:

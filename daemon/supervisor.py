@@ -30,8 +30,8 @@ from typing import TextIO
 import structlog
 
 from daemon import sdnotify
-from jobs import logs
 from jobs.contract import ChildEvent, ExitCode, ResultEvent, RunSummary, new_run_id, parse_event
+from jobs.runtime import logs
 from jobs.store.ledger import Ledger
 from jobs.store.locking import LOCK_FD_ENV
 from jobs.training.config import TrainConfig

@@ -6,7 +6,7 @@ import sys
 
 from structlog.testing import capture_logs
 
-from jobs import bytecode
+from jobs.runtime import bytecode
 
 
 def test_modules_without_bytecode_are_counted_by_package_until_compiled(tmp_path, monkeypatch):

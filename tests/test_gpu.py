@@ -1,4 +1,5 @@
-"""jobs/gpu.py with a fake NVML module (the units and the energy arithmetic), and on a real GPU when there is one."""
+"""jobs/gpu/telemetry.py with a fake NVML module (the units and the energy arithmetic), and on a real GPU when
+there is one."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import pytest
 import structlog
 from pydantic import ValidationError
 
-from jobs import gpu as gpu_mod
 from jobs.contract import GpuEvent, GpuSummary
-from jobs.gpu import GpuConfig, GpuSampler, energy_fields
+from jobs.gpu import telemetry as gpu_mod
+from jobs.gpu.telemetry import GpuConfig, GpuSampler, energy_fields
 
 GIB = 1 << 30
 
@@ -279,7 +280,7 @@ def test_real_gpu_figures_agree_with_nvidia_smi() -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from jobs.gpu import torch_device_uuid, torch_peak_memory
+    from jobs.gpu.telemetry import torch_device_uuid, torch_peak_memory
 
     events: list[GpuEvent] = []
     s = GpuSampler(events.append, hz=4, device=torch_device_uuid() or 0, peak_memory=torch_peak_memory)

@@ -1,6 +1,6 @@
-"""jobs/gpu_cards.py: a night on several cards reports their sums, and each card's own reading."""
+"""jobs/gpu/cards.py: a night on several cards reports their sums, and each card's own reading."""
 
-from jobs.gpu_cards import CardsSampler
+from jobs.gpu.cards import CardsSampler
 from tests.test_gpu import GIB, Clock, FakeNvml
 
 

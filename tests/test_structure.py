@@ -62,6 +62,17 @@ def test_the_benchmark_lives_beside_the_product_and_the_wheel_leaves_it_out():
     assert set(include) == {f"{p}*" for p in PRODUCT}
 
 
+def test_jobs_is_in_wings_and_training_shows_its_core_at_the_top():
+    """A module of jobs/ lives in a package named for its meaning (no loose modules beside the wings), and
+    jobs/training/ keeps its core path at the top, its FP8, mixture-of-experts, several-ranks and stand-in
+    models in wings of their own."""
+    assert sorted(p.name for p in (REPO / "jobs").glob("*.py")) == ["__init__.py"]
+    training = REPO / "jobs" / "training"
+    assert len(list(training.glob("*.py"))) <= 16, sorted(p.name for p in training.glob("*.py"))
+    assert {"fp8", "moe", "ranks", "models"} <= {p.parent.name for p in training.glob("*/__init__.py")}
+    assert not [p.name for p in training.rglob("*.py") if p.name.startswith(("fp8_", "moe_"))]
+
+
 def test_no_import_cycles_and_the_layers_point_one_way():
     mods = modules()
     graph = {name: imports(path, name, set(mods)) for name, path in mods.items()}
@@ -86,6 +97,27 @@ def test_no_import_cycles_and_the_layers_point_one_way():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+
+
+def test_no_module_passes_on_names_it_does_not_use():
+    """A name is imported from where it is defined: a module that imports another's names only to hand them on
+    (jobs/evaluate.py once re-exported the gate's, the ledger the schema's) hides where they live. A package's
+    `__init__` may gather its API; a module's `__all__` may list what it uses itself."""
+    passed_on = []
+    for name, path in modules(PRODUCT).items():
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        used |= {a.value.id for a in ast.walk(tree) if isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name)}
+        quoted = [n.annotation if isinstance(n, ast.arg | ast.AnnAssign) else n.returns for n in ast.walk(tree)
+                  if isinstance(n, ast.arg | ast.AnnAssign | ast.FunctionDef | ast.AsyncFunctionDef)]
+        annotations = " ".join(q.value for q in quoted if isinstance(q, ast.Constant) and isinstance(q.value, str))
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(PACKAGES):
+                passed_on += [f"{name}: {node.module}.{a.name}" for a in node.names
+                              if (a.asname or a.name) not in used and (a.asname or a.name) not in annotations]
+    assert not passed_on, "imported and not used (a re-export?): " + ", ".join(passed_on)
 
 
 def test_the_daemon_and_the_contract_import_no_training_stack():

@@ -57,7 +57,7 @@ def say(msg: str) -> None:
 
 
 def has_gpu() -> bool:
-    from jobs.gpu import free_vram_gb
+    from jobs.gpu.telemetry import free_vram_gb
 
     return free_vram_gb(0) is not None
 

@@ -62,7 +62,7 @@ def run(s: BenchSettings, job: Job) -> None:
 
 def alpaca(model: Any, s: BenchSettings, job: Job, vocab: int, load_s: float, common: dict[str, Any],
            label: str) -> None:
-    from jobs.evaluate import eval_metrics
+    from jobs.learning.evaluate import eval_metrics
 
     train = profile_samples("alpaca", s.alpaca_samples, vocab=vocab, seed=s.seed)
     evals = profile_samples("alpaca", s.alpaca_eval, vocab=vocab, seed=s.seed + 1, start=len(train))

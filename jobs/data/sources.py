@@ -14,9 +14,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jobs.data.formats import Format, RecordError
-from jobs.data.readers import READERS, Limits, RawRecord, read_stream
+from jobs.data.readers import Limits, RawRecord, read_stream
 
-__all__ = ["READERS", "Limits", "RawRecord", "SourceConfig", "read_records"]
+__all__ = ["Limits", "RawRecord", "SourceConfig", "read_records"]
 
 
 class SourceConfig(BaseModel):

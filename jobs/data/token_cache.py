@@ -20,10 +20,10 @@ from typing import Any
 
 import structlog
 
-from jobs.collector import collector_paused
 from jobs.data.batching import TokenizedSample
 from jobs.data.formats import RecordError
 from jobs.data.render import OverlongPolicy, SpecialTokens, tokenize_records
+from jobs.runtime.gc_pause import collector_paused
 
 log = structlog.get_logger("nightshift.data")
 
@@ -110,7 +110,7 @@ class TokenCache:
         rest read through `records` (the ledger's SampleRows of those ids: only a miss parses its record)
         and tokenised in one batch (and cached). A record that no longer tokenises (it did at pull) raises
         its RecordError, as the unbatched path did."""
-        with collector_paused():  # ~180k lists and 60,000 samples for 60,000 records: jobs/collector.py
+        with collector_paused():  # ~180k lists and 60,000 samples for 60,000 records: jobs/runtime/gc_pause.py
             hit = self._get([h for _, h in keys])
             missing = [(sid, h) for sid, h in keys if h not in hit]
             fresh: dict[str, TokenizedSample] = {}

@@ -108,7 +108,7 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
 
     import torch
 
-    from jobs.gpu import free_vram_gb, torch_device_uuid
+    from jobs.gpu.telemetry import free_vram_gb, torch_device_uuid
     from jobs.night.overheads import measure_overheads
     from jobs.training.load import device_name, load_for_training
     from jobs.training.models.synthetic import PROFILES, make_samples

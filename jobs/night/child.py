@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             with lock:
                 events.write(ev.model_dump_json() + "\n")
 
-    from jobs import logs
+    from jobs.runtime import logs
 
     logs.configure(os.environ.get("NIGHTSHIFT_LOG_LEVEL", "INFO"))
     if launched():  # [distributed] every log line says which rank wrote it
@@ -82,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         start_pull_workers(raw)
     bind_device()  # [distributed] this rank's card, before Unsloth's import looks at CUDA
     _import_unsloth_first(early)
-    from jobs.bytecode import warn_if_compiled, without_bytecode
     from jobs.night.config import NightConfig
     from jobs.night.run import failure_text, run_night
+    from jobs.runtime.bytecode import warn_if_compiled, without_bytecode
 
     cfg = NightConfig.model_validate_json(raw)
     logs.route_transformers_logging()

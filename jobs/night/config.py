@@ -8,10 +8,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jobs.data.quarantine import QuarantineConfig
 from jobs.data.sources import SourceConfig
-from jobs.evaluate import EvalConfig
-from jobs.gpu import GpuConfig
+from jobs.gpu.telemetry import GpuConfig
 from jobs.hotswap import HotswapConfig
-from jobs.plan import PlanConfig
+from jobs.learning.gate import EvalConfig
+from jobs.learning.plan import PlanConfig
 from jobs.training.config import TrainConfig
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import structlog
 
 from jobs.contract import Emit, Outcome, Phase, PhaseEvent, RunSummary, new_run_id
-from jobs.gpu import GpuSampler
-from jobs.gpu_cards import CardsSampler, night_sampler
+from jobs.gpu.cards import CardsSampler, night_sampler
+from jobs.gpu.telemetry import GpuSampler
 from jobs.night.config import NightConfig
 from jobs.store.cleanup import close_run, sweep_checkpoints
 from jobs.store.ledger import Ledger
@@ -74,7 +74,7 @@ class RunContext:
         """The card's free memory now (NVML; None without a card or with [gpu] enabled = false)."""
         if not self.cfg.gpu.enabled:
             return None
-        from jobs import gpu
+        from jobs.gpu import telemetry as gpu
 
         return gpu.free_vram_gb(gpu.torch_device_uuid() or self.cfg.gpu.device)
 

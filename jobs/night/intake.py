@@ -10,12 +10,12 @@ from typing import Any
 
 import structlog
 
-from jobs import plan as budget
 from jobs.contract import CalibrationRecord, Phase, Plan, PlanEvent, StepShape, version_name
 from jobs.data.preview import preview
 from jobs.data.pull import PullResult, Quarantine, pull
 from jobs.data.quarantine import prune_quarantine
 from jobs.data.token_cache import TokenCache
+from jobs.learning import plan as budget
 from jobs.night.context import RunContext
 from jobs.store import learning
 from jobs.store.ledger import SampleRow

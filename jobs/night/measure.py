@@ -29,9 +29,9 @@ from typing import Any, Literal
 
 import structlog
 
-from jobs import evaluate
 from jobs.data.batching import TokenizedSample
 from jobs.data.render import tokenize_record
+from jobs.learning import evaluate
 from jobs.night.context import RunContext
 from jobs.night.scores import BASE_MODEL, LoadIdentity, ScoreCache, version_model
 from jobs.store import learning

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import structlog
 
-from jobs import plan as budget
 from jobs.contract import Method
+from jobs.learning import plan as budget
 from jobs.night.config import NightConfig
 from jobs.store.locking import StateLock
 

@@ -25,7 +25,7 @@ from jobs.training.load import Loaded
 def measure_overheads(loaded: Loaded, cfg: NightConfig, *, load_seconds: float, vocab: int,
                       cap: int = 2048) -> dict[str, float]:
     """{"load", "evaluate", "publish", "total"} seconds, measured on the loaded model."""
-    from jobs import evaluate
+    from jobs.learning import evaluate
     from jobs.training.models.synthetic import make_samples
 
     heldout = make_samples("alpaca", int(cfg.eval.max_eval_samples * 117), vocab=vocab, cap=cap, seed=7)

@@ -26,7 +26,6 @@ from typing import Any
 
 import structlog
 
-from jobs import evaluate
 from jobs.contract import (
     GateResult,
     HotswapEvent,
@@ -37,7 +36,8 @@ from jobs.contract import (
     nightshift_version,
     version_name,
 )
-from jobs.gpu import energy_fields
+from jobs.gpu.telemetry import energy_fields
+from jobs.learning import gate
 from jobs.night.candidate import Prepared
 from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun
@@ -53,7 +53,7 @@ log = structlog.get_logger("nightshift.night")
 
 
 def judge(ctx: RunContext, prep: Prepared | None = None) -> GateResult:
-    verdict = evaluate.gate(ctx.summary.losses, ctx.cfg.eval, ctx.summary.metrics,
+    verdict = gate.gate(ctx.summary.losses, ctx.cfg.eval, ctx.summary.metrics,
                             not_evaluated=ctx.summary.not_evaluated)
     ref = prep.sets.reference if prep is not None else None
     verdict.reference_version = ref
@@ -91,7 +91,7 @@ def publish_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun, resu
             _discard_own_unrecorded(ctx, final, planned.version)
         tmp = registry.new_tmp_dir(version_name(cfg.model.name, planned.version))
         save_version(prep.loaded, tmp)  # an adapter, or a whole model (method = "full")
-        verdict.new_reference = passed and evaluate.at_least_as_good(s.metrics.get("regression_after"),
+        verdict.new_reference = passed and gate.at_least_as_good(s.metrics.get("regression_after"),
                                                                      s.metrics.get("regression_reference"))
         manifest = _manifest(ctx, prep, planned, result, new_ids, replayed, passed)
         manifest["size_bytes"] = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file())  # retention, disk

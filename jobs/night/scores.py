@@ -22,7 +22,7 @@ from pathlib import Path
 import structlog
 
 from jobs.data.batching import TokenizedSample
-from jobs.evaluate import SampleScore
+from jobs.learning.evaluate import SampleScore
 from jobs.store.files import write_private_json
 
 log = structlog.get_logger("nightshift.night")

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(s.name for s in cfg.sources) or 'none'})", file=sys.stderr)
         return ExitCode.USAGE
 
-    from jobs import logs
+    from jobs.runtime import logs
 
     logs.configure("WARNING")
     logs.route_transformers_logging()

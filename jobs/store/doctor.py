@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from jobs.contract import parse_version_name
-from jobs.store.files import DamagedState
 from jobs.store.integrity import ledger_in_service, unknown_versions
 from jobs.store.ledger import Ledger
 from jobs.store.locking import NIGHT_LOCK, REGISTRY_LOCK, LockTimeout, StateLock, holder
@@ -197,4 +196,4 @@ def as_dicts(findings: list[Finding]) -> list[dict[str, str]]:
     return [asdict(f) for f in findings]
 
 
-__all__ = ["DamagedState", "Finding", "as_dicts", "diagnose"]
+__all__ = ["Finding", "as_dicts", "diagnose"]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.contract import CalibrationRecord, HotswapOutcome, Plan, RunSummary
-from jobs.store.schema import SCHEMA, open_database  # noqa: F401  (SCHEMA: re-exported)
+from jobs.store.schema import open_database
 
 # Version statuses: training -> promoted | rejected | failed; any kept one -> pruned (files deleted,
 # the row and its manifest stay: names are never reused). Promotion actions: night | promote | rollback.

@@ -13,7 +13,7 @@ import sys
 import pytest
 import structlog
 
-from jobs import logs
+from jobs.runtime import logs
 from tests.conftest import REPO, alpaca, toml_config, write_jsonl
 
 

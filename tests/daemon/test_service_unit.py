@@ -168,7 +168,7 @@ def test_watchdog_pings_twice_per_watchdog_usec_however_often_the_loop_ticks(tmp
 
 def test_status_goes_to_systemd_at_every_change_and_to_the_log_once_a_minute(tmp_path, notify_socket, capsys,
                                                                               restore_logging):
-    from jobs import logs
+    from jobs.runtime import logs
 
     path, received = notify_socket
     mono = Mono()

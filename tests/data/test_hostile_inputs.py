@@ -310,7 +310,7 @@ def test_the_csv_module_field_limit_does_not_cut_records():
 
 
 def test_the_regression_set_reader_is_the_same_guarded_reader(tmp_path, tokenizer):
-    from jobs.evaluate import load_regression_set
+    from jobs.learning.evaluate import load_regression_set
 
     p = tmp_path / "reg.jsonl"
     p.write_bytes(b"\xef\xbb\xbf" + json.dumps(alpaca(1)).encode() + b"\n")

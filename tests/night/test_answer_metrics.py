@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from jobs.data.batching import IGNORE_INDEX  # noqa: E402
 from jobs.data.batching import TokenizedSample as S  # noqa: E402
-from jobs.evaluate import eval_metrics, score_samples, summarize  # noqa: E402
+from jobs.learning.evaluate import eval_metrics, score_samples, summarize  # noqa: E402
 
 END = 9  # the template's end-of-turn marker
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from jobs.plan import PlanConfig, estimate, is_heldout, make_plan
+from jobs.learning.plan import PlanConfig, estimate, is_heldout, make_plan
 from jobs.store.ledger import SampleRow
 
 
@@ -205,7 +205,7 @@ def test_nights_measured_since_calibrate_replace_it_and_a_newer_calibrate_counts
 def test_a_rate_is_taken_at_tonights_sample_length_on_calibrates_line():
     """calibrate timed 117-token and 861-token samples; a night of short samples plans with the short
     profile's rate (calibrate's row holds the slower one), a night's own rate moves along the same line."""
-    from jobs.plan import rate_at_length
+    from jobs.learning.plan import rate_at_length
 
     curve = {117.0: 15_288.0, 861.0: 14_768.0}
     assert rate_at_length(curve, 85) == 15_288 and rate_at_length(curve, 5_000) == 14_768

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from jobs.contract import GateCheck, Losses
-from jobs.evaluate import EvalConfig, GateRule, at_least_as_good, gate
+from jobs.learning.gate import EvalConfig, GateRule, at_least_as_good, gate
 
 
 def losses(**kw: float | None) -> Losses:

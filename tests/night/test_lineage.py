@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from jobs import plan as budget
 from jobs.contract import Method
+from jobs.learning import plan as budget
 from jobs.night.config import NightConfig
 from jobs.night.lineage import MethodChangeError, check_checkpoint, check_continuation, method_of
 from jobs.night.model import throughput_key

@@ -9,9 +9,9 @@ import threading
 
 import structlog
 
-from jobs import logs
 from jobs.hotswap import AdapterRef
 from jobs.hotswap.webhook import payload_bytes
+from jobs.runtime import logs
 from tests.conftest import alpaca, run, write_jsonl
 from tests.fixtures.lora_servers import Fake
 

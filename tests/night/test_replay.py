@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jobs.contract import Plan
-from jobs.plan import PlanConfig, make_plan
+from jobs.learning.plan import PlanConfig, make_plan
 from jobs.store.ledger import Ledger, SampleRow
 
 
@@ -141,7 +141,7 @@ def strata_pool() -> list[SampleRow]:
 def test_replay_gives_every_earlier_night_and_source_its_turn():
     from collections import Counter
 
-    from jobs.replay import choose_replay
+    from jobs.learning.replay import choose_replay
 
     pool = strata_pool()
     picked = choose_replay(pool, 400, "2026-12-01")  # 40 samples of 10 tokens
@@ -154,7 +154,7 @@ def test_replay_gives_every_earlier_night_and_source_its_turn():
 
 
 def test_a_minimum_per_stratum_raises_a_small_budget_up_to_its_cap():
-    from jobs.replay import choose_replay
+    from jobs.learning.replay import choose_replay
 
     pool = strata_pool()
     assert len(choose_replay(pool, 20, "n")) == 2  # 20 tokens: two samples
@@ -164,7 +164,7 @@ def test_a_minimum_per_stratum_raises_a_small_budget_up_to_its_cap():
 
 
 def test_replay_is_seeded_by_the_night_not_the_run():
-    from jobs.replay import choose_replay
+    from jobs.learning.replay import choose_replay
 
     pool = strata_pool()
     shuffled = list(pool)

@@ -3,7 +3,7 @@ on the regression samples they were scored on in earlier nights (issue 11: fast 
 
 
 from jobs.data.batching import TokenizedSample
-from jobs.evaluate import SampleScore
+from jobs.learning.evaluate import SampleScore
 from jobs.night.scores import LoadIdentity, ScoreCache
 from tests.conftest import alpaca, run, write_jsonl
 
@@ -129,7 +129,7 @@ def test_a_new_adapter_scores_exactly_as_the_base(tiny_model):
     import torch
 
     from jobs.contract import StepShape
-    from jobs.evaluate import score_samples
+    from jobs.learning.evaluate import score_samples
     from jobs.night.measure import _new_adapter
     from jobs.training.config import TrainConfig
     from jobs.training.load import load_for_training
@@ -155,7 +155,7 @@ def test_the_service_scored_after_training_is_the_service_and_the_candidate_is_p
     import torch
 
     from jobs.contract import StepShape
-    from jobs.evaluate import score_samples
+    from jobs.learning.evaluate import score_samples
     from jobs.night.measure import _run_swapped
     from jobs.training.config import TrainConfig
     from jobs.training.load import load_for_training

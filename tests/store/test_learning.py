@@ -10,7 +10,8 @@ import pytest
 
 from jobs.store import learning
 from jobs.store.learning_schema import SAMPLE_STATUSES
-from jobs.store.ledger import SCHEMA, Ledger
+from jobs.store.ledger import Ledger
+from jobs.store.schema import SCHEMA
 
 
 def add(led: Ledger, n: int, source: str = "s", start: int = 0) -> None:

@@ -287,9 +287,9 @@ def test_calibrate_refuses_fp8_and_says_why():
 
 
 def test_the_default_config_keeps_the_throughput_keys_measured_before_fp8(tmp_path):
+    from jobs.learning.plan import throughput_key as raw_key
     from jobs.night.config import NightConfig
     from jobs.night.model import throughput_key
-    from jobs.plan import throughput_key as raw_key
 
     cfg = NightConfig.model_validate({"state_dir": tmp_path, "model": {"path": tmp_path}})
     t = cfg.train

@@ -143,9 +143,9 @@ def test_an_nf4_source_refuses_data_that_does_not_cover_its_weight():
 
 
 def test_storage_is_a_config_key_auto_by_default_and_contradictions_are_named(tmp_path):
+    from jobs.learning.plan import throughput_key as key_of
     from jobs.night.config import NightConfig
     from jobs.night.model import throughput_key
-    from jobs.plan import throughput_key as key_of
 
     assert TrainConfig().fp8_storage == "auto"
     cfg = NightConfig.model_validate({"state_dir": tmp_path, "model": {"path": tmp_path}})

@@ -21,8 +21,8 @@ torch = pytest.importorskip("torch")
 def check_base_and_reference(model: Any, pad_id: int, device: str, vocab: int, tmp_path: Path) -> None:
     import types
 
-    from jobs import evaluate
     from jobs.data.batching import TokenizedSample
+    from jobs.learning import evaluate
     from jobs.night.measure import _run_swapped
 
     rng = random.Random(0)

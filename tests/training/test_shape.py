@@ -98,7 +98,7 @@ def test_history_uses_rows_of_the_same_shape_or_scales_the_others_and_says_so():
 
 
 class FakeNvml(SimpleNamespace):
-    """NVML as jobs.gpu.free_vram_gb reads it: a card with `free_gb` free."""
+    """NVML as jobs.gpu.telemetry.free_vram_gb reads it: a card with `free_gb` free."""
 
     def __init__(self, free_gb):
         super().__init__(free=free_gb * 1e9)
@@ -122,7 +122,7 @@ class FakeNvml(SimpleNamespace):
 def test_a_night_shrinks_its_step_when_the_card_has_less_free_than_calibrated(night_env, monkeypatch):
     """The whole path: calibrate's record in the ledger, a fake NVML with 12.6 GB free; the plan
     predicts with the speed of the shape used (scaled, and says so); manifest and summary record why."""
-    from jobs import gpu
+    from jobs.gpu import telemetry as gpu
     from jobs.night.model import model_fingerprint, throughput_key
     from jobs.store.ledger import Ledger
 

@@ -31,7 +31,7 @@ def data_files(regression_set: Path | None, inboxes: list[Path]) -> list[Path]:
 def sample_tokens(tokenizer: Any, files: list[Path], *, n: int) -> tuple[list[int], str]:
     """Up to `n` tokens of real samples, concatenated, and where they came from; `n` random token ids
     when there is no data or the tokenizer does not cover it (a random-initialised bench model)."""
-    from jobs.evaluate import load_regression_set
+    from jobs.learning.evaluate import load_regression_set
     from jobs.training.fp8.numerics import activation_tokens
 
     for f in files:

@@ -94,7 +94,7 @@ def visible_gpus(environ: Mapping[str, str] | None = None) -> int:
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     if cvd is not None:
         return len([x for x in cvd.split(",") if x.strip() and x.strip() != "-1"])
-    from jobs.gpu import gpu_count
+    from jobs.gpu.telemetry import gpu_count
 
     return gpu_count()
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jobs.contract import Emit, GpuCardReading, GpuEvent, GpuSummary
-from jobs.gpu import AUTO, GpuConfig, GpuSampler, PeakMemory, torch_device_uuid, torch_peak_memory
+from jobs.gpu.telemetry import AUTO, GpuConfig, GpuSampler, PeakMemory, torch_device_uuid, torch_peak_memory
 
 
 def _sum(xs: Sequence[float | int | None]) -> float | None:

@@ -8,7 +8,7 @@ Per sample, teacher-forced (the model reads the reference reply and predicts eac
 - exact_match: every trained token of the reply, its end-of-turn marker included, is the model's
   top choice: exactly what greedy decoding would answer, and nothing after it.
 Aggregates are token-weighted (loss, token accuracy) or per sample (exact match). The gate that
-reads them is in jobs/gate.py (re-exported here).
+reads them is in jobs/learning/gate.py.
 """
 
 from __future__ import annotations
@@ -23,15 +23,6 @@ from jobs.data.batching import IGNORE_INDEX, TokenizedSample, padded_batches
 from jobs.data.formats import RecordError, normalise
 from jobs.data.render import tokenize_record
 from jobs.data.sources import read_records
-from jobs.gate import (  # noqa: F401  (the gate's names, where the night and the settings have always found them)
-    HIGHER_IS_BETTER,
-    EvalConfig,
-    EvalSet,
-    GateRule,
-    Metric,
-    at_least_as_good,
-    gate,
-)
 
 
 @dataclass(frozen=True)

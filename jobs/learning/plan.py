@@ -11,7 +11,7 @@ already trained on earlier nights, mixed in with the new ones. New samples get
 tokens than its share (a second night after a short first one); replay tokens then top the night up
 to the share (replay = new x share / (1 - share)), so a small night gets a small replay and the
 total still fits the capacity. The choice is stratified by night and source, with a minimum
-per stratum, and seeded by the night (jobs/replay.py). A night with no new sample trains
+per stratum, and seeded by the night (jobs/learning/replay.py). A night with no new sample trains
 nothing (no replay-only nights).
 
 Held-out samples (kept out of training to measure each version on unseen data) are chosen by
@@ -44,7 +44,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jobs.contract import Plan
-from jobs.replay import choose_replay
+from jobs.learning.replay import choose_replay
 from jobs.store.ledger import SampleRow
 
 
