@@ -35,6 +35,7 @@ from jobs.contract import (
 from jobs.runtime import logs
 from jobs.store.ledger import Ledger
 from jobs.store.outcomes import NightOutcomes
+from jobs.store.paths import StatePaths
 
 
 def parse_until(until: str | None, default_seconds: float, now: dt.datetime) -> float:
@@ -122,7 +123,7 @@ def _once(args: argparse.Namespace, s: Settings, lock_fd: int | None) -> int:
     if (no_time := no_time_to_train(window, s)) is not None:
         print(f"nightshift once: {no_time}", file=sys.stderr)
         return 2
-    ledger = Ledger(Path(s.state_dir) / "ledger.sqlite")
+    ledger = Ledger(StatePaths(s.state_dir).ledger)
     try:
         run_id = run_id_for(ledger, window.night)
         with structlog.contextvars.bound_contextvars(run_id=run_id, night=window.night):
@@ -222,7 +223,7 @@ def cmd_calibrate(args: argparse.Namespace, s: Settings) -> int:
 
     if (refused := not_node_0(s, "calibrate")) is not None:
         return refused
-    out = args.out or Path(s.state_dir) / "calibrate"
+    out = args.out or StatePaths(s.state_dir).calibrate
     with before_a_night(s, args.config, "nightshift calibrate") as lock:  # the GPU and the ledger: one at a time
         extra = ["--no-checkpointing-line"] if args.no_checkpointing_line else []
         with calibrate_command(s, out=out, seconds=args.seconds, extra=extra) as (cmd, env, stdin):

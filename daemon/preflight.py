@@ -24,6 +24,7 @@ from jobs.contract import ExitCode
 from jobs.store.files import DamagedState
 from jobs.store.ledger import Ledger
 from jobs.store.locking import LockTimeout, StateLock, night_lock
+from jobs.store.paths import StatePaths
 
 log = structlog.get_logger("nightshift.cli")
 
@@ -53,7 +54,7 @@ def before_a_night(s: Settings, config: Path | None, what: str) -> Iterator[Stat
     if problem:
         raise Refused(problem)
     with night_lock(s.state_dir, timeout=s.daemon.lock_wait_seconds, what=what) as lock:
-        Ledger(Path(s.state_dir) / "ledger.sqlite").close()  # damaged or from a newer release: refused here
+        Ledger(StatePaths(s.state_dir).ledger).close()  # damaged or from a newer release: refused here
         yield lock
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from daemon.report_data import collect
 from daemon.report_html import render
 from daemon.settings import Settings
+from jobs.store.paths import StatePaths
 
 
 def add_command(sub: Any) -> None:
@@ -51,7 +52,7 @@ def cmd_report(args: argparse.Namespace, s: Settings) -> int:
     if str(args.out) == "-":
         sys.stdout.write(html)
         return 0
-    out = args.out or Path(s.state_dir) / "report.html"
+    out = args.out or StatePaths(s.state_dir).report
     write_atomically(out, html)
     print(f"{out}: {len(report.nights)} night(s)")
     return 0

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from jobs.store.ledger import Ledger
+from jobs.store.paths import StatePaths
 from jobs.store.readonly import open_read_only
 
 
@@ -128,7 +129,7 @@ def loss_curve(manifest: dict[str, Any]) -> list[CurvePoint] | None:
 def collect(state_dir: Path, nights: int = 14, *, ledger: Ledger | None = None) -> Report:
     """The last `nights` finished runs (oldest first) and the last published version's loss curve."""
     own = ledger is None
-    led = ledger or open_read_only(Path(state_dir) / "ledger.sqlite")
+    led = ledger or open_read_only(StatePaths(state_dir).ledger)
     try:
         runs = [r for r in led.db.execute(
             "SELECT * FROM runs WHERE ended_at IS NOT NULL ORDER BY started_at DESC LIMIT ?", (nights,))][::-1]

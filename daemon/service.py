@@ -37,6 +37,7 @@ from jobs.night.space import night_disk_need_gb
 from jobs.store.ledger import Ledger
 from jobs.store.locking import LockTimeout, StateLock, night_lock
 from jobs.store.outcomes import NightOutcomes
+from jobs.store.paths import StatePaths
 from jobs.store.registry import Registry
 
 log = structlog.get_logger("nightshift.service")
@@ -65,7 +66,7 @@ class Service:
         self.metrics = NightshiftMetrics(self.registry, sources=[x.name for x in settings.sources],
                                          hotswap_kinds=sorted({t.kind for t in settings.hotswap.targets}))
         self.state = Path(settings.state_dir)
-        self.ledger = Ledger(self.state / "ledger.sqlite")
+        self.ledger = Ledger(StatePaths(self.state).ledger)
         self.notifier = Notifier(settings.hotswap, self.ledger, background=True)
         self.outcomes = NightOutcomes(self.ledger)
         self.retry_at: dict[str, datetime] = {}
@@ -102,7 +103,7 @@ class Service:
     def run(self) -> int:
         """One service per state directory: a second exits at once with status 5 (busy)."""
         try:
-            lock = StateLock(self.state / "daemon.lock", timeout=0, what="nightshift run").__enter__()
+            lock = StateLock(StatePaths(self.state).daemon_lock, timeout=0, what="nightshift run").__enter__()
         except LockTimeout as e:
             log.error("another_daemon_running", error=str(e))
             print(f"nightshift run: {e}: a service already runs for this state directory", file=sys.stderr)

@@ -11,6 +11,7 @@ from daemon.settings import Settings
 from daemon.tables import grid, key_values
 from jobs.store import learning
 from jobs.store.ledger import Ledger
+from jobs.store.paths import StatePaths
 from jobs.store.registry import Registry
 
 
@@ -19,7 +20,7 @@ def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:
     zone = s.window.zone()
     w = s.window.window_at(now)
     nxt = s.window.next_window(now)
-    ledger = Ledger(Path(s.state_dir) / "ledger.sqlite")
+    ledger = Ledger(StatePaths(s.state_dir).ledger)
     try:
         runs = []
         for r in ledger.last_runs(10):

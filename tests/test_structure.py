@@ -120,6 +120,25 @@ def test_no_module_passes_on_names_it_does_not_use():
     assert not passed_on, "imported and not used (a re-export?): " + ", ".join(passed_on)
 
 
+STATE_FILES = {"ledger.sqlite", "night.lock", "daemon.lock", "hotswap.lock"}  # unmistakable names
+
+
+def test_the_state_directory_is_named_in_one_place():
+    """`StatePaths` (jobs/store/paths.py) names every place of the state directory: no other module joins a
+    name onto a state directory (`state / "ledger.sqlite"`) or spells one of its files."""
+    spelled = []
+    for name, path in modules(PRODUCT).items():
+        if name == "jobs.store.paths":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Constant)
+                    and isinstance(node.right.value, str) and "state" in ast.unparse(node.left).lower()):
+                spelled.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(node, ast.Constant) and node.value in STATE_FILES:
+                spelled.append(f"{name}:{node.lineno}: {node.value!r}")
+    assert not spelled, "state paths spelled outside StatePaths:\n" + "\n".join(spelled)
+
+
 def test_the_daemon_and_the_contract_import_no_training_stack():
     code = ("import sys, daemon.cli, daemon.service, jobs.contract; "
             "print(sorted(m for m in ('torch', 'transformers', 'peft', 'unsloth') if m in sys.modules))")

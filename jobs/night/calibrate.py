@@ -39,6 +39,7 @@ from jobs.contract import (
 from jobs.night.config import NightConfig
 from jobs.night.model import ensure_model, model_fingerprint, throughput_key
 from jobs.store.ledger import Ledger
+from jobs.store.paths import StatePaths
 
 DEFAULT_MAX_VRAM_GB = 40.0
 
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             return ExitCode.OK
     finally:
         group.close()
-    ledger = Ledger(Path(cfg.state_dir) / "ledger.sqlite")
+    ledger = Ledger(StatePaths(cfg.state_dir).ledger)
     try:
         ledger.record_calibration(key, record, tokens=slowest.tokens, seconds=slowest.seconds)
     finally:
@@ -133,7 +134,7 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     shape = StepShape(tokens_per_step=settings.max_tokens, gradient_checkpointing=gc, basis="calibration")
     t0 = time.perf_counter()
     emit(PhaseEvent(phase=Phase.load, state="start"))
-    loaded = load_for_training(model_path, t, adapter=None, shape=shape, cache_dir=Path(cfg.state_dir) / "models",
+    loaded = load_for_training(model_path, t, adapter=None, shape=shape, cache_dir=StatePaths(cfg.state_dir).models,
                                max_vram_gb=max_vram)
     load_seconds = time.perf_counter() - t0
     fp8 = decision = None
@@ -235,7 +236,7 @@ def _checkpointing_line(cfg: NightConfig, model_path: Path, settings, profile: s
     try:
         try:
             loaded = load_for_training(model_path, t, adapter=None, shape=shape,
-                                       cache_dir=Path(cfg.state_dir) / "models", max_vram_gb=settings.max_vram_gb)
+                                       cache_dir=StatePaths(cfg.state_dir).models, max_vram_gb=settings.max_vram_gb)
             vocab, cap_len = len(loaded.tokenizer), min(t.max_seq_length, 2048)
             optimizer = build_optimizer(loaded.model, t, loaded.optim, device=loaded.device)
             probe = probe_memory(loaded.model, make_samples("wiki", 8 * settings.probe_tokens, vocab=vocab,

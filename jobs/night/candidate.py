@@ -23,6 +23,7 @@ from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun, token_cache
 from jobs.night.measure import EvalSets, build_sets, kept_before, measure_all, score_cache
 from jobs.store.integrity import verified
+from jobs.store.paths import StatePaths
 from jobs.training.checkpoints import latest_checkpoint
 from jobs.training.load import Loaded, load_for_training
 from jobs.training.loop import TrainResult, train
@@ -65,7 +66,7 @@ def load_model_and_data(ctx: RunContext, planned: PlannedRun, tokenizer: Any) ->
         # measured not to slow the first step's compile: results/h200-2026-11-26/wake-restart/run3)
         with in_background(_train_set, ctx, tokenizer, train_ids) as reading:
             loaded = load_for_training(ctx.model_path, cfg.train, adapter=resume or parent_path, shape=shape,
-                                       cache_dir=ctx.state / "models", max_vram_gb=cfg.gpu.max_vram_gb)
+                                       cache_dir=StatePaths(ctx.state).models, max_vram_gb=cfg.gpu.max_vram_gb)
         train_set = reading.result()
         tok = loaded.tokenizer
         if _identity(ctx, tok) != _identity(ctx, tokenizer):  # the loader's tokenizer is another: its own ids

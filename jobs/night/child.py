@@ -32,6 +32,7 @@ import structlog
 from jobs.contract import ChildEvent, ExitCode, Outcome, ResultEvent, RunSummary, outcome_exit_code
 from jobs.store.files import DamagedState
 from jobs.store.locking import LockTimeout, inherited_night_lock, night_lock
+from jobs.store.paths import StatePaths
 
 PROCESS_STARTED = time.time()  # the night's "wake": before torch and the model are imported (in main)
 
@@ -167,7 +168,7 @@ def _import_unsloth_first(cfg: dict[str, Any]) -> None:
             from jobs.training.unsloth_backend import setup_caches
             from jobs.training.unsloth_import import import_unsloth
 
-            setup_caches(Path(cfg["state_dir"]) / "models")  # Unsloth reads its cache locations when imported
+            setup_caches(StatePaths(cfg["state_dir"]).models)  # Unsloth reads its cache locations when imported
             import_unsloth()
 
 

@@ -21,6 +21,7 @@ from jobs.gpu.telemetry import GpuSampler
 from jobs.night.config import NightConfig
 from jobs.store.cleanup import close_run, sweep_checkpoints
 from jobs.store.ledger import Ledger
+from jobs.store.paths import StatePaths
 from jobs.store.readonly import open_read_only
 from jobs.store.registry import Registry
 from jobs.training.ranks.collectives import SOLO, Solo
@@ -55,7 +56,7 @@ class RunContext:
 
     @property
     def checkpoints(self) -> Path:
-        return self.state / "checkpoints" / self.run_id
+        return StatePaths(self.state).run_checkpoints(self.run_id)
 
     @contextmanager
     def phase(self, name: Phase) -> Iterator[None]:
@@ -108,7 +109,7 @@ def open_context(cfg: NightConfig, *, model_path: Path, fingerprint: str, night:
     new run gets (the supervisor chose it to log under); a plan opens the ledger read-only.
     `process_started`: when the child process started (wake -> first step). `group`: the night's ranks."""
     state = Path(cfg.state_dir)
-    ledger = open_read_only(state / "ledger.sqlite", clock=clock) if plan_only else Ledger(state / "ledger.sqlite",
+    ledger = open_read_only(StatePaths(state).ledger, clock=clock) if plan_only else Ledger(StatePaths(state).ledger,
                                                                                           clock=clock)
     open_run = None if plan_only else ledger.open_run(night)
     if open_run is not None:

@@ -19,6 +19,7 @@ from jobs.learning import plan as budget
 from jobs.night.context import RunContext
 from jobs.store import learning
 from jobs.store.ledger import SampleRow
+from jobs.store.paths import StatePaths
 from jobs.training.fp8.compute import with_compute
 from jobs.training.shape import history_for_shape, length_curve, resolve_step
 
@@ -27,7 +28,7 @@ log = structlog.get_logger("nightshift.night")
 
 def token_cache(ctx: RunContext, tokenizer: Any) -> TokenCache:
     """Where pull leaves the new samples' token ids for the night's load."""
-    return TokenCache(ctx.state / "cache" / "tokens", tokenizer, max_seq_length=ctx.cfg.train.max_seq_length,
+    return TokenCache(StatePaths(ctx.state).token_cache, tokenizer, max_seq_length=ctx.cfg.train.max_seq_length,
                       overlong=ctx.cfg.train.overlong, special_tokens=ctx.cfg.train.special_tokens)
 
 
@@ -59,13 +60,13 @@ def start_pull_workers(raw_config: str) -> None:
         check_ahead(pool, cfg.sources, options=check_options(max_seq_length=t.max_seq_length, overlong=t.overlong,
                                                              special_tokens=t.special_tokens),
                     excerpt_bytes=cfg.quarantine.excerpt_bytes, now=time.time(),
-                    ledger_path=Path(cfg.state_dir) / "ledger.sqlite")
+                    ledger_path=StatePaths(cfg.state_dir).ledger)
 
 
 def pull_new_data(ctx: RunContext, tokenizer: Any) -> PullResult:
     """Ingest the inbox; for a plan only read it (nothing ingested, quarantined or moved)."""
     cfg, s = ctx.cfg, ctx.summary
-    qfile = ctx.state / "quarantine" / f"{ctx.run_id}.jsonl"
+    qfile = StatePaths(ctx.state).quarantine_file(ctx.run_id)
     with ctx.phase(Phase.pull):
         if ctx.plan_only:
             res = preview(cfg.sources, ctx.ledger, tokenizer, max_seq_length=cfg.train.max_seq_length,

@@ -36,6 +36,7 @@ from jobs.night.context import RunContext
 from jobs.night.scores import BASE_MODEL, LoadIdentity, ScoreCache, version_model
 from jobs.store import learning
 from jobs.store.files import write_private_json
+from jobs.store.paths import StatePaths
 from jobs.store.registry import parse_version
 
 log = structlog.get_logger("nightshift.night")
@@ -62,7 +63,7 @@ def score_cache(ctx: RunContext, loaded: Any, compute: str) -> ScoreCache:
     t = ctx.cfg.train
     ident = LoadIdentity(base=str(ctx.model_path), method=str(loaded.method), compute=compute, backend=loaded.backend,
                          max_seq_length=t.max_seq_length, special_tokens=str(t.special_tokens))
-    return ScoreCache(ctx.state / "cache" / "scores", ident)
+    return ScoreCache(StatePaths(ctx.state).score_cache, ident)
 
 
 def build_sets(ctx: RunContext, tokenizer: Any, heldout_ids: list[int], parent: int | None,

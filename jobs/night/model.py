@@ -18,6 +18,7 @@ from jobs.contract import Method
 from jobs.learning import plan as budget
 from jobs.night.config import NightConfig
 from jobs.store.locking import StateLock
+from jobs.store.paths import StatePaths
 
 log = structlog.get_logger("nightshift.night")
 
@@ -51,14 +52,14 @@ def ensure_model(cfg: NightConfig) -> Path:
 
         corpus = demo_corpus(cfg)
         log.info("building_tiny_model", path=str(path), corpus_files=len(corpus))
-        with StateLock(Path(cfg.state_dir) / "lock", what="build model"):
+        with StateLock(StatePaths(cfg.state_dir).lock, what="build model"):
             if not (path / "config.json").exists():
                 build_tiny_llama(path, corpus)
         return path
     if cfg.model.build and cfg.model.build.startswith("in-memory:"):  # issue 15: no weights on disk
         from jobs.training.moe.load import write_in_memory_stub
 
-        with StateLock(Path(cfg.state_dir) / "lock", what="build model"):
+        with StateLock(StatePaths(cfg.state_dir).lock, what="build model"):
             if not (path / "config.json").exists():
                 write_in_memory_stub(cfg.model.build.removeprefix("in-memory:"), path)
         return path

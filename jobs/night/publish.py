@@ -46,6 +46,7 @@ from jobs.store import learning
 from jobs.store.adapters import announce
 from jobs.store.files import DamagedState
 from jobs.store.locking import StateLock
+from jobs.store.paths import StatePaths
 from jobs.training.loop import TrainResult
 from jobs.training.save import save_version
 
@@ -77,7 +78,7 @@ def publish_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun, resu
     replayed = [i for i in result.trained_ids if i in prep.replay_ids]
     partial = [i for i in result.partial_ids if i not in prep.replay_ids]  # stay pending either way
     ctx.stop_gpu()  # the version's energy: load, train and evaluate
-    with ctx.phase(Phase.publish), StateLock(ctx.state / "lock", what="publish"):
+    with ctx.phase(Phase.publish), StateLock(StatePaths(ctx.state).lock, what="publish"):
         registry.clean_stale()
         in_service = registry.current_version()
         passed = verdict.passed
@@ -239,7 +240,7 @@ def finish_published(ctx: RunContext, row: Any) -> None:
     path, version = Path(row["path"]), int(row["version"])
     promoted = row["status"] == "promoted"
     if promoted and ctx.registry.current() != path.resolve() and not _moved_on(ctx, version):
-        with StateLock(ctx.state / "lock", what="publish"):
+        with StateLock(StatePaths(ctx.state).lock, what="publish"):
             ctx.registry.promote(path)
     if promoted and not ctx.ledger.hotswaps(version):
         announce_version(ctx, version, path)

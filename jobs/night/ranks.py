@@ -29,6 +29,7 @@ from jobs.night.config import NightConfig
 from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun
 from jobs.night.model import ensure_model, model_fingerprint
+from jobs.store.paths import StatePaths
 from jobs.training.config import TrainConfig
 from jobs.training.ranks.collectives import Solo
 
@@ -117,12 +118,12 @@ def follow_night(cfg: NightConfig, group: Solo, stop: threading.Event) -> None:
     if (fp := model_fingerprint(model_path)) != job.fingerprint:
         raise ValueError(f"[model] path: {model_path} on this host is not rank 0's base model (fingerprint {fp}, "
                          f"rank 0 has {job.fingerprint}): every host needs the same model directory")
-    scratch = Path(cfg.state_dir) / "ranks" / f"{job.run_id}-rank{group.rank}"
+    scratch = StatePaths(cfg.state_dir).rank_scratch(job.run_id, group.rank)
     start = _start_here(job, scratch)
     train_cfg = TrainConfig.model_validate(job.train)
     try:
         loaded = load_for_training(model_path, train_cfg, adapter=start, shape=job.shape,
-                                   cache_dir=Path(cfg.state_dir) / "models", max_vram_gb=cfg.gpu.max_vram_gb)
+                                   cache_dir=StatePaths(cfg.state_dir).models, max_vram_gb=cfg.gpu.max_vram_gb)
         result = train(loaded, decode_samples(job.samples), train_cfg, ckpt_root=scratch / "checkpoints",
                        deadline=job.deadline, stop=stop, shape=job.shape, resume=start if job.resume else None,
                        probe_first=job.probe_first, group=group)

@@ -23,6 +23,7 @@ from jobs.data.sources import SourceConfig
 from jobs.night.config import NightConfig
 from jobs.store.files import sha256_file
 from jobs.store.ledger import Ledger
+from jobs.store.paths import StatePaths
 
 
 def source_for(path: Path, sources: Sequence[SourceConfig], name: str | None = None) -> SourceConfig:
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = sys.stdout
     sys.stdout = sys.stderr  # stray prints from libraries must not corrupt the JSON lines
-    ledger = open_read_only(Path(cfg.state_dir) / "ledger.sqlite")
+    ledger = open_read_only(StatePaths(cfg.state_dir).ledger)
     try:
         with model_to_read(cfg) as model_path:
             tokenizer = load_tokenizer(model_path)

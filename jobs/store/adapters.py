@@ -30,6 +30,7 @@ from jobs.contract import Method
 from jobs.hotswap import AdapterRef, HotswapConfig, HotswapOutcome, notify_all
 from jobs.store.ledger import Ledger
 from jobs.store.locking import StateLock
+from jobs.store.paths import StatePaths
 from jobs.store.registry import TMP_PREFIX, Registry, parse_version
 
 log = structlog.get_logger("nightshift.adapters")
@@ -108,7 +109,7 @@ class Adapters:
     ) -> None:
         self.state_dir = Path(state_dir)
         self.registry = Registry(self.state_dir)
-        self.ledger = Ledger(self.state_dir / "ledger.sqlite", clock=clock)
+        self.ledger = Ledger(StatePaths(self.state_dir).ledger, clock=clock)
         self.hotswap_cfg = hotswap or HotswapConfig()
         self.cfg = cfg or RegistryConfig()
         self.notify = notify
@@ -118,7 +119,7 @@ class Adapters:
 
     @contextmanager
     def lock(self, what: str) -> Iterator[None]:
-        with StateLock(self.state_dir / "lock", timeout=self.cfg.lock_timeout_seconds, what=what):
+        with StateLock(StatePaths(self.state_dir).lock, timeout=self.cfg.lock_timeout_seconds, what=what):
             yield
 
     # ---- reading --------------------------------------------------------------------------------
@@ -334,7 +335,7 @@ def announce(
     None when `only_if_current` and `current` moved on meanwhile: whoever moved it announces.
     IntegrityError when the files do not match the manifest: nothing is sent.
     """
-    with StateLock(registry.state_dir / "hotswap.lock", timeout=lock_timeout, what=f"hotswap ({trigger})"):
+    with StateLock(StatePaths(registry.state_dir).hotswap_lock, timeout=lock_timeout, what=f"hotswap ({trigger})"):
         if only_if_current and registry.current() != Path(path).resolve():
             log.warning("hotswap.skipped", version=version, reason="no longer the version in service")
             return None

@@ -16,13 +16,14 @@ import structlog
 
 from jobs.contract import RunSummary
 from jobs.store.ledger import Ledger
+from jobs.store.paths import StatePaths
 
 log = structlog.get_logger("nightshift.store")
 TMP_PREFIX = ".tmp-"  # the registry's prefix for directories nothing serves (cleaned at the next publish)
 
 
 def checkpoints_dir(state_dir: Path, run_id: str) -> Path:
-    return Path(state_dir) / "checkpoints" / run_id
+    return StatePaths(state_dir).run_checkpoints(run_id)
 
 
 def close_run(ledger: Ledger, run_id: str, status: str, *, summary: RunSummary | None = None,
@@ -37,7 +38,7 @@ def close_run(ledger: Ledger, run_id: str, status: str, *, summary: RunSummary |
     if status in ("failed", "skipped"):
         rows = ledger.db.execute("SELECT name FROM versions WHERE run_id=? AND status='training'", (run_id,))
         for r in rows.fetchall():
-            d = state / "adapters" / r["name"]
+            d = StatePaths(state).adapters / r["name"]
             if d.is_dir() and not d.is_symlink():
                 hole = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}released-{r['name']}-", dir=d.parent))
                 os.rename(d, hole / r["name"])
@@ -50,7 +51,7 @@ def close_run(ledger: Ledger, run_id: str, status: str, *, summary: RunSummary |
 
 def sweep_checkpoints(ledger: Ledger) -> list[str]:
     """Remove the checkpoints of every run that is no longer open (closed by anyone, or unknown)."""
-    root = ledger.path.parent / "checkpoints"
+    root = StatePaths(ledger.path.parent).checkpoints
     if not root.is_dir():
         return []
     running = {str(r[0]) for r in ledger.db.execute("SELECT id FROM runs WHERE status='running'")}

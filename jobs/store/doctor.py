@@ -14,7 +14,8 @@ from typing import Any
 from jobs.contract import parse_version_name
 from jobs.store.integrity import ledger_in_service, unknown_versions
 from jobs.store.ledger import Ledger
-from jobs.store.locking import NIGHT_LOCK, REGISTRY_LOCK, LockTimeout, StateLock, holder
+from jobs.store.locking import LockTimeout, StateLock, holder
+from jobs.store.paths import StatePaths
 from jobs.store.registry import TMP_PREFIX, IntegrityError, Registry
 from jobs.store.schema import LATEST, published_dirs, schema_version
 
@@ -41,11 +42,11 @@ def diagnose(state_dir: Path, *, name: str | None = None, lock_timeout: float = 
     if not state.is_dir():
         return [Finding("ok", "state", f"{state} does not exist yet: nothing to check (a first night creates it)")]
     out: list[Finding] = []
-    who = holder(state / NIGHT_LOCK) if _held(state / NIGHT_LOCK) else ""
+    who = holder(StatePaths(state).night_lock) if _held(StatePaths(state).night_lock) else ""
     out.append(Finding("note", "night", f"a night is running ({who})") if who else
                Finding("ok", "night", "no night is running"))
     try:
-        with StateLock(state / REGISTRY_LOCK, timeout=lock_timeout, what="doctor (reading)"):
+        with StateLock(StatePaths(state).lock, timeout=lock_timeout, what="doctor (reading)"):
             out += _check(state, name)
     except LockTimeout as e:
         out.append(Finding("problem", "lock", str(e), "run doctor again when the publish or command is done"))
@@ -69,7 +70,7 @@ def _held(lock: Path) -> bool:
 
 
 def _check(state: Path, name: str | None) -> list[Finding]:
-    path = state / "ledger.sqlite"
+    path = StatePaths(state).ledger
     dirs = published_dirs(state)
     registry = Registry(state, create=False)
     if not path.exists() or path.stat().st_size == 0:
@@ -176,16 +177,16 @@ def _current(registry: Registry, ledger: Ledger) -> list[Finding]:
 
 def _leftovers(state: Path, running: set[str]) -> list[Finding]:
     out = []
-    ckpt = state / "checkpoints"
+    ckpt = StatePaths(state).checkpoints
     closed = sorted(p.name for p in ckpt.iterdir() if p.name not in running) if ckpt.is_dir() else []
     if closed:
         out.append(Finding("note", "checkpoints", f"{len(closed)} checkpoint dir(s) of closed runs",
                            "removed when the next night starts"))
-    for p in (state, state / "adapters"):
+    for p in (state, StatePaths(state).adapters):
         if p.exists() and p.stat().st_mode & 0o050 != 0o050:
             out.append(Finding("note", "permissions", f"{p} cannot be entered by its group: the inference "
                                "server's user (in the group) cannot reach the versions", f"chmod g+rx {p}"))
-    for p in (state / "ledger.sqlite", state / "quarantine", ckpt):
+    for p in (StatePaths(state).ledger, StatePaths(state).quarantine, ckpt):
         if p.exists() and p.stat().st_mode & 0o077:
             out.append(Finding("note", "permissions", f"{p} is readable by other users (raw user data)",
                                f"chmod {'600' if p.is_file() else '700'} {p}"))

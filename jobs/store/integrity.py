@@ -14,7 +14,8 @@ import structlog
 from jobs.contract import parse_version_name
 from jobs.store.files import DamagedState
 from jobs.store.ledger import Ledger
-from jobs.store.locking import REGISTRY_LOCK, StateLock
+from jobs.store.locking import StateLock
+from jobs.store.paths import StatePaths
 from jobs.store.registry import IntegrityError, Registry
 from jobs.store.schema import published_dirs
 
@@ -97,7 +98,7 @@ def parent_for_night(registry: Registry, ledger: Ledger, *, repair: bool, lock_t
             return expected
         if registry.current_link.exists() and not registry.current_link.is_symlink():
             raise DamagedState(f"{was}; move it away and the next night restores `current` to {path.name}")
-        with StateLock(registry.state_dir / REGISTRY_LOCK, timeout=lock_timeout, what="restore current"):
+        with StateLock(StatePaths(registry.state_dir).lock, timeout=lock_timeout, what="restore current"):
             if ledger_in_service(ledger) == expected:  # else an operator moved it meanwhile: look again
                 registry.promote(path)
                 log.warning("current_restored", was=was, now=path.name,

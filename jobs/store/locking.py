@@ -20,9 +20,8 @@ from pathlib import Path
 from types import TracebackType
 
 from jobs.store.files import SHARED_DIR, make_dir
+from jobs.store.paths import StatePaths
 
-NIGHT_LOCK = "night.lock"
-REGISTRY_LOCK = "lock"
 LOCK_FD_ENV = "NIGHTSHIFT_NIGHT_LOCK_FD"  # the night's child: the inherited night lock's descriptor
 
 
@@ -94,7 +93,7 @@ class StateLock:
 
 
 def night_lock(state_dir: Path, *, timeout: float = 0.0, what: str = "") -> StateLock:
-    return StateLock(Path(state_dir) / NIGHT_LOCK, timeout=timeout, what=what)
+    return StateLock(StatePaths(state_dir).night_lock, timeout=timeout, what=what)
 
 
 def inherited_night_lock(state_dir: Path, environ: dict[str, str] | None = None, *,
@@ -107,12 +106,12 @@ def inherited_night_lock(state_dir: Path, environ: dict[str, str] | None = None,
         return False
     try:
         mine = os.stat(f"/proc/{holder_pid}/fd/{raw}") if holder_pid is not None else os.fstat(int(raw))
-        there = os.stat(Path(state_dir) / NIGHT_LOCK)
+        there = os.stat(StatePaths(state_dir).night_lock)
     except OSError:
         return False
     if (mine.st_dev, mine.st_ino) != (there.st_dev, there.st_ino):
         return False
-    probe = os.open(Path(state_dir) / NIGHT_LOCK, os.O_RDONLY | os.O_CLOEXEC)
+    probe = os.open(StatePaths(state_dir).night_lock, os.O_RDONLY | os.O_CLOEXEC)
     try:
         fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

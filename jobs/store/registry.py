@@ -18,6 +18,7 @@ from typing import Any
 
 from jobs.contract import parse_version_name, version_name
 from jobs.store.files import SHARED_DIR, fsync_dir, fsync_tree, make_dir, seal_tree, sha256_file
+from jobs.store.paths import StatePaths
 
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
@@ -36,8 +37,8 @@ class Registry:
     def __init__(self, state_dir: Path, *, create: bool = True) -> None:
         """`create=False`: only read (`nightshift plan`): nothing is made."""
         self.state_dir = Path(state_dir)
-        self.adapters = self.state_dir / "adapters"
-        self.current_link = self.state_dir / "current"
+        self.adapters = StatePaths(self.state_dir).adapters
+        self.current_link = StatePaths(self.state_dir).current
         if not create:
             return
         if not self.state_dir.exists():

@@ -23,6 +23,7 @@ from pathlib import Path
 from jobs.contract import parse_version_name
 from jobs.store import learning_schema
 from jobs.store.files import PRIVATE_FILE, SHARED_DIR, DamagedState, chmod_quietly, make_dir
+from jobs.store.paths import StatePaths
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -104,7 +105,7 @@ LATEST = MIGRATIONS[-1].version
 
 def published_dirs(state_dir: Path) -> list[str]:
     """Names of version directories in the registry (`<name>-vNNNN`), whoever's they are."""
-    adapters = Path(state_dir) / "adapters"
+    adapters = StatePaths(state_dir).adapters
     try:
         return sorted(p.name for p in adapters.iterdir() if parse_version_name(p.name) and p.is_dir())
     except OSError:
@@ -116,12 +117,12 @@ def open_database(path: Path, *, timeout: float = 30.0) -> sqlite3.Connection:
     path = Path(path)
     state = path.parent
     versions = published_dirs(state)
-    has_current = (state / "current").is_symlink() or (state / "current").exists()
+    has_current = StatePaths(state).current.is_symlink() or StatePaths(state).current.exists()
     size = path.stat().st_size if path.exists() else None
     if not size and (versions or has_current):
         what = "missing" if size is None else "empty (0 bytes)"
         raise DamagedState(
-            f"{path} is {what}, but {state / 'adapters'} holds {len(versions)} published version(s)"
+            f"{path} is {what}, but {StatePaths(state).adapters} holds {len(versions)} published version(s)"
             + (" and `current` is set" if has_current else "")
             + ": refusing to start afresh (every sample would be trained again and version names reused). "
             "Restore the ledger from a backup, or move the whole state directory aside to start over; "
