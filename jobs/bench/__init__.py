@@ -1,7 +1,7 @@
 """`nightshift bench`: QLoRA throughput measured side by side, on this GPU. Not on the night's path:
 nothing under daemon/ or jobs/{night,training,data,store} imports this package.
 
-    python -m jobs.bench bench --arch llama3.1-8b --out results/      (all stacks, both profiles)
+    python -m jobs.bench bench --arch llama3.1-8b --out /tmp/bench   (all stacks, both profiles)
     python -m jobs.bench faststart --arch llama3.1-8b --state-dir S    (time to first step, night 1 / night 2)
     python -m jobs.bench budget --arch llama3.1-8b                     (plan from calibration, then train)
     python -m jobs.bench moe --arch gpt-oss-small                      (LoRA reaches the experts?)
