@@ -118,7 +118,6 @@ def test_nothing_cites_a_log_folder():
     cites = [f"{f.relative_to(REPO)}: {m}" for f in _cited_files() if f.resolve() != this
              for m in re.findall(r"\bresults/[\w./*-]*", f.read_text())]
     assert not cites, cites
-    assert not (REPO / "results").exists()
 
 
 def test_the_raw_evidence_stays_small():
