@@ -1,7 +1,7 @@
 """The benchmark: QLoRA throughput measured side by side, on this GPU, run from a checkout. Not part of the
 product: nothing under daemon/ or jobs/ imports this package, and the wheel leaves it out (pyproject.toml).
 
-    python -m benchmarks bench --arch llama3.1-8b --out results/      (all stacks, both profiles)
+    python -m benchmarks bench --arch llama3.1-8b --out /tmp/bench   (all stacks, both profiles)
     python -m benchmarks faststart --arch llama3.1-8b --state-dir S    (time to first step, night 1 / night 2)
     python -m benchmarks budget --arch llama3.1-8b                     (plan from calibration, then train)
     python -m benchmarks moe --arch gpt-oss-small                      (LoRA reaches the experts?)

@@ -7,7 +7,7 @@ sets, scored by exact match. Chains differ only in `[plan] replay_share` and the
 setting is the default, the training settings are the demo's (config/nightshift.toml) at a higher
 learning rate so that a task is learned in three small nights.
 
-    python -m benchmarks.chain --out results/cpu-$(date +%F)
+    python -m benchmarks.chain --out /tmp/chain-$(date +%F)
 
 prints a Markdown table (exact match per task per night) and writes chain.json there.
 """

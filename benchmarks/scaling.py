@@ -1,6 +1,6 @@
 """`python -m benchmarks scaling`: throughput on 1 and N GPUs, and the scaling efficiency, for two workloads.
 
-    python -m benchmarks scaling --arch llama3.1-8b --gpus 2 --out results/scaling
+    python -m benchmarks scaling --arch llama3.1-8b --gpus 2 --out /tmp/scaling
 
 - ours (stacks/scaling_ours.py): the night's path (jobs.training: Unsloth NF4 on CUDA, LoRA r=--lora-r on
   all linear layers, packed rows at one token budget per card, gradients reduced by hand once per step);

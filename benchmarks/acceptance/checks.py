@@ -1,4 +1,4 @@
-"""The acceptance run's checks and its report: results/<gpu>-<date>/acceptance.json and acceptance.md.
+"""The acceptance run's checks and its report: <out>/<gpu>-<date>/acceptance.json and acceptance.md.
 
 Every check is a named verdict with its numbers, so a failure says what and by how much:
 - each night stopped before its window's end (the run closed and its child gone by then);

@@ -9,7 +9,7 @@
 4. runs the real daemon (`nightshift run`) through N short windows, new data dropped before each,
    nightshift hot-swapping every promoted version into the server through the vLLM API; in night 2
    the daemon and its child are SIGKILLed mid-training and the daemon is started again;
-5. checks, and writes results/<gpu>-<date>/acceptance.json and acceptance.md (benchmarks/acceptance/checks.py).
+5. checks, and writes <--out>/<gpu>-<date>/acceptance.json and acceptance.md (benchmarks/acceptance/checks.py).
 
 Nothing here imports torch: the model is built in a child, the server and the nights are children,
 so this process holds no GPU memory. Progress is printed as it goes.
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--models-dir", type=Path, default=Path(os.environ.get("NIGHTSHIFT_BENCH_MODELS",
                                                                           "/tmp/nightshift-models")))
     ap.add_argument("--work", type=Path, help="state, inbox, configs, logs (default: a new temp dir)")
-    ap.add_argument("--out", type=Path, default=REPO / "results", help="results/<gpu>-<date>/ goes here")
+    ap.add_argument("--out", type=Path, default=REPO / "results", help="<gpu>-<date>/ goes here")
     ap.add_argument("--nights", type=int, default=3)
     ap.add_argument("--window-minutes", type=float, default=2.0 if gpu else 1.5)
     ap.add_argument("--save-margin-minutes", type=float, default=0.4 if gpu else 0.25,

@@ -77,7 +77,7 @@ def _in_background() -> None:
     tokenizer's batch encode otherwise starts one per CPU in every worker) at a lower priority. With neither,
     one H200 host's imports took 25.7-30.9 s beside 8 workers checking ahead (whether that host was slow or the
     workers took its CPUs was not separated); on an H100 host, beside workers set so, 30.0-32.7 s against
-    29.3-31.1 s alone (results/h200-2026-11-26/wake-bytecode)."""
+    29.3-31.1 s alone (RESULTS.md: 2026-11-26, wake bytecode)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     with contextlib.suppress(OSError):
         os.nice(WORKER_NICENESS)
@@ -119,7 +119,7 @@ def start_early(model_path: Path, workers: int | None = None) -> CheckPool | Non
     model's tokenizer (3.5 s for 2 workers with the test tokenizer on a 2-core box) while that process
     imports Unsloth (~21 s on an H200 host) or waits for its window. A night's pull of 60,000 records on
     an H200 host took 7.1-8.3 s starting its own workers; with these, its file took 3.6-4.5 s in a child
-    started inside its window (results/h200-2026-11-26/wake-restart), 3.7 s in a prewarmed one."""
+    started inside its window (RESULTS.md: 2026-11-26, wake restart), 3.7 s in a prewarmed one."""
     global _early
     n = default_workers() if workers is None else workers
     if n >= 2 and _early is None:

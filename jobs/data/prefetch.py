@@ -3,9 +3,9 @@
 A restarted night's wake is its imports (12-33 s on H100/H200 hosts) and then the pull, plan, load and first step
 one after the other; the pull's reading, decoding and checking can be done before the imports end, by the pull's
 early workers, which wait idle until then (jobs/data/parallel.py): its wait for them fell from 0.45-0.83 s to
-0.11-0.13 s for 60,000 records on 16-core hosts (results/h200-2026-11-26/wake-bytecode; what it still spends is
+0.11-0.13 s for 60,000 records on 16-core hosts (RESULTS.md: 2026-11-26, wake bytecode; what it still spends is
 the ledger's and token cache's writes), and on the 2-core box such a pull went from 12.6-13.5 s to 3.1-3.5 s
-(results/cpu-2026-11-26/pull-ahead). Only
+(RESULTS.md: 2026-11-26, pull ahead CPU). Only
 pure work is done ahead: each worker reads a byte range of a file, decodes and checks its records (the
 records that start in the range, with their line numbers) and holds the results. Nothing is ingested,
 quarantined or moved: the pull still decides, in order, what each file is and writes the ledger alone. It

@@ -59,7 +59,7 @@ class PlanConfig(BaseModel):
     safety_factor: float = Field(0.9, gt=0, le=1, description="plan for this share of the estimated capacity")
     max_samples: int | None = Field(None, ge=1)
     heldout_share: float = Field(0.05, ge=0, lt=1, description="share of new samples kept out for evaluation")
-    # 0.5: measured on the two-task chain (README, "Learning that holds"): 0.1 and 0.3 let a conflicting
+    # 0.5: measured on the two-task chain (RESULTS.md: 2026-11-23, CPU chain of nights): 0.1 and 0.3 let a conflicting
     # second task take the first one down to 12-75 % exact match; 0.5 kept it >= 92 % and learned the
     # second as fast. It costs half of a night's capacity when there is a backlog. 0 turns replay off.
     replay_share: float = Field(0.5, ge=0, le=0.9, description="share of the night's training tokens "

@@ -167,7 +167,7 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
         # the first profile's window waits out the process's warm-up: on an H200 (8B) a 10-s window right
         # after two steps in a row agreed read 15,203 tok/s and the night planned from it ran 9.0 % under
         # its plan; after 30 s of warm-up 15,839 and 4.6 % (the next run, another H200 machine;
-        # results/h200-2026-11-26/nights-after-fixes, calibrate-warmup)
+        # RESULTS.md: 2026-11-26, calibrate warm-up)
         rates[p] = timed_steps(loaded.model, data, budget, optimizer, seconds=seconds, group=together,
                                warmup_seconds=0.0 if i else PROCESS_WARMUP_SECONDS)
         if rates[p].stalls:  # a one-off (compile, autotune) inside the window: said, not counted in the rate

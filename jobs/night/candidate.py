@@ -63,7 +63,7 @@ def load_model_and_data(ctx: RunContext, planned: PlannedRun, tokenizer: Any) ->
     heldout_ids = [sid for sid, role in planned.roles if role == "heldout"]
     with ctx.phase(Phase.load):
         # the ids in a thread, the model here, in the thread that trains, as it always loaded (another thread was
-        # measured not to slow the first step's compile: results/h200-2026-11-26/wake-restart/run3)
+        # measured not to slow the first step's compile: RESULTS.md: 2026-11-26, wake restart)
         with in_background(_train_set, ctx, tokenizer, train_ids) as reading:
             loaded = load_for_training(ctx.model_path, cfg.train, adapter=resume or parent_path, shape=shape,
                                        cache_dir=StatePaths(ctx.state).models, max_vram_gb=cfg.gpu.max_vram_gb)

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     # them (with torch, transformers and peft imported, ~425k objects: an in-process pull of 60,000 records
     # on a 2-core box took 11.7-12.0 s, 10.6-10.9 s frozen)
     gc.freeze()
-    # a wake's first leg, prewarmed or not (an 8B's night: 12-33 s, results/h200-2026-11-26/wake-bytecode)
+    # a wake's first leg, prewarmed or not (an 8B's night: 12-33 s, RESULTS.md: 2026-11-26, wake bytecode)
     missing = without_bytecode()  # each such module was compiled from source, and will be every night
     structlog.get_logger("nightshift.night").info("imported", seconds=round(time.time() - PROCESS_STARTED, 1),
                                                   without_bytecode=sum(missing.values()),

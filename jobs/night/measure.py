@@ -12,7 +12,7 @@ promoted). All four are measured after training, so nothing but the first step w
 base because training does not change it, the adapter in service and the reference by loading their
 weights into the trained adapter for the pass (the candidate's put back). Before this, an 8B's night 2
 spent 6.2 s scoring tonight's held-out samples (in service, then the base) before its first step on an
-H200 (results/h200-2026-11-26/nights-after-fixes). What the measurement before training decided (the
+H200 (RESULTS.md: 2026-11-26, wake restart). What the measurement before training decided (the
 reference, a new adapter, what is owed) is kept next to the checkpoints, so a resumed night is judged
 against what it started from. Full fine-tuning has no adapter to swap: its model in service is scored
 before training. Per-sample scores of the base and of published versions are kept across nights

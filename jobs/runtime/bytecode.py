@@ -3,7 +3,7 @@
 A night's process imports ~6,000 modules (torch, transformers, Unsloth) before its first step. Where the software
 was installed without bytecode (uv does not write it unless asked; pip does) and no process may write it (a venv
 owned by root, PYTHONDONTWRITEBYTECODE), every night compiles them all again: on one H100 host the imports took
-29.3-31.1 s, 15.3-15.8 s once the venv was compiled (results/h100-2026-11-26/wake-bytecode). The night says so in
+29.3-31.1 s, 15.3-15.8 s once the venv was compiled (RESULTS.md: 2026-11-26, wake bytecode). The night says so in
 its log, with the fix, instead of waking slowly without a word. Counting them costs ~16 ms for ~3,700 modules
 (torch, transformers, peft imported) on the 2-core box.
 """

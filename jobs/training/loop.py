@@ -285,7 +285,7 @@ def ramp_excess(steps: Sequence[tuple[int, float]]) -> float:
     than 4 x RAMP_WINDOW steps to judge by, or when the rate has not settled within RAMP_MAX_SECONDS. On one
     H200 an 8B's first night in a new state directory (cold compile caches) ran ~10k tok/s at first and
     ~16.4k after ~30 s: its 1.8 minutes recorded 15,312, and the night planned from that trained 8.6 %
-    faster than predicted (results/h200-2026-11-26/nights-8b-5min)."""
+    faster than predicted (RESULTS.md: 2026-11-26, 8B cold first night)."""
     n = len(steps)
     if n < 4 * RAMP_WINDOW:
         return 0.0

@@ -138,7 +138,7 @@ def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step:
 
     A timed step over STALL x the median time per token is taken for a one-off, not the rate: its excess
     is left out and counted in `stalls`. On an H200 (1B, calibrate's first profile) one step took 5x the
-    others after three settled ones (results/h200-2026-11-23/calibrate-steps); in a 6-second window that
+    others after three settled ones (RESULTS.md: 2026-11-23, calibrate step stalls); in a 6-second window that
     is a third of the time, and calibrate's figure for that profile (64k tok/s against the 81-83k its
     nights trained at) planned every night.
 

@@ -105,9 +105,9 @@ def setup_caches(cache_dir: Path | str | None) -> dict[str, str]:
 def compile_job_id(root: Path) -> str:
     """One per cache directory (an operator's own kept): torch's local PGO, which lets a process compile
     dynamic from its first call what earlier ones found dynamic, works only under a job id. Measured with it: a
-    night 2's first step still took 3.9-6.1 s and a night 3's 1.25-1.96 s on H100/H200 hosts (results/
-    h200-2026-11-26/wake-bytecode): not what closes that gap; kept for what its CPU test shows (the next process
-    on the same caches compiles a region whose int argument varied once, twice without the id)."""
+    night 2's first step still took 3.9-6.1 s and a night 3's 1.25-1.96 s on H100/H200 hosts (RESULTS.md:
+    2026-11-26, wake bytecode): not what closes that gap; kept for what its CPU test shows (the next process on
+    the same caches compiles a region whose int argument varied once, twice without the id)."""
     return "nightshift-" + hashlib.sha256(str(Path(root).resolve()).encode()).hexdigest()[:12]
 
 

@@ -4,7 +4,7 @@ Unsloth 2026.10 ends `unsloth/models/llama.py` with `PatchFastRL(FastLanguageMod
 PatchRL on the model class, then `patch_trl_rl_trainers()` and its siblings, which import every TRL
 trainer (and TRL's experimental ones) and generate a patched source for each: `import unsloth` took
 28.6 / 28.4 s on an H200 host, 21.0 / 21.7 s without them (fresh processes, alternated;
-results/h200-2026-11-26/imports-and-gap), for trainers a night never uses (it trains through
+RESULTS.md: 2026-11-26, imports without TRL rewrite), for trainers a night never uses (it trains through
 jobs/training/loop.py).
 Unsloth skips exactly that rewrite itself under UNSLOTH_ALLOW_CPU=1 (its CPU CI), a switch with other
 effects; `import_unsloth(trl_trainers=False)` keeps only that switch's behaviour for PatchFastRL.

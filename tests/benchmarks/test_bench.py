@@ -1,4 +1,4 @@
-"""CPU checks of the bench's pure parts and the architecture registry (the GPU runs: results/)."""
+"""CPU checks of the bench's pure parts and the architecture registry (the GPU runs: benchmarks/RESULTS.md)."""
 
 from __future__ import annotations
 

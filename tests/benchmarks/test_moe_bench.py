@@ -1,5 +1,5 @@
 """CPU checks of the benchmark's moe workload (issue 15): flags, the in-memory model in the parent, the
-GPT-OSS-120B architecture's counts, the profile summary's arithmetic. The GPU run: results/."""
+GPT-OSS-120B architecture's counts, the profile summary's arithmetic. The GPU run: RESULTS.md: 2026-11-23, MoE 120B."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """CPU checks of `python -m benchmarks workloads`: the command line, the plan of worker processes, the ratios
-and MFU of the report (the GPU runs themselves: results/)."""
+and MFU of the report (the GPU runs themselves: benchmarks/RESULTS.md)."""
 
 from __future__ import annotations
 

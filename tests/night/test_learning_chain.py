@@ -1,6 +1,6 @@
 """Learning that holds night after night, on whole nights of the tiny model with the default gate and replay.
 
-The chain (benchmarks/chain.py, the README's figures): three nights of task A, a night of A with
+The chain (benchmarks/chain.py, docs/learning.md's figures): three nights of task A, a night of A with
 every answer wrong, then task B (the same keys, other answers). Task A must stay learned, the
 wrong night must be rejected without using up or replaying its samples, B must be learned.
 """

@@ -40,7 +40,7 @@ def plan(pending=NEW, pool=POOL, *, share=0.2, deadline=100.0, epochs=1, seed="r
 
 
 def test_default_share_is_documented_and_bounded():
-    assert PlanConfig().replay_share == 0.5  # measured: README, "Learning that holds night after night"
+    assert PlanConfig().replay_share == 0.5  # measured: RESULTS.md: 2026-11-23, CPU chain of nights
     with pytest.raises(ValueError):
         PlanConfig(replay_share=1.0)
 

@@ -48,7 +48,7 @@ def test_warm_up_never_outlasts_its_cap(monkeypatch: pytest.MonkeyPatch) -> None
 def test_warm_up_lasts_its_seconds_even_once_settled(monkeypatch: pytest.MonkeyPatch) -> None:
     # calibrate's first profile: a window right after two steps in a row agreed read 4 % under one after 30 s
     # of steps, and the night planned from it ran 9.0 % under its plan instead of 4.6 %
-    # (results/h200-2026-11-26/calibrate-warmup)
+    # (RESULTS.md: 2026-11-26, calibrate warm-up)
     monkeypatch.setattr(probe.time, "perf_counter", _clock := _FakeClock())
     _, calls = _run(monkeypatch, [0.001], clock=_clock, warmup_seconds=5.0, max_warmup=3)
     warm = len(calls) - 5
@@ -57,7 +57,7 @@ def test_warm_up_lasts_its_seconds_even_once_settled(monkeypatch: pytest.MonkeyP
 
 
 def test_a_one_off_stall_in_the_window_is_left_out_of_the_rate_and_counted(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the H200 calibrate run: settled at once, then one step 5x slower (results/h200-2026-11-23/calibrate-steps)
+    # the H200 calibrate run: settled at once, then one step 5x slower (RESULTS.md: 2026-11-23, calibrate step stalls)
     monkeypatch.setattr(probe.time, "perf_counter", _clock := _FakeClock())
     per_token = [0.001, 0.001, 0.001, 0.001, 0.005, 0.001, 0.001, 0.001, 0.001]  # 1 ms per token
     got, calls = _run(monkeypatch, per_token, clock=_clock)

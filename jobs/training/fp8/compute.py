@@ -27,7 +27,7 @@ MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell 
 # The numerics gate (jobs/training/fp8/numerics.py), stated once:
 # - e4m3 with per-row scales on both operands gives ~3.75 % relative output error on Gaussian data
 #   (2.65 % per operand, sqrt(2) of it for two; 3.75 % measured on the H100 and the H200: the benchmark's
-#   FP8 error median, results/h100-2026-11-25/fp8-bench/), NF4 weights alone 9-10 %.
+#   FP8 error median, RESULTS.md: 2026-11-25, 8B FP8 calibrate), NF4 weights alone 9-10 %.
 #   A projection above MAX_LAYER_ERROR (twice the expected figure) is broken or badly scaled: it is
 #   kept in bf16 (per-layer fallback) and the check fails if any layer had to.
 MAX_LAYER_ERROR = 0.08

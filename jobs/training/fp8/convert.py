@@ -169,7 +169,7 @@ def choose_storage(choice: FP8StorageChoice, units: list[Unit], *, keep_transpos
     """Where the FP8 bases are held, and why. "auto": the NF4 bases stay NF4 where their e4m3 copy (1 byte a parameter)
     would take more than NF4_WHEN_COPY_OVER of `cap_gb` (the [gpu] max_vram_gb cap, else the card's memory: the
     same on the calibrate and the night of one throughput key, which holds the cap), else the copy. Measured on one
-    H200 with the table-lookup kernel (results/h200-2026-11-26/nf4-lookup/): Qwen3-32B under 72 GB, its copy 31 GB
+    H200, table-lookup kernel (RESULTS.md: 2026-11-26, 32B NF4 vs copy calibrate): Qwen3-32B under 72 GB, copy 31 GB
     (43 %): NF4's 3,584-token steps 5,031 / 5,055 tok/s against the copy's 2,304-token 4,844 / 4,294 (calibrate); the
     8B under 40 GB, its copy 7 GB (17 %): the copy 22,114 / 20,466 against NF4's 19,540 / 20,159 (bench)."""
     if choice != "auto":

@@ -6,13 +6,13 @@ the activations' dtype; backward: the base input gradient is one FP8 GEMM per gr
 scales folded into dy, the LoRA gradients (in the weights' dtype) and their share of dx from bf16 GEMMs.
 A group's LoRA products that read the same x (q, k, v; gate, up) are one GEMM each (x A^T, dA, dx's
 LoRA share) instead of one per projection — an 8B step on an H200 ran 4.7 % / 4.9 % faster
-(results/h200-2026-11-26/fp8-lora-grouped/). Each product is added into its [M, N] output by `lora_add_`
+(RESULTS.md: 2026-11-26, LoRA grouped GEMM). Each product is added into its [M, N] output by `lora_add_`
 (a Triton kernel for large outputs, addmm_ otherwise).
 
 Saved for backward: what Unsloth saves (x; for the MLP x, e, g), and per group x A^T [M, sum r] and the LoRA
 weights cast to the activations' dtype (PEFT keeps them fp32: its autocast_adapter_dtype). So the backward neither
 recomputes x A^T nor casts a weight, and cuBLAS writes the fp32 gradients itself: an 8B step made 3,342 launch
-calls instead of 4,910 (results/h200-2026-11-26/fp8-launches/). Memory: 7 KB a token more by arithmetic; the
+calls instead of 4,910 (RESULTS.md: 2026-11-26, FP8 fewer launches). Memory: 7 KB a token more by arithmetic; the
 bench's memory line read 3.632 / 3.643 MB a token against 3.627 / 3.639 before.
 
 Plain LoRA only (one adapter, no dropout, no lora bias, no DoRA): the callers (jobs/training/fp8/unsloth_layers.py)

@@ -5,7 +5,7 @@ gradient, gets its LoRA share added by `addmm_` — a GEMM of inner size r (16) 
 reads and writes, memory-bound. cuBLAS ran it at ~1.9 TB/s on one H100 (216 us for the 8B's gate output,
 7,168 x 14,336); this kernel, one [64, 128] tile of out a program with the rank-r product from one
 `tl.dot`, at ~2.7 TB/s (150 us). Below 2^24 elements cuBLAS was faster (12 against 20 us at 7,168 x 1,024),
-so smaller outputs keep `addmm_` (results/h100-2026-11-26/quant-lora-kernels/).
+so smaller outputs keep `addmm_` (RESULTS.md: 2026-11-26, quant and LoRA-add kernels).
 
 The arithmetic is addmm_'s: the rank-r product accumulated in fp32, times alpha, plus out in fp32, rounded
 once to out's dtype; b is cast to xa's dtype first (a no-op for the FP8 Functions, which pass the bf16

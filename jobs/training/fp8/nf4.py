@@ -5,8 +5,8 @@ NF4, the base leaves that memory to the step; the price is one pass over the pac
 reads [N, K], the input gradient the transposed [K, N], written so by the same kernel: no separate transpose; the
 kernel, jobs/training/fp8/nf4_kernel.py, moves ~1,300-1,600 GB/s). Measured on H200s: under `max_vram_gb = 56` the
 copy leaves no room for a 2,048-token step and NF4 storage trains FP8 at 3,993 tok/s against bf16 QLoRA's 3,803
-(results/h200-2026-11-26/nf4-storage/, an earlier kernel); under 72 GB its 3,584-token steps ran 5,031 / 5,055 tok/s
-against the copy's 2,304-token 4,844 / 4,294 (results/h200-2026-11-26/nf4-lookup/). Which one a run uses:
+(RESULTS.md: 2026-11-26, NF4 storage v2; an earlier kernel); under 72 GB its 3,584-token steps ran 5,031 / 5,055 tok/s
+against the copy's 2,304-token 4,844 / 4,294 (RESULTS.md: 2026-11-26, 32B NF4 vs copy calibrate). Which one a run uses:
 `choose_storage` in jobs/training/fp8/convert.py.
 
 The values are exactly those of the e4m3 copy: bitsandbytes' dequantisation (code[nibble] * absmax in fp32, rounded

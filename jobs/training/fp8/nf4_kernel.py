@@ -14,9 +14,9 @@ blocks (K % blocksize != 0: no architecture in jobs/training/models/specs.py has
 aligned, takes the eager path. Triton is imported when the kernel is first defined (`_jit`), so that a machine without
 it imports this module.
 
-Speed (results/h200-2026-11-26/nf4-lookup/kernel-v4/, Qwen3-32B's 25,600 x 5,120 on one H200): 0.122 ms forward,
+Speed (RESULTS.md: 2026-11-26, NF4 lookup kernel; Qwen3-32B's 25,600 x 5,120 on one H200): 0.122 ms forward,
 0.150 ms transposed (1,608 / 1,307 GB/s over the 1.5 bytes a value moves), against 0.392 / 0.423 ms for the previous
-version, which did the whole arithmetic per value (results/h200-2026-11-26/nf4-storage/kernel-v2/); none of six other
+version, which did the whole arithmetic per value (RESULTS.md: 2026-11-26, NF4 storage v2); none of six other
 tile shapes measured was faster for both outputs.
 """
 

@@ -201,7 +201,7 @@ def compare_losses(bf16: list[float], fp8: list[float], *, window: int = LOSS_WI
 
     Each window's difference is taken against the first window's bf16 loss, not the window's own: a task
     learned down to ~0.1 (the 8B's bigram task on the H100, from 12.6) made noise of 0.01 read as 8 % and
-    refused an FP8 path whose curve followed bf16's all the way (results/h100-2026-11-25/fp8-calibrate/)."""
+    refused an FP8 path whose curve followed bf16's all the way (RESULTS.md: 2026-11-25, FP8 loss check refused)."""
     n = min(len(bf16), len(fp8)) // window * window
     if n == 0:
         return None, False, False, f"fewer than {window} steps of each"

@@ -2,7 +2,7 @@
 
 Inductor compiled `quant_rows_ref` into two kernels (an amax reduction, then a scale/cast pass), each
 reading the whole bf16 input from memory at ~0.6 TB/s on the H200 (dynamic shapes, the `cat` of the
-dgrad operand indexed per element): 22 % of an FP8 step (results/h200-2026-11-23/fp8-profile/). Here
+dgrad operand indexed per element): 22 % of an FP8 step (RESULTS.md: 2026-11-23, 8B FP8 profile). Here
 one program quantises one row: a first loop takes the row's amax (column scales applied), a second
 re-reads the row — from L2, a row is at most tens of kB — scales, clamps and casts to e4m3. The
 inputs of a concatenated row (the dgrad operand [dy_1 s_1 | dy_2 s_2 | dy_3 s_3]) are read in place:
@@ -123,7 +123,7 @@ ONE_LOAD_MAX = 8192  # widest single input read once (measured on the H100: 4096
 def _launch_shape(widths: Sequence[int], scaled: bool) -> tuple[int, bool]:
     """(BLOCK, ONE_LOAD) for these input widths (8 warps either way).
 
-    Swept on one H100 (results/h100-2026-11-26/quant-lora-kernels/): one unscaled input of a power-of-two
+    Swept on one H100 (RESULTS.md: 2026-11-26, quant and LoRA-add kernels): one unscaled input of a power-of-two
     width up to 8192 is read once; a padded one (5120 in an 8192 block: 73 against 35 us at 2,560 rows) or
     a scaled one is not. Otherwise the block follows the narrowest input, whose masked tail a wide block
     wastes: q/k/v's dgrad operand [4096 | 1024 | 1024] took 177 us in 4096 blocks and 86-93 us in 1024

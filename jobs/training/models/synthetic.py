@@ -3,8 +3,8 @@ two published data sets ("alpaca": 117 tokens, "wiki": 861), capped.
 
 What the tokens say changed neither speed nor memory where it was measured: on one H200 an 8B's packed
 steps ran at 15,505 tok/s cut from a night's records and 15,596 / 15,720 on uniform random ids (bench
-runs either side, the same 36.3 GB peak; results/h200-2026-11-26/token-content/). So the ids are random,
-or cut from a `pool` of real sample tokens (`python -m benchmarks bench --token-file`, to check that elsewhere).
+runs either side, the same 36.3 GB peak; RESULTS.md: 2026-11-26, token content). So the ids are random,
+or cut from a `pool` of real sample tokens (`python -m benchmarks --token-file`, to check that elsewhere).
 """
 
 from __future__ import annotations
