@@ -18,10 +18,16 @@ from typing import Any
 
 import structlog
 
+from jobs.contract.crashpoints import declare, reached
 from jobs.store.files import PRIVATE_DIR, PRIVATE_FILE, fsync_tree, make_dir, seal_tree, sha256_file
 
 log = structlog.get_logger("nightshift.train")
 CHECKSUMS = "checksums.json"
+WRITTEN = declare("train.checkpoint.written", "a checkpoint is whole and fsynced under its temporary name; "
+                                              "the rotation has not begun")
+ROTATED = declare("train.checkpoint.rotated", "the latest checkpoint was renamed to previous; the new one is "
+                                              "not latest yet")
+SAVED = declare("train.checkpoint.saved", "the new checkpoint was renamed to latest")
 
 
 def checkpoint_problem(p: Path) -> str | None:
@@ -74,8 +80,11 @@ def save_checkpoint(ckpt_root: Path, model: Any, optimizer: Any, scheduler: Any,
     (tmp / "state.json").write_text(json.dumps(state))  # last: a checkpoint without it is never used
     seal_tree(tmp, dir_mode=PRIVATE_DIR, file_mode=PRIVATE_FILE)
     fsync_tree(tmp)
+    reached(WRITTEN)
     latest, previous = ckpt_root / "latest", ckpt_root / "previous"
     if latest.exists():
         shutil.rmtree(previous, ignore_errors=True)
         os.rename(latest, previous)
+        reached(ROTATED)
     os.rename(tmp, latest)
+    reached(SAVED)

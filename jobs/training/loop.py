@@ -37,6 +37,7 @@ from typing import Any, Literal
 import structlog
 
 from jobs.contract import Emit, OomSplitEvent, ProgressEvent, StepShape
+from jobs.contract.crashpoints import declare, reached
 from jobs.data.batching import Batch, TokenizedSample
 from jobs.training.batch_sequence import cut_first, later_epochs, probe_sizes, samples_to_cut, sequence
 from jobs.training.checkpoints import save_checkpoint
@@ -45,6 +46,8 @@ from jobs.training.distributed import SOLO, Solo
 from jobs.training.load import Loaded
 
 log = structlog.get_logger("nightshift.train")
+STEPPED = declare("train.stepped", "the optimizer stepped; the loop has not counted the step yet")
+COUNTED = declare("train.counted", "the loop counted the step (position, steps, tokens); no checkpoint holds it yet")
 
 
 @dataclass
@@ -194,6 +197,7 @@ def train(
             rows = batches[i: i + group.world]
         st = group.step(model, rows, optimizer, device=device, scheduler=scheduler, params=params,
                         on_event=step_event, halve=bool(state.get("halved")))
+        reached(STEPPED)
         if st.split:  # [distributed] an out-of-memory on any rank: every rank halves from now on
             state["halved"] = True
         loss, dt = st.loss, st.seconds
@@ -219,6 +223,7 @@ def train(
             state["warmup_tokens"] += _tokens(rows)
             state["warmup_seconds"] += dt
         state["seconds"] = seconds_before + (clock() - started)
+        reached(COUNTED)
         if probing and i < n_probes <= done:  # after the timed probe, the rest of the steps are sized from it
             fit = (_fit(shape, left=deadline - clock() - save_seconds, per_token=step_rate, world=group.world)
                    if group.is_owner else None)
