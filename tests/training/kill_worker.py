@@ -100,7 +100,7 @@ def run_rank(out: str, spec: dict[str, Any]) -> None:
         dest.with_suffix(".json").write_text(json.dumps({
             "steps": res.steps, "tokens": res.tokens, "trained_ids": sorted(res.trained_ids),
             "partial_ids": res.partial_ids, "resumed_from": res.resumed_from_step, "stopped": res.stopped,
-            "batches": res.detail["batches"], "batches_done": res.detail["batches_done"],
+            "batches": res.detail.batches, "batches_done": res.detail.batches_done,
             "loss_steps": [s for s, _ in res.loss_curve], "resumed_checkpoint": str(resume) if resume else None}))
     except Exception as e:  # a collective that lost its peer: recorded, the test checks it failed, not hung
         dest.with_suffix(".json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}",

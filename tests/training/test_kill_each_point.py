@@ -104,3 +104,24 @@ def test_a_rank_killed_at_each_point_resumes_to_every_global_step_exactly_once(f
     assert diff < 1e-6, diff  # trained exactly once: a step twice or none moves weights by ~1e-2
     for other in range(1, world):
         assert torch.equal(torch.load(tmp_path / f"resumed-rank{other}.pt"), weights)
+
+
+def test_a_checkpoint_whose_state_does_not_say_its_step_count_is_not_resumed_from(tmp_path):
+    """A position without its step count (or a value of the wrong type) cannot prove the two agree: the checkpoint
+    is skipped with the reason (the previous one, else the run's start), never resumed from a guess."""
+    from jobs.store.files import sha256_file
+    from jobs.training.checkpoints import CHECKSUMS, checkpoint_problem, read_state
+    from jobs.training.loop_state import LoopState
+
+    ck = tmp_path / "latest"
+    ck.mkdir()
+    (ck / "optimizer.pt").write_bytes(b"state")
+    (ck / CHECKSUMS).write_text(json.dumps({"optimizer.pt": sha256_file(ck / "optimizer.pt")}))
+    (ck / "state.json").write_text(json.dumps({"next_batch": 4}))
+    assert "steps" in (checkpoint_problem(ck) or "")
+    (ck / "state.json").write_text(json.dumps({"next_batch": 4, "steps": 2, "halved": "off"}))
+    assert "halved" in (checkpoint_problem(ck) or "")
+    (ck / "state.json").write_text(LoopState(next_batch=4, steps=2, loss_curve=[(1, float("nan")), (2, 1.5)])
+                                   .model_dump_json())
+    assert checkpoint_problem(ck) is None
+    assert read_state(ck).loss_curve[1] == (2, 1.5)  # a NaN loss reads back (as NaN), the checkpoint stays usable
