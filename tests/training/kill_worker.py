@@ -67,7 +67,8 @@ def samples() -> list[TokenizedSample]:
 
 
 def run_rank(out: str, spec: dict[str, Any]) -> None:
-    """`spec`: name, rank, world, port, resume (bool), crash ("point@N" or None), crash_rank."""
+    """`spec`: name, case, rank, world, port, resume (bool), crash ("point@N" or None), crash_rank, late_after
+    (the deadline passes once this many global steps are counted)."""
     torch.set_num_threads(1)
     rank, world = int(spec["rank"]), int(spec["world"])
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
@@ -92,10 +93,16 @@ def run_rank(out: str, spec: dict[str, Any]) -> None:
         cfg = TrainConfig(batching="padded", batch_size=2, max_seq_length=128, epochs=EPOCHS, warmup_steps=2,
                           learning_rate=1e-2, checkpoint_every_seconds=1.0)
         shape = StepShape(tokens_per_step=4096, gradient_checkpointing=False, basis="test")
-        ticks = itertools.count()
+        ticks, late = itertools.count(), [0.0]
+
+        def emit(ev: Any) -> None:  # `late_after` steps counted: the clock jumps past the deadline
+            if spec.get("late_after") and getattr(ev, "steps", 0) >= spec["late_after"]:
+                late[0] = 2e12
+
         res = train(Loaded(model, SimpleNamespace(pad_token_id=0), "hf", "cpu", {}), samples(), cfg,
                     ckpt_root=ckpt_root, deadline=1e12, stop=threading.Event(), shape=shape,
-                    clock=lambda: float(next(ticks)), resume=resume, probe_first=True, group=group)
+                    clock=lambda: float(next(ticks)) + late[0], emit=emit, resume=resume, probe_first=True,
+                    group=group)
         torch.save(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), f"{dest}.pt")
         dest.with_suffix(".json").write_text(json.dumps({
             "steps": res.steps, "tokens": res.tokens, "trained_ids": sorted(res.trained_ids),
