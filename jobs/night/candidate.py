@@ -127,12 +127,13 @@ def train_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun) -> Tra
                            group=ctx.group)
         if watch is not None:
             s.expert_lora = watch.finish(check_moved=result.stopped != "signal" and result.steps > 0)
-            result.detail["expert_lora"] = s.expert_lora.model_dump()
+            result.detail.expert_lora = s.expert_lora
     except ExpertLoraError as e:
         s.expert_lora = e.report
         fail_expert_check(ctx, e)
         raise
-    s.step_shape = StepShape.model_validate(result.detail["step_shape"])  # as trained (a probe may resize it)
+    if result.detail.step_shape is not None:  # as trained (a probe may resize it)
+        s.step_shape = result.detail.step_shape
     if result.first_step_at is not None and ctx.process_started is not None:
         s.first_step_seconds = result.first_step_at - ctx.process_started
     s.trained_samples = sum(1 for i in result.trained_ids if i not in prep.replay_ids)

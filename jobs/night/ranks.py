@@ -127,7 +127,7 @@ def follow_night(cfg: NightConfig, group: Solo, stop: threading.Event) -> None:
         result = train(loaded, decode_samples(job.samples), train_cfg, ckpt_root=scratch / "checkpoints",
                        deadline=job.deadline, stop=stop, shape=job.shape, resume=start if job.resume else None,
                        probe_first=job.probe_first, group=group)
-        log.info("rank_done", steps=result.steps, stopped=result.stopped, next_batch=result.detail["batches_done"])
+        log.info("rank_done", steps=result.steps, stopped=result.stopped, next_batch=result.detail.batches_done)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -111,7 +111,7 @@ def _steps(ctx: RunContext) -> None:
     result = train_candidate(ctx, prep, planned)
     if result.stopped == "signal":
         s.outcome = Outcome.interrupted  # the run stays open: the next start resumes from the checkpoint
-        log.info("run_interrupted", next_batch=result.detail["batches_done"], of=result.detail["batches"])
+        log.info("run_interrupted", next_batch=result.detail.batches_done, of=result.detail.batches)
         return
     if s.trained_samples == 0:
         ctx.finish("skipped", "the deadline left no time for a single step")

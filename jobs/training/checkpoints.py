@@ -17,19 +17,37 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from pydantic import ValidationError
 
+from jobs.contract.crashpoints import declare, reached
 from jobs.store.files import PRIVATE_DIR, PRIVATE_FILE, fsync_tree, make_dir, seal_tree, sha256_file
+from jobs.training.loop_state import LoopState
 
 log = structlog.get_logger("nightshift.train")
 CHECKSUMS = "checksums.json"
+WRITTEN = declare("train.checkpoint.written", "a checkpoint is whole and fsynced under its temporary name; "
+                                              "the rotation has not begun")
+ROTATED = declare("train.checkpoint.rotated", "the latest checkpoint was renamed to previous; the new one is "
+                                              "not latest yet")
+SAVED = declare("train.checkpoint.saved", "the new checkpoint was renamed to latest")
+
+
+def read_state(p: Path) -> LoopState:
+    """The loop's state in checkpoint `p` (raises OSError / ValidationError: see checkpoint_problem)."""
+    return LoopState.model_validate_json((p / "state.json").read_bytes())
 
 
 def checkpoint_problem(p: Path) -> str | None:
     """Why a checkpoint cannot be resumed from (None: it is whole)."""
     try:
-        state = json.loads((p / "state.json").read_text())
-        if not isinstance(state, dict) or not isinstance(state.get("next_batch"), int):
-            return "state.json has no position"
+        read_state(p)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "the file"
+        return f"state.json is not the loop's state: {where}: {first['msg']} ({e.error_count()} problem(s))"
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    try:
         sums = json.loads((p / CHECKSUMS).read_text())
     except (OSError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
@@ -58,7 +76,7 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return None
 
 
-def save_checkpoint(ckpt_root: Path, model: Any, optimizer: Any, scheduler: Any, state: dict[str, Any]) -> None:
+def save_checkpoint(ckpt_root: Path, model: Any, optimizer: Any, scheduler: Any, state: LoopState) -> None:
     """Write to a temp dir, then rotate previous out, latest -> previous and temp -> latest (renames)."""
     import torch
 
@@ -71,11 +89,14 @@ def save_checkpoint(ckpt_root: Path, model: Any, optimizer: Any, scheduler: Any,
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
     sums = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
     (tmp / CHECKSUMS).write_text(json.dumps(sums))
-    (tmp / "state.json").write_text(json.dumps(state))  # last: a checkpoint without it is never used
+    (tmp / "state.json").write_text(state.model_dump_json())  # last: a checkpoint without it is never used
     seal_tree(tmp, dir_mode=PRIVATE_DIR, file_mode=PRIVATE_FILE)
     fsync_tree(tmp)
+    reached(WRITTEN)
     latest, previous = ckpt_root / "latest", ckpt_root / "previous"
     if latest.exists():
         shutil.rmtree(previous, ignore_errors=True)
         os.rename(latest, previous)
+        reached(ROTATED)
     os.rename(tmp, latest)
+    reached(SAVED)

@@ -24,7 +24,6 @@ and every decision that stops the loop or changes the sequence is the same on ev
 
 from __future__ import annotations
 
-import json
 import statistics
 import threading
 import time
@@ -32,19 +31,23 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import structlog
 
 from jobs.contract import Emit, OomSplitEvent, ProgressEvent, StepShape
+from jobs.contract.crashpoints import declare, reached
 from jobs.data.batching import Batch, TokenizedSample
 from jobs.training.batch_sequence import cut_first, later_epochs, probe_sizes, samples_to_cut, sequence
-from jobs.training.checkpoints import save_checkpoint
+from jobs.training.checkpoints import read_state, save_checkpoint
 from jobs.training.config import TrainConfig
 from jobs.training.load import Loaded
+from jobs.training.loop_state import LoopState, TrainDetail
 from jobs.training.ranks.collectives import SOLO, Solo
 
 log = structlog.get_logger("nightshift.train")
+STEPPED = declare("train.stepped", "the optimizer stepped; the loop has not counted the step yet")
+COUNTED = declare("train.counted", "the loop counted the step (position, steps, tokens); no checkpoint holds it yet")
 
 
 @dataclass
@@ -58,7 +61,7 @@ class TrainResult:
     mean_loss: float | None
     stopped: Literal["deadline", "signal"] | None  # None: finished
     resumed_from_step: int = 0
-    detail: dict[str, Any] = field(default_factory=dict)
+    detail: TrainDetail = field(default_factory=TrainDetail)
     cut_ids: list[int] = field(default_factory=list)  # cut whole before their first step (time ran short)
     partial_ids: list[int] = field(default_factory=list)  # stopped before their last epoch: not trained
     loss_curve: list[tuple[int, float]] = field(default_factory=list)  # (optimizer step, loss)
@@ -104,47 +107,46 @@ def train(
     optimizer = build_optimizer(model, cfg, loaded.optim, device=device)  # by method and memory: optim.py
     warm = max(1, cfg.warmup_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
-    state: dict[str, Any] = {"next_batch": 0, "steps": 0, "tokens": 0, "seconds": 0.0, "loss_sum": 0.0,
-                             "loss_n": 0, "halved": False, "tokens_per_step": shape.tokens_per_step, "cuts": [],
-                             "loss_curve": [], "probe_samples": [], "warmup_tokens": 0, "warmup_seconds": 0.0,
-                             "slow_steps": [], "checkpoints": 0, "checkpoint_seconds": 0.0}
+    state = LoopState(next_batch=0, steps=0, tokens_per_step=shape.tokens_per_step)
 
     def step_event(ev: OomSplitEvent) -> None:  # from now on every step runs as two halves (also after a resume)
-        state["halved"] = True
+        state.halved = True
         log.warning("cuda_out_of_memory_step_halved", tokens=ev.tokens, halves=ev.halves)
         emit(ev)
 
     probing = probe_first and resume is None
     if resume is not None:
-        state = {"cuts": [], "loss_curve": [], "probe_samples": [], "warmup_tokens": 0, "warmup_seconds": 0.0,
-                 "slow_steps": [], "checkpoints": 0, "checkpoint_seconds": 0.0,
-                 **json.loads((resume / "state.json").read_text())}
+        state = read_state(resume)
         opt = torch.load(resume / "optimizer.pt", map_location=device, weights_only=False)
         optimizer.load_state_dict(opt["optimizer"])
         scheduler.load_state_dict(opt["scheduler"])
         # the batch sequence the checkpoint counted in, even if the step shape changed since; with less
         # memory free than when it was chosen, its steps run as two halves from the start
-        ckpt_tokens = int(state.get("tokens_per_step", shape.tokens_per_step))
+        ckpt_tokens = state.tokens_per_step or shape.tokens_per_step
         if shape.tokens_per_step < ckpt_tokens and cfg.batching == "packed":
-            state["halved"] = True
+            state.halved = True
         shape = shape.model_copy(update={"tokens_per_step": ckpt_tokens})
     elif probing:
-        state["probe_samples"] = probe_sizes(samples, world=group.world)
-    state["tokens_per_step"] = int(state.get("tokens_per_step", shape.tokens_per_step))
-    n_probes = len(state["probe_samples"])
+        state.probe_samples = probe_sizes(samples, world=group.world)
+    state.tokens_per_step = state.tokens_per_step or shape.tokens_per_step
+    n_probes = len(state.probe_samples)
     pad_id = loaded.tokenizer.pad_token_id
 
     def replan() -> tuple[list[Batch], int]:
-        return sequence(samples, cfg, pad_id, state["tokens_per_step"], state["probe_samples"], state["cuts"])
+        return sequence(samples, cfg, pad_id, tokens_per_step(), state.probe_samples, state.cuts)
+
+    def tokens_per_step() -> int:
+        assert state.tokens_per_step is not None  # set above, from the checkpoint or the shape
+        return state.tokens_per_step
 
     batches, first_len = replan()
     if resume is not None:
-        log.info("resumed_from_checkpoint", checkpoint=str(resume), next_batch=state["next_batch"],
+        log.info("resumed_from_checkpoint", checkpoint=str(resume), next_batch=state.next_batch,
                  of=len(batches))
-    resumed_from = int(state["next_batch"])
+    resumed_from = state.next_batch
     model.train()
     started = clock()
-    seconds_before = float(state["seconds"])
+    seconds_before = state.seconds
     last_ckpt = clock()
     per_token: float | None = None  # seconds per real token (EMA): the next step's predicted time
     stopped: str | None = None
@@ -153,10 +155,10 @@ def train(
     total_tokens = sum(b.real_tokens for b in batches)
     # this attempt's throughput, for the cut: from after its first step (a compile) and the probes
     measured_from, since, tokens_here = max(resumed_from + group.world, n_probes), started, 0
-    gone = {sid for _, ids in state["cuts"] for sid in ids}  # cut so far (a resume's cuts included)
+    gone = {sid for _, ids in state.cuts for sid in ids}  # cut so far (a resume's cuts included)
     cut_at = -1  # this attempt's last cut: the next one waits for steps measured after it
     steady: deque[float] = deque(maxlen=SLOW_WINDOW)  # seconds per token of the attempt's recent steady steps
-    ramp_before = float(state.get("ramp_seconds", 0.0))  # earlier attempts' (a resume)
+    ramp_before = state.ramp_seconds  # earlier attempts' (a resume)
     timed: list[tuple[int, float]] = []  # (tokens, seconds) of this attempt's steps after its warm-up
     i = resumed_from
     while i < len(batches):
@@ -181,9 +183,9 @@ def train(
         if cutting:  # rank 0's cut, the same on every rank (it changes the batch sequence)
             cut = group.broadcast(cut)
             repacking = clock()
-            state["cuts"].append([i, cut])
-            first = cut_first(samples, batches[:first_len], i, cut, gone, cfg, pad_id, state["tokens_per_step"])
-            batches, first_len = first + later_epochs(samples, gone, cfg, pad_id, state["tokens_per_step"]), len(first)
+            state.cuts.append((i, cut))
+            first = cut_first(samples, batches[:first_len], i, cut, gone, cfg, pad_id, tokens_per_step())
+            batches, first_len = first + later_epochs(samples, gone, cfg, pad_id, tokens_per_step()), len(first)
             total_tokens = sum(b.real_tokens for b in batches)
             since += clock() - repacking  # not training time: the rate the next cut is sized by leaves it out
             cut_at = i
@@ -193,9 +195,10 @@ def train(
                 break
             rows = batches[i: i + group.world]
         st = group.step(model, rows, optimizer, device=device, scheduler=scheduler, params=params,
-                        on_event=step_event, halve=bool(state.get("halved")))
+                        on_event=step_event, halve=state.halved)
+        reached(STEPPED)
         if st.split:  # [distributed] an out-of-memory on any rank: every rank halves from now on
-            state["halved"] = True
+            state.halved = True
         loss, dt = st.loss, st.seconds
         step_rate = dt / max(1, _tokens(rows))  # seconds per token of the global step
         per_token = step_rate if per_token is None or i <= measured_from else 0.8 * per_token + 0.2 * step_rate
@@ -204,21 +207,22 @@ def train(
             log.info("first_step", seconds=round(dt, 2), setup_seconds=round(started - entered, 2),
                      tokens=_tokens(rows))
         done = i + len(rows)  # rows consumed: the global position
-        state["next_batch"] = done
-        state["steps"] += 1
-        state["tokens"] += _tokens(rows)
-        state["loss_sum"] += loss
-        state["loss_n"] += 1
-        state["loss_curve"].append([state["steps"], loss])
+        state.next_batch = done
+        state.steps += 1
+        state.tokens += _tokens(rows)
+        state.loss_sum += loss
+        state.loss_n += 1
+        state.loss_curve.append((state.steps, loss))
         if i >= measured_from:
             tokens_here += _tokens(rows)
             timed.append((_tokens(rows), dt))
-            _note_slow(state, steady, step_rate, dt=dt, tokens=_tokens(rows), step=state["steps"])
+            _note_slow(state, steady, step_rate, dt=dt, tokens=_tokens(rows), step=state.steps)
         else:
             since = clock()
-            state["warmup_tokens"] += _tokens(rows)
-            state["warmup_seconds"] += dt
-        state["seconds"] = seconds_before + (clock() - started)
+            state.warmup_tokens += _tokens(rows)
+            state.warmup_seconds += dt
+        state.seconds = seconds_before + (clock() - started)
+        reached(COUNTED)
         if probing and i < n_probes <= done:  # after the timed probe, the rest of the steps are sized from it
             fit = (_fit(shape, left=deadline - clock() - save_seconds, per_token=step_rate, world=group.world)
                    if group.is_owner else None)
@@ -227,50 +231,46 @@ def train(
                 total_tokens = sum(b.real_tokens for b in batches)
         if group.is_owner and clock() - last_ckpt >= cfg.checkpoint_every_seconds and done < len(batches):
             saving = clock()
-            state["ramp_seconds"] = ramp_before + ramp_excess(timed)
+            state.ramp_seconds = ramp_before + ramp_excess(timed)
             save_checkpoint(ckpt_root, model, optimizer, scheduler, state)
             last_ckpt = clock()
             # counted after the save (its own state holds the saves before it): count and seconds agree on resume
-            state["checkpoints"] += 1
-            state["checkpoint_seconds"] += last_ckpt - saving
+            state.checkpoints += 1
+            state.checkpoint_seconds += last_ckpt - saving
         if clock() - last_progress >= 1.0 or done == len(batches):
             last_progress = clock()
-            tps = state["tokens"] / state["seconds"] if state["seconds"] > 0 else 0.0
+            tps = state.tokens / state.seconds if state.seconds > 0 else 0.0
             remaining = total_tokens - sum(b.real_tokens for b in batches[:done])
-            emit(ProgressEvent(fraction=done / len(batches), tokens=state["tokens"], planned_tokens=total_tokens,
-                               steps=state["steps"], samples=len(_consumed(batches, done)), tokens_per_second=tps,
+            emit(ProgressEvent(fraction=done / len(batches), tokens=state.tokens, planned_tokens=total_tokens,
+                               steps=state.steps, samples=len(_consumed(batches, done)), tokens_per_second=tps,
                                eta=clock() + remaining / tps if tps > 0 else None, loss=loss))
         i = done
-    state["ramp_seconds"] = ramp_before + ramp_excess(timed)
+    state.ramp_seconds = ramp_before + ramp_excess(timed)
     if stopped == "signal" and group.is_owner:
         save_checkpoint(ckpt_root, model, optimizer, scheduler, state)
-        log.info("checkpoint_saved_on_stop", next_batch=state["next_batch"], of=len(batches))
+        log.info("checkpoint_saved_on_stop", next_batch=state.next_batch, of=len(batches))
     group.finish()  # [distributed] the other ranks' peak memory for rank 0's summary
-    done = int(state["next_batch"])
+    done = state.next_batch
     consumed = _consumed(batches, done)
     last = {sid: k for k, b in enumerate(batches) for sid in b.sample_ids}  # each sample's last batch
     trained = [sid for sid in consumed if last[sid] < done]
-    tokens_per_step = int(state["tokens_per_step"])
+    step_tokens = tokens_per_step()
     basis = shape.basis
-    if state["probe_samples"] and tokens_per_step != shape.tokens_per_step:
-        basis += f"; steps of {tokens_per_step:,} tokens, sized from two probe steps (nothing measured yet)"
+    if state.probe_samples and step_tokens != shape.tokens_per_step:
+        basis += f"; steps of {step_tokens:,} tokens, sized from two probe steps (nothing measured yet)"
     return TrainResult(
         trained_ids=trained, partial_ids=[sid for sid in consumed if last[sid] >= done],
-        cut_ids=[sid for _, ids in state["cuts"] for sid in ids],
-        loss_curve=[(int(st), float(v)) for st, v in state["loss_curve"]],
-        tokens=int(state["tokens"]), seconds=float(state["seconds"]),
-        steps=int(state["steps"]), mean_loss=state["loss_sum"] / state["loss_n"] if state["loss_n"] else None,
+        cut_ids=[sid for _, ids in state.cuts for sid in ids],
+        loss_curve=list(state.loss_curve), tokens=state.tokens, seconds=state.seconds, steps=state.steps,
+        mean_loss=state.loss_sum / state.loss_n if state.loss_n else None,
         stopped=stopped, resumed_from_step=resumed_from, first_step_at=first_step_at,
-        warmup_tokens=int(state["warmup_tokens"]), warmup_seconds=float(state["warmup_seconds"]),
-        checkpoints=int(state["checkpoints"]), checkpoint_seconds=float(state["checkpoint_seconds"]),
-        ramp_seconds=float(state["ramp_seconds"]),
-        detail={"batches": len(batches), "batches_done": done, "halved": state["halved"],
-                "tokens_per_step": tokens_per_step, "gradient_checkpointing": shape.gradient_checkpointing,
-                "step_shape_basis": basis, "batching": cfg.batching, "cuts": state["cuts"],
-                "probe_samples": list(state["probe_samples"]), "world_size": group.world,
-                "slow_steps": list(state["slow_steps"]),
-                "step_shape": shape.model_copy(update={"tokens_per_step": tokens_per_step,
-                                                       "basis": basis}).model_dump(mode="json")},
+        warmup_tokens=state.warmup_tokens, warmup_seconds=state.warmup_seconds,
+        checkpoints=state.checkpoints, checkpoint_seconds=state.checkpoint_seconds, ramp_seconds=state.ramp_seconds,
+        detail=TrainDetail(batches=len(batches), batches_done=done, halved=state.halved, tokens_per_step=step_tokens,
+                           gradient_checkpointing=shape.gradient_checkpointing, step_shape_basis=basis,
+                           batching=cfg.batching, cuts=list(state.cuts), probe_samples=list(state.probe_samples),
+                           world_size=group.world, slow_steps=list(state.slow_steps),
+                           step_shape=shape.model_copy(update={"tokens_per_step": step_tokens, "basis": basis})),
     )
 
 
@@ -306,15 +306,15 @@ SLOW_WINDOW = 64  # recent steps the median is taken over: bounded work per step
 MAX_SLOW_NOTED = 20
 
 
-def _note_slow(state: dict[str, Any], steady: deque[float], rate: float, *, dt: float, tokens: int,
+def _note_slow(state: LoopState, steady: deque[float], rate: float, *, dt: float, tokens: int,
                step: int) -> None:
     """Log (and keep, up to MAX_SLOW_NOTED) a step far slower per token than this attempt's others: a
     recompile, a stall or a neighbour on the card shows where the night's time went."""
     if len(steady) >= 3 and rate > SLOW_STEP * statistics.median(steady):
         typical = statistics.median(steady) * tokens
         log.warning("slow_step", step=step, seconds=round(dt, 3), tokens=tokens, typical_seconds=round(typical, 3))
-        if len(state["slow_steps"]) < MAX_SLOW_NOTED:
-            state["slow_steps"].append([step, round(dt, 3), round(typical, 3)])
+        if len(state.slow_steps) < MAX_SLOW_NOTED:
+            state.slow_steps.append((step, round(dt, 3), round(typical, 3)))
     steady.append(rate)
 
 
@@ -328,11 +328,11 @@ def _fit(shape: StepShape, *, left: float, per_token: float, world: int) -> int:
     return tokens
 
 
-def _resize(state: dict[str, Any], tokens: int) -> bool:
+def _resize(state: LoopState, tokens: int) -> bool:
     """Recorded in the state, so a resume rebuilds exactly this batch sequence."""
-    if tokens == int(state["tokens_per_step"]):
+    if tokens == state.tokens_per_step:
         return False
-    state["tokens_per_step"] = tokens
+    state.tokens_per_step = tokens
     return True
 
 

@@ -19,10 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobs.contract import Emit, OomSplitEvent
+from jobs.contract.crashpoints import declare, reached
 from jobs.data.batching import Batch
 from jobs.training.packing import is_packed, segment_lengths, split_in_two
 
 UNSLOTH_FLAG = "_nightshift_unsloth"  # set on models that jobs.training.unsloth_backend loaded
+BACKWARD = declare("train.backward", "this rank's backward ran; the step's gradients are not applied (nor summed "
+                                     "across ranks) yet")
 
 
 def is_unsloth(model: Any) -> bool:
@@ -102,6 +105,7 @@ def train_step(
     for h in halves:  # token-weighted, so the step equals the whole batch's step
         w = h.real_tokens / batch.real_tokens
         loss = loss + w * _one(model, h, device, unsloth, w)
+    reached(BACKWARD)
     if max_grad_norm:
         torch.nn.utils.clip_grad_norm_(params if params is not None else trainable(optimizer), max_grad_norm)
     optimizer.step()

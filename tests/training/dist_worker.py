@@ -140,11 +140,11 @@ def main() -> None:
             reference = {"max_abs_diff": float((ref_weights - weights).abs().max()), "steps": ref_res.steps,
                          "max_abs": float(ref_weights.abs().max()), "moved": float((ref_weights - before).abs().max())}
         (out / f"{scenario}-rank{rank}.json").write_text(json.dumps({
-            "stopped": res.stopped, "steps": res.steps, "next_batch": res.detail["batches_done"],
-            "batches": res.detail["batches"], "halved": res.detail["halved"], "rows": model.rows,
+            "stopped": res.stopped, "steps": res.steps, "next_batch": res.detail.batches_done,
+            "batches": res.detail.batches, "halved": res.detail.halved, "rows": model.rows,
             "trained_ids": res.trained_ids, "tokens": res.tokens, "checksum": float(weights.double().sum()),
-            "reference": reference, "cut_ids": res.cut_ids, "tokens_per_step": res.detail["tokens_per_step"],
-            "probe_samples": res.detail["probe_samples"]}))
+            "reference": reference, "cut_ids": res.cut_ids, "tokens_per_step": res.detail.tokens_per_step,
+            "probe_samples": res.detail.probe_samples}))
     model = tiny(limit=10**6)  # in_backward: the optimizer full fine-tuning may choose under a tight cap
     choice = OptimizerChoice("adamw", True, "test: stepped in the backward pass")
     try:

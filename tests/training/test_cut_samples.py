@@ -70,7 +70,7 @@ def test_when_time_runs_short_whole_samples_are_cut_and_the_rest_get_every_epoch
     assert res.cut_ids and res.stopped is None and not res.partial_ids  # finished what it kept
     assert sorted(res.trained_ids + res.cut_ids) == list(range(40))
     assert res.cut_ids == sorted(res.cut_ids)[::-1] and min(res.cut_ids) > max(res.trained_ids)  # from the tail
-    batches = plan_batches(data, CFG, 0, 4096, cuts=[(at, ids) for at, ids in res.detail["cuts"]])
+    batches = plan_batches(data, CFG, 0, 4096, cuts=[(at, ids) for at, ids in res.detail.cuts])
     seen = Counter(sid for b in batches[: res.steps] for sid in b.sample_ids)
     assert {seen[sid] for sid in res.trained_ids} == {3} and not set(seen) & set(res.cut_ids)  # 3 epochs, or none
     assert res.steps <= 20 and [s for s, _ in res.loss_curve] == list(range(1, res.steps + 1))
@@ -145,7 +145,7 @@ def test_a_step_far_slower_than_the_others_is_noted_with_its_typical_time(monkey
     clock = warm_clock(monkeypatch, first=1.0, slow_at=6, slow=9.0)
     res = train(tiny(), samples(40), CFG, ckpt_root=tmp_path, deadline=clock.t + 1e6, stop=threading.Event(),
                 shape=SHAPE, clock=clock, save_seconds=0)
-    assert res.detail["slow_steps"] == [[7, 9.0, 1.0]]  # optimizer step 7 took 9 s where 1 s was typical
+    assert res.detail.slow_steps == [(7, 9.0, 1.0)]  # optimizer step 7 took 9 s where 1 s was typical
 
 
 def test_periodic_checkpoint_saves_are_counted_and_timed_apart(monkeypatch, tmp_path: Path):
@@ -196,7 +196,7 @@ def test_repacking_after_a_cut_is_not_training_time_so_a_cut_does_not_cascade(mo
     monkeypatch.setattr(loop, "cut_first", slow_repack)
     res = train(tiny(), samples(40), CFG, ckpt_root=tmp_path, deadline=clock.t + 24, stop=threading.Event(),
                 shape=SHAPE, clock=clock, save_seconds=0)
-    cuts = res.detail["cuts"]  # the first, and at most a sample or two for the half second its repacking really took
+    cuts = res.detail.cuts  # the first, and at most a sample or two for the half second its repacking really took
     assert len(cuts) <= 2 and sum(len(ids) for _, ids in cuts[1:]) <= 2, cuts
     assert len(res.cut_ids) <= 12 and len(res.trained_ids) >= 24  # about what 24 one-second steps hold
 

@@ -77,6 +77,6 @@ def test_memory_taken_mid_night_is_survived_by_halving(tmp_path):
         torch.cuda.empty_cache()
     assert taken, "the memory was never taken"
     assert [e.event for e in events].count("oom_split") == 1  # one real OOM, then halves up front
-    assert res.detail["halved"] and res.stopped is None
+    assert res.detail.halved and res.stopped is None
     assert res.steps == len(batches) and len(res.trained_ids) == len(data)  # the night went on to the end
     assert res.mean_loss is not None and res.mean_loss == res.mean_loss  # finite

@@ -67,7 +67,7 @@ def test_after_an_oom_every_later_step_of_the_run_is_halved_up_front(tmp_path):
     res = train(loaded, samples(12), cfg, ckpt_root=tmp_path / "ckpt", deadline=time.time() + 600,
                 stop=threading.Event(), shape=StepShape(tokens_per_step=40, gradient_checkpointing=False, basis="test"),
                 emit=events.append)
-    assert res.steps == 3 and res.detail["halved"] and len(res.trained_ids) == 12
+    assert res.steps == 3 and res.detail.halved and len(res.trained_ids) == 12
     assert model.rows == [40, 20, 20, 20, 20, 20, 20]  # one failed full-size attempt, then halves only
     assert [e.event for e in events if e.event != "progress"] == ["oom_split"]
 

@@ -51,6 +51,6 @@ def test_a_slow_model_with_a_wrong_prior_takes_steps_that_fit_the_time_left(tiny
     assert time.time() - t0 < 15.0  # no step ran past the deadline
     # stopped by the deadline, or finished in time after cutting whole samples that would not fit
     assert (res.stopped == "deadline" or res.cut_ids) and res.steps >= 3
-    assert res.detail["probe_samples"] == probe_sizes(samples(600))
-    assert res.detail["tokens_per_step"] <= 15.0 / STEPS_IN_TIME_LEFT / 1e-3  # 1/20 of the time left at most
+    assert res.detail.probe_samples == probe_sizes(samples(600))
+    assert res.detail.tokens_per_step <= 15.0 / STEPS_IN_TIME_LEFT / 1e-3  # 1/20 of the time left at most
     assert max(s for _, s in seen[1:]) < 15.0 / 3  # after the first (warm-up) probe, no step near the budget

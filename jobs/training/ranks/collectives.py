@@ -34,12 +34,15 @@ from typing import Any
 import structlog
 
 from jobs.contract import Emit
+from jobs.contract.crashpoints import declare, reached
 from jobs.data.batching import IGNORE_INDEX, Batch
 from jobs.training import step as one_step
 from jobs.training.ranks.topology import DistributedConfig
 from jobs.training.step import StepStat, is_unsloth, model_inputs
 
 log = structlog.get_logger("nightshift.distributed")
+REDUCED = declare("train.reduced", "the step's gradient all-reduce returned on this rank; its optimizer has not "
+                                   "stepped yet")
 
 
 def launched(environ: Mapping[str, str] | None = None) -> bool:
@@ -215,7 +218,9 @@ class Group(Solo):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
         tail = torch.tensor([share.tokens, share.loss_sum, float(share.split)], dtype=torch.float32)
         flat = torch.cat([g.detach().reshape(-1).float() for g in grads] + [tail.to(self.device)])
+        reached(one_step.BACKWARD)
         dist.all_reduce(flat)  # SUM: exactly one gradient reduction per optimizer step
+        reached(REDUCED)
         n, loss_sum, split = (float(x) for x in flat[-3:].tolist())
         if n > 0:
             flat = flat[:-3] / n
