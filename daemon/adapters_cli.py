@@ -71,12 +71,16 @@ def add_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_hotswap)
 
 
-def open_adapters(s: Any) -> Adapters:
+READING = {"cmd_list", "cmd_show", "cmd_diff"}  # these change nothing: they open the state read-only
+
+
+def open_adapters(s: Any, *, read_only: bool = False) -> Adapters:
     """Settings -> Adapters; [hotswap] / [registry] default to nothing configured / defaults."""
     return Adapters(
         s.state_dir,
         hotswap=getattr(s, "hotswap", None) or HotswapConfig(),
         cfg=getattr(s, "registry", None) or RegistryConfig(),
+        read_only=read_only,
     )
 
 
@@ -86,7 +90,7 @@ def _guarded(fn: Callable[[argparse.Namespace, Adapters], int]) -> Callable[[arg
 
     @functools.wraps(fn)
     def run(args: argparse.Namespace, s: Any) -> int:
-        ad = open_adapters(s)
+        ad = open_adapters(s, read_only=fn.__name__ in READING)
         try:
             return int(fn(args, ad))
         except IntegrityError as e:
