@@ -216,6 +216,8 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
         if ledger.file_known_by_hash(src.name, digest):
             ledger.remember_stat_key(src.name, f.display, digest, key)  # not hashed again while unchanged
             log.info("file_already_ingested", source=src.name, file=f.display, sha256=digest[:12])
+            if _in_processed(src, f):  # a moved file seen again unchanged in content: watched under its new key
+                ledger.refresh_moved(src.name, f.display, key)
             _move_known(ledger, src, f, st)
             return
         counts, reasons = Counter[str](), Counter[str]()

@@ -112,9 +112,11 @@ class Ledger:
             (records, accepted, duplicates, quarantined, file_id),
         )
 
-    def set_file_moved(self, file_id: int, moved_to: str, stat_key: str | None) -> None:
-        """Where the file went, and its stat key there (None: not moved yet, or not known): watched for growth."""
+    def set_file_moved(self, file_id: int, moved_to: str, stat_key: str | None) -> None:  # watched: its growth read
         self.db.execute("UPDATE files SET moved_to=?, stat_key=? WHERE id=?", (moved_to, stat_key, file_id))
+
+    def refresh_moved(self, source: str, moved_to: str, stat_key: str) -> None:
+        self.db.execute("UPDATE files SET stat_key=? WHERE source=? AND moved_to=?", (stat_key, source, moved_to))
 
     # ---- samples -----------------------------------------------------------------------------
     def add_sample(self, conn: sqlite3.Connection, *, hash: str, source: str, file_id: int, line: int,
@@ -384,8 +386,7 @@ class Ledger:
         )
         reached(EVENT_ADDED)
 
-def _summary_json(summary: RunSummary | None) -> str | None:
-    """A run summary as stored: any URL in it (a hot-swap error, a webhook's) with its secrets redacted."""
+def _summary_json(summary: RunSummary | None) -> str | None:  # URLs in it (hot-swap errors) redacted
     return None if summary is None else redact_text(summary.model_dump_json())
 
 
