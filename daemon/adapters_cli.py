@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jobs.contract import ExitCode
+from jobs.contract.redact import redact_text, redact_value
 from jobs.hotswap import HotswapConfig, HotswapOutcome
 from jobs.store.adapters import AdapterError, Adapters, RegistryConfig, VersionInfo, diff
 from jobs.store.locking import LockTimeout
@@ -223,7 +224,7 @@ def _print_outcomes(outcomes: list[HotswapOutcome], cfg: HotswapConfig) -> None:
     if not cfg.targets:
         print("  hot-swap: no [hotswap] targets configured")
     for o in outcomes:
-        line = f"  hot-swap {o.target} ({o.kind}): " + ("ok" if o.ok else f"FAILED: {o.error}")
+        line = f"  hot-swap {o.target} ({o.kind}): " + ("ok" if o.ok else f"FAILED: {redact_text(str(o.error))}")
         print(line + f" [{o.attempts} attempt(s), {o.seconds:.1f} s]", file=sys.stdout if o.ok else sys.stderr)
     if cfg.newest_name_file is not None:
         print(f"  newest name file: {cfg.newest_name_file}")
@@ -280,7 +281,8 @@ def cmd_hotswap(args: argparse.Namespace, ad: Adapters) -> int:
     if args.json:
         print(
             json.dumps(
-                {"version": info.version, "name": info.name, "outcomes": [o.model_dump(mode='json') for o in outcomes]},
+                {"version": info.version, "name": info.name,
+                 "outcomes": [redact_value(o.model_dump(mode="json")) for o in outcomes]},
                 indent=2,
                 default=str,
             )

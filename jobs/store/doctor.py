@@ -94,7 +94,7 @@ def _check(state: Path, name: str | None, night_running: bool = False) -> list[F
     except PermissionError as e:
         return [Finding("problem", "permissions", f"{path} cannot be read by this user ({e.strerror}): the ledger "
                         "was not checked", "run doctor as the service's user (or with read access to the state "
-                        "directory); nothing suggests damage")]
+                        "directory)")]
     try:
         ledger = _ReadOnlyLedger(path)
         check = ledger.db.execute("PRAGMA quick_check").fetchone()[0]

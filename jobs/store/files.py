@@ -60,8 +60,8 @@ class StatePermission(PermissionError):
 def permission_problem(path: Path, e: OSError | None = None, *, write: bool = True) -> StatePermission:
     why = f" ({e.strerror})" if e is not None and e.strerror else ""
     return StatePermission(f"{path}: permission denied{why}: this user may not {'write' if write else 'read'} the "
-                           "state directory (it belongs to another user, or is read-only); nothing is damaged — run "
-                           "as the service's user, or give this one access")
+                           "state directory (it belongs to another user, or is read-only); its files are left as "
+                           "they are: run as the service's user, or give this one access")
 
 
 def writable(directory: Path) -> bool:
