@@ -32,7 +32,7 @@ def env(tmp_path, tokenizer):
     def do_pull(stop: threading.Event | None = None, tok: Any = tokenizer, **src: Any):
         cfg = SourceConfig(name="s", inbox=inbox, **src)
         return pull([cfg], ledger, tok, run_id="r", quarantine=Quarantine(tmp_path / "q.jsonl"), max_seq_length=64,
-                    overlong="reject", workers=0, stop=stop)
+                    overlong="reject", workers=0, **({"stop": stop} if stop is not None else {}))
 
     return inbox, ledger, clock, do_pull
 
