@@ -22,6 +22,7 @@ from typing import Any
 
 from daemon.tables import grid
 from jobs.contract import ExitCode
+from jobs.contract.redact import redact_text, redact_value
 from jobs.hotswap import HotswapConfig, HotswapOutcome
 from jobs.store.adapters import AdapterError, Adapters, RegistryConfig, VersionInfo, diff
 from jobs.store.locking import LockTimeout
@@ -71,12 +72,16 @@ def add_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_hotswap)
 
 
-def open_adapters(s: Any) -> Adapters:
+READING = {"cmd_list", "cmd_show", "cmd_diff"}  # these change nothing: they open the state read-only
+
+
+def open_adapters(s: Any, *, read_only: bool = False) -> Adapters:
     """Settings -> Adapters; [hotswap] / [registry] default to nothing configured / defaults."""
     return Adapters(
         s.state_dir,
         hotswap=getattr(s, "hotswap", None) or HotswapConfig(),
         cfg=getattr(s, "registry", None) or RegistryConfig(),
+        read_only=read_only,
     )
 
 
@@ -86,7 +91,7 @@ def _guarded(fn: Callable[[argparse.Namespace, Adapters], int]) -> Callable[[arg
 
     @functools.wraps(fn)
     def run(args: argparse.Namespace, s: Any) -> int:
-        ad = open_adapters(s)
+        ad = open_adapters(s, read_only=fn.__name__ in READING)
         try:
             return int(fn(args, ad))
         except IntegrityError as e:
@@ -219,7 +224,7 @@ def _print_outcomes(outcomes: list[HotswapOutcome], cfg: HotswapConfig) -> None:
     if not cfg.targets:
         print("  hot-swap: no [hotswap] targets configured")
     for o in outcomes:
-        line = f"  hot-swap {o.target} ({o.kind}): " + ("ok" if o.ok else f"FAILED: {o.error}")
+        line = f"  hot-swap {o.target} ({o.kind}): " + ("ok" if o.ok else f"FAILED: {redact_text(str(o.error))}")
         print(line + f" [{o.attempts} attempt(s), {o.seconds:.1f} s]", file=sys.stdout if o.ok else sys.stderr)
     if cfg.newest_name_file is not None:
         print(f"  newest name file: {cfg.newest_name_file}")
@@ -276,7 +281,8 @@ def cmd_hotswap(args: argparse.Namespace, ad: Adapters) -> int:
     if args.json:
         print(
             json.dumps(
-                {"version": info.version, "name": info.name, "outcomes": [o.model_dump(mode='json') for o in outcomes]},
+                {"version": info.version, "name": info.name,
+                 "outcomes": [redact_value(o.model_dump(mode="json")) for o in outcomes]},
                 indent=2,
                 default=str,
             )

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.settings import DEFAULT_CONFIG, ENV_PREFIX, ConfigError, Settings
+from jobs.contract.redact import redact_text, redact_value
 
 CONFIG_ENV = "NIGHTSHIFT_CONFIG"
 SYSTEM_CONFIG = Path("/etc/nightshift/nightshift.toml")
@@ -64,10 +65,11 @@ def cmd_config(args: argparse.Namespace, s: Settings | None) -> int:
     assert s is not None
     raw = tomllib.loads(Path(args.config).read_text(encoding="utf-8"))
     if args.json:
-        print(json.dumps({k: {"value": v, "source": src} for k, v, src in leaves(s, raw)}, indent=2, default=str))
+        print(json.dumps({k: {"value": redact_value(v), "source": src} for k, v, src in leaves(s, raw)}, indent=2,
+                         default=str))
     else:
         print(f"# {args.config} ({args.config_how}); NIGHTSHIFT_<SECTION>__<KEY> variables override it\n")
-        print(to_toml(s, raw))
+        print(redact_text(to_toml(s, raw)))  # a URL's secrets never reach a terminal or a paste
     return 0
 
 

@@ -21,7 +21,7 @@ import structlog
 
 from daemon.settings import ConfigError, Settings, check_paths
 from jobs.contract import ExitCode
-from jobs.store.files import DamagedState
+from jobs.store.files import DamagedState, StatePermission
 from jobs.store.ledger import Ledger
 from jobs.store.locking import LockTimeout, StateLock, night_lock
 from jobs.store.paths import StatePaths
@@ -71,6 +71,9 @@ def one_line(command: str, fn: Callable[[], int]) -> int:
         return ExitCode.BUSY
     except Refused as e:
         print(f"nightshift {command}: refused: {e}", file=sys.stderr)
+        return ExitCode.FAILED
+    except StatePermission as e:  # before OSError and DamagedState: a permission is named as one
+        print(f"nightshift {command}: {e}", file=sys.stderr)
         return ExitCode.FAILED
     except DamagedState as e:
         print(f"nightshift {command}: refused, the state directory is damaged: {e}", file=sys.stderr)

@@ -28,6 +28,7 @@ from pydantic_settings import (
 
 from daemon.metrics import MetricsConfig
 from daemon.window import WindowConfig
+from jobs.contract.redact import redact_text
 from jobs.data.quarantine import QuarantineConfig
 from jobs.data.sources import SourceConfig
 from jobs.gpu.telemetry import GpuConfig
@@ -105,7 +106,8 @@ class ConfigError(ValueError):
     def __init__(self, path: Path | None, problems: list[str]) -> None:
         self.path, self.problems = path, problems
         where = f"{path}: " if path else ""
-        super().__init__(f"{where}{len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
+        # a rejected URL is quoted back: its secrets redacted like everywhere else (jobs/contract/redact.py)
+        super().__init__(redact_text(f"{where}{len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems)))
 
 
 def key_name(loc: tuple[Any, ...]) -> tuple[str, str]:

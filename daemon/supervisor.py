@@ -34,6 +34,7 @@ from jobs.contract import ChildEvent, ExitCode, ResultEvent, RunSummary, new_run
 from jobs.runtime import logs
 from jobs.store.ledger import Ledger
 from jobs.store.locking import LOCK_FD_ENV
+from jobs.store.stale import expired
 from jobs.training.config import TrainConfig
 from jobs.training.ranks.topology import World, launch_command, launch_env, resolve_world, visible_gpus
 
@@ -49,7 +50,8 @@ def child_env() -> dict[str, str]:
 def run_id_for(ledger: Ledger, night: str) -> str:
     """The id tonight's run will have: the one a crash or stop left open (the child resumes it), or a new one."""
     run = ledger.open_run(night)
-    return str(run["id"]) if run is not None else new_run_id(night)
+    resumable = run is not None and not expired(run, time.time())  # else the child closes it (jobs/store/stale.py)
+    return str(run["id"]) if run is not None and resumable else new_run_id(night)
 
 
 def night_world(train: TrainConfig) -> World:

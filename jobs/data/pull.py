@@ -11,6 +11,13 @@ Guards: each record is handled inside its own guard (an unexpected error quarant
 with reason `internal_error`), each file inside its own (one that vanishes or cannot be opened is
 reported as `unreadable` and retried at the next pull; an unexpected error is reported and the
 other files go on). Only errors of the ledger itself (a full disk) stop the pull.
+
+A stop request (SIGTERM) ends the pull between two chunks of records: the file being read is rolled
+back (read again at the next pull), every file committed before it is kept.
+
+`move_processed`: a producer may still hold a moved file open and append to it. So a moved file stays
+watched: its stat key (with the size and mtime that were read) is kept, and a file in `processed/` whose
+key changed is read again (its known records count as duplicates, the appended ones are ingested).
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import json
 import os
 import shutil
 import sqlite3
+import stat
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -29,6 +38,7 @@ from typing import IO, Any
 
 import structlog
 
+from jobs.contract.crashpoints import declare, reached
 from jobs.data.check import Checked, Stored, check_for_store
 from jobs.data.formats import RecordError
 from jobs.data.inbox import InboxFile, list_inbox, open_inbox_file, printable, roots, stat_key
@@ -53,6 +63,11 @@ from jobs.store.ledger import Ledger, SampleRow
 __all__ = ["PullResult", "Quarantine", "pull"]
 log = structlog.get_logger("nightshift.pull")
 
+FILE_COMMITTING = declare("pull.file_committing", "a file's records are in its transaction, not committed yet")
+FILE_COMMITTED = declare("pull.file_committed", "a file's transaction committed (its samples are pending)")
+FILE_MOVING = declare("pull.file_moving", "the ledger says where the file goes; it is not moved yet")
+FILE_MOVED = declare("pull.file_moved", "the file is in processed/; its watched stat key not stored yet")
+
 
 @dataclass
 class PullResult:
@@ -62,10 +77,15 @@ class PullResult:
     quarantined: Counter[str] = field(default_factory=Counter)  # reason -> records
     unmatched: int = 0  # inbox files matching no pattern (reported, not read)
     incoming: list[SampleRow] = field(default_factory=list)  # preview only: what would become pending
+    stopped: bool = False  # a stop request ended the pull early (what was committed is kept)
 
 
 class _Retry(Exception):
     """Not read this time (changed while read): the next pull reads it."""
+
+
+class _Stopped(Exception):
+    """A stop request: the file being read is rolled back, the pull ends."""
 
 
 @dataclass
@@ -81,6 +101,11 @@ class _Pull:
     token_cache: TokenCache | None = None  # where accepted samples' ids are kept for the night's load
     workers: int = 0  # processes that check a large file's records (jobs/data/parallel.py); 0: this one
     pool: CheckPool | None = None  # started by the first large file, shared by the rest
+    stop: threading.Event | None = None  # set by SIGTERM: the pull ends between two chunks
+
+    def check_stop(self) -> None:
+        if self.stop is not None and self.stop.is_set():
+            raise _Stopped
 
     def checked(self, src: SourceConfig, f: InboxFile, fh: IO[bytes], key: str, size: int,
                 lim: Limits) -> tuple[Iterator[list[Checked | Stored]], bool]:
@@ -119,15 +144,19 @@ def pull(
     sources: list[SourceConfig], ledger: Ledger, tokenizer: Any, *, run_id: str, quarantine: Quarantine,
     max_seq_length: int, overlong: OverlongPolicy,
     special_tokens: SpecialTokens = "escape", excerpt_bytes: int = 16384, token_cache: TokenCache | None = None,
-    workers: int | None = None,
+    workers: int | None = None, stop: threading.Event | None = None,
 ) -> PullResult:
     """`token_cache`: where the ids of accepted samples are kept for the night's load; `workers`: processes
-    that check the records of a large file (default: one less than the CPUs, at most 8; 0: none)."""
+    that check the records of a large file (default: one less than the CPUs, at most 8; 0: none);
+    `stop`: when set, the pull ends within one chunk of records (result.stopped)."""
     p = _Pull(ledger, tokenizer, run_id, quarantine, max_seq_length, overlong, special_tokens, PullResult(),
-              token_cache, default_workers() if workers is None else workers)
+              token_cache, default_workers() if workers is None else workers, stop=stop)
     try:
         for src in sources:
             _pull_source(p, src, excerpt_bytes)
+    except _Stopped:
+        p.result.stopped = True
+        log.info("pull_stopped", files=p.result.files, ingested=sum(p.result.ingested.values()))
     finally:
         try:
             quarantine.close()
@@ -152,11 +181,12 @@ def _pull_source(p: _Pull, src: SourceConfig, excerpt_bytes: int) -> None:
         log.warning("files_not_matching_patterns", source=src.name, count=len(listing.unmatched),
                     examples=listing.unmatched[:5], patterns=src.patterns)
     allowed = roots(src)
-    for f in listing.files:
+    for f in [*listing.files, *(_grown_moved(p, src) if src.move_processed else [])]:
+        p.check_stop()
         try:
             _ingest_file(p, src, f, allowed, excerpt_bytes)
-        except sqlite3.Error:
-            raise  # the ledger itself (a full disk, a lock): not this file's fault
+        except (sqlite3.Error, _Stopped):
+            raise  # the ledger itself (a full disk, a lock): not this file's fault; or a stop request
         except (OSError, _Retry) as e:  # vanished, unreadable, swapped, changed while read: next pull
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             p.reject(None, src, f.display, RawRecord(None, None),
@@ -180,11 +210,15 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
         st = os.fstat(fh.fileno())
         key = stat_key(st)
         if ledger.file_known_by_stat(src.name, f.display, key):
+            _move_known(ledger, src, f, st)
             return
         digest = file_sha256(fh)
         if ledger.file_known_by_hash(src.name, digest):
             ledger.remember_stat_key(src.name, f.display, digest, key)  # not hashed again while unchanged
             log.info("file_already_ingested", source=src.name, file=f.display, sha256=digest[:12])
+            if _in_processed(src, f):  # a moved file seen again unchanged in content: watched under its new key
+                ledger.refresh_moved(src.name, f.display, key)
+            _move_known(ledger, src, f, st)
             return
         counts, reasons = Counter[str](), Counter[str]()
         started, waited = time.monotonic(), [0.0]
@@ -193,6 +227,7 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
                                          sha256=digest, run_id=p.run_id, stat_key=key)
             chunks, checked_ahead = p.checked(src, f, fh, key, st.st_size, src.limits(excerpt_bytes))
             for checked in _timed(chunks, waited):
+                p.check_stop()  # rolls this file back: read again at the next pull
                 kept = []
                 for c in checked:
                     counts["records"] += 1
@@ -210,6 +245,8 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
             ledger.finish_file(conn, file_id, records=counts["records"], accepted=counts["accepted"],
                                duplicates=counts["duplicates"], quarantined=counts["quarantined"])
             p.quarantine.sync()  # durable before the ledger says the file was seen
+            reached(FILE_COMMITTING)
+    reached(FILE_COMMITTED)
     result.files += 1  # counted once the file's transaction committed
     result.ingested[src.name] += counts["accepted"]
     result.duplicates += counts["duplicates"]
@@ -218,8 +255,10 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
     # ledger, the quarantine and the token cache, written here
     log.info("file_ingested", source=src.name, file=f.display, **counts, seconds=round(time.monotonic() - started, 2),
              check_seconds=round(waited[0], 2), workers=_workers_used(p, st.st_size), checked_ahead=checked_ahead)
-    if src.move_processed:
-        _move_processed(ledger, src, f, file_id, digest)
+    if _in_processed(src, f):  # a moved file that grew: watched again under its new key
+        ledger.set_file_moved(file_id, f.display, key)
+    elif src.move_processed:
+        _move_processed(ledger, src, f, file_id, digest, st)
 
 
 def _workers_used(p: _Pull, size: int) -> int:
@@ -258,14 +297,57 @@ def _store(p: _Pull, conn: sqlite3.Connection, src: SourceConfig, file: str, fil
     return ("accepted" if new else "duplicates"), None
 
 
-def _move_processed(ledger: Ledger, src: SourceConfig, f: InboxFile, file_id: int, digest: str) -> None:
+def _processed_dir(src: SourceConfig) -> Path:
+    return Path(src.inbox) / "processed"
+
+
+def _in_processed(src: SourceConfig, f: InboxFile) -> bool:
+    return f.path.parent == _processed_dir(src)
+
+
+def _grown_moved(p: _Pull, src: SourceConfig) -> list[InboxFile]:
+    """Moved files whose stat key changed since they were read (a producer appended to them): read again.
+    One stat per moved file and pull; a file removed from processed/ by the operator is simply not there."""
+    out = []
+    now = p.ledger.clock()
+    for moved, key in p.ledger.moved_files(src.name):
+        path = Path(moved)
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or stat_key(st) == key or now - st.st_mtime < src.settle_seconds:
+            continue
+        log.info("moved_file_grew", source=src.name, file=moved)
+        out.append(InboxFile(path, path, moved, st.st_mtime))
+    return out
+
+
+def _move_known(ledger: Ledger, src: SourceConfig, f: InboxFile, st: os.stat_result) -> None:
+    """A file already ingested but still in the inbox (a crash before its move, a move that failed): moved now."""
+    if not src.move_processed or _in_processed(src, f):
+        return
+    row = ledger.file_by_stat(src.name, f.display, stat_key(st))
+    if row is not None:
+        _move_processed(ledger, src, f, row, "", st)
+
+
+def _move_processed(ledger: Ledger, src: SourceConfig, f: InboxFile, file_id: int, digest: str,
+                    read: os.stat_result) -> None:
+    """Into processed/, then watched there: the key stored is the moved file's identity with the size and mtime
+    that were read, so bytes appended after the read (before or after the move) make it differ."""
     try:
-        dest_dir = Path(src.inbox) / "processed"
+        dest_dir = _processed_dir(src)
         dest_dir.mkdir(exist_ok=True)
         dest = dest_dir / f.path.name
         if dest.exists():
-            dest = dest_dir / f"{f.path.stem}.{digest[:8]}{f.path.suffix}"
+            dest = dest_dir / f"{f.path.stem}.{(digest or str(file_id))[:8]}{f.path.suffix}"
+        ledger.set_file_moved(file_id, printable(dest), None)  # watched from now on, whatever happens next
+        reached(FILE_MOVING)
         shutil.move(str(f.path), dest)
-        ledger.set_file_moved(file_id, printable(dest))
+        reached(FILE_MOVED)
+        now = os.stat(dest, follow_symlinks=False)
+        key = f"{now.st_dev}:{now.st_ino}:{read.st_size}:{read.st_mtime_ns}:{now.st_ctime_ns}"
+        ledger.set_file_moved(file_id, printable(dest), key)
     except OSError as e:  # ingested all the same; known by its hash at the next pull
         log.warning("move_processed_failed", file=f.display, error=e.strerror or str(e))

@@ -19,10 +19,12 @@ from typing import Any
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
+from jobs.contract.crashpoints import declare, reached
 from jobs.data.inbox import printable
 from jobs.store.files import PRIVATE_DIR, PRIVATE_FILE, make_dir
 
 log = structlog.get_logger("nightshift.pull")
+SYNCED = declare("quarantine.synced", "quarantined records are on disk (fsync), the ledger not told yet")
 
 
 class QuarantineConfig(BaseModel):
@@ -75,6 +77,7 @@ class Quarantine:
         if self._f is not None:
             self._f.flush()
             os.fsync(self._f.fileno())
+            reached(SYNCED)
 
     def close(self) -> None:
         if self._f is not None:

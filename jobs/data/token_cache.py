@@ -20,12 +20,14 @@ from typing import Any
 
 import structlog
 
+from jobs.contract.crashpoints import declare, reached
 from jobs.data.batching import TokenizedSample
 from jobs.data.formats import RecordError
 from jobs.data.render import OverlongPolicy, SpecialTokens, tokenize_records
 from jobs.runtime.gc_pause import collector_paused
 
 log = structlog.get_logger("nightshift.data")
+COMMITTED = declare("token_cache.committed", "a chunk of token ids is committed to the cache")
 
 
 def tokenizer_identity(tokenizer: Any, max_seq_length: int, overlong: str, special_tokens: str = "escape") -> str:
@@ -85,6 +87,7 @@ class TokenCache:
             self.db.execute("BEGIN")
             self.db.executemany("INSERT OR REPLACE INTO tokens (hash, ids, labels, reply) VALUES (?,?,?,?)", rows)
             self.db.execute("COMMIT")
+            reached(COMMITTED)
         except sqlite3.Error as e:
             self._broken(e)
 

@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 
 from jobs.contract import ChildEvent, ExitCode, Outcome, ResultEvent, RunSummary, outcome_exit_code
+from jobs.contract.redact import redact_text
 from jobs.store.files import DamagedState
 from jobs.store.locking import LockTimeout, inherited_night_lock, night_lock
 from jobs.store.paths import StatePaths
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     def emit(ev: ChildEvent) -> None:
         if events is not None:
             with lock:
-                events.write(ev.model_dump_json() + "\n")
+                events.write(redact_text(ev.model_dump_json()) + "\n")  # a webhook's secrets stay here
 
     from jobs.runtime import logs
 

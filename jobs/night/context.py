@@ -24,6 +24,7 @@ from jobs.store.ledger import Ledger
 from jobs.store.paths import StatePaths
 from jobs.store.readonly import open_read_only
 from jobs.store.registry import Registry
+from jobs.store.stale import close_expired_runs
 from jobs.training.ranks.collectives import SOLO, Solo
 
 log = structlog.get_logger("nightshift.night")
@@ -111,6 +112,8 @@ def open_context(cfg: NightConfig, *, model_path: Path, fingerprint: str, night:
     state = Path(cfg.state_dir)
     ledger = open_read_only(StatePaths(state).ledger, clock=clock) if plan_only else Ledger(StatePaths(state).ledger,
                                                                                           clock=clock)
+    if not plan_only:  # a run whose window ended is closed (its samples pending again), never resumed later
+        close_expired_runs(ledger, clock())
     open_run = None if plan_only else ledger.open_run(night)
     if open_run is not None:
         run_id = str(open_run["id"])

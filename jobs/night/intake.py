@@ -80,7 +80,7 @@ def pull_new_data(ctx: RunContext, tokenizer: Any) -> PullResult:
                            quarantine=Quarantine(qfile, excerpt_bytes=cfg.quarantine.excerpt_bytes),
                            max_seq_length=cfg.train.max_seq_length, overlong=cfg.train.overlong,
                            special_tokens=cfg.train.special_tokens, excerpt_bytes=cfg.quarantine.excerpt_bytes,
-                           token_cache=cache)
+                           token_cache=cache, stop=ctx.stop)
             finally:
                 cache.close()
     s.files_ingested, s.ingested, s.duplicates = res.files, dict(res.ingested), res.duplicates

@@ -36,6 +36,7 @@ from jobs.contract import (
     nightshift_version,
     version_name,
 )
+from jobs.contract.crashpoints import declare, reached
 from jobs.gpu.telemetry import energy_fields
 from jobs.learning import gate
 from jobs.night.candidate import Prepared
@@ -51,6 +52,8 @@ from jobs.training.loop import TrainResult
 from jobs.training.save import save_version
 
 log = structlog.get_logger("nightshift.night")
+VERSION_RECORDED = declare("publish.version_recorded",
+                           "the ledger holds the version, its samples trained; `current` not moved yet")
 
 
 def judge(ctx: RunContext, prep: Prepared | None = None) -> GateResult:
@@ -117,6 +120,7 @@ def publish_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun, resu
                     reason=verdict.held_back or verdict.failed() or "rejected", mode=cfg.plan.rejected_samples,
                     set_aside_after=cfg.plan.set_aside_after, count=verdict.held_back is None)
             s.regression_samples = learning.regression_size(ledger)[0]
+        reached(VERSION_RECORDED)
         if passed:
             registry.promote(path)
     s.promoted, s.adapter_path = passed, str(path)

@@ -90,6 +90,10 @@ def _steps(ctx: RunContext) -> None:
     backend, device = resolve_backend(ctx.cfg.train), device_name()
     tokenizer = load_tokenizer(ctx.model_path)
     pulled = pull_new_data(ctx, tokenizer)
+    if pulled.stopped:  # a stop request during the pull: what was ingested is kept, nothing is planned
+        s.outcome = Outcome.interrupted
+        log.info("run_interrupted", during="pull", files=pulled.files)
+        return
     ranks = ctx.group.world if not ctx.plan_only else night_size(ctx.cfg.train)  # a plan runs alone
     key = throughput_key(ctx.cfg, ctx.fingerprint, backend, device, gpus=ranks)  # measured per count
     planned = plan_night(ctx, key=key, backend=backend, device=device, incoming=pulled.incoming)

@@ -23,6 +23,8 @@ from typing import TextIO
 import structlog
 from structlog.tracebacks import ExceptionDictTransformer
 
+from jobs.contract.redact import redact_log_event
+
 PRIORITY_ENV = "NIGHTSHIFT_LOG_PRIORITY_PREFIX"
 _state = {"prefix": False}
 
@@ -87,6 +89,7 @@ def configure(level: str = "INFO", fmt: str | None = None, stream: TextIO | None
     final = [structlog.stdlib.ProcessorFormatter.remove_processors_meta]
     if fmt == "json":
         final.append(structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False)))
+    final.append(redact_log_event)  # every line: no URL's secrets (jobs/contract/redact.py)
     handler = logging.StreamHandler(stream)
     formatter = _PriorityFormatter if priority_prefix else structlog.stdlib.ProcessorFormatter
     handler.setFormatter(formatter(foreign_pre_chain=shared, processors=[*final, renderer]))

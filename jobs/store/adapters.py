@@ -31,6 +31,7 @@ from jobs.hotswap import AdapterRef, HotswapConfig, HotswapOutcome, notify_all
 from jobs.store.ledger import Ledger
 from jobs.store.locking import StateLock
 from jobs.store.paths import StatePaths
+from jobs.store.readonly import open_read_only
 from jobs.store.registry import TMP_PREFIX, Registry, parse_version
 
 log = structlog.get_logger("nightshift.adapters")
@@ -106,10 +107,14 @@ class Adapters:
         cfg: RegistryConfig | None = None,
         clock: Callable[[], float] = time.time,
         notify: Notify = notify_all,
+        read_only: bool = False,
     ) -> None:
+        """`read_only`: for the commands that only read (list, show, diff): nothing is created or migrated,
+        and a state directory this user cannot write still reads."""
         self.state_dir = Path(state_dir)
-        self.registry = Registry(self.state_dir)
-        self.ledger = Ledger(StatePaths(self.state_dir).ledger, clock=clock)
+        self.registry = Registry(self.state_dir, create=not read_only)
+        path = StatePaths(self.state_dir).ledger
+        self.ledger = open_read_only(path, clock=clock) if read_only else Ledger(path, clock=clock)
         self.hotswap_cfg = hotswap or HotswapConfig()
         self.cfg = cfg or RegistryConfig()
         self.notify = notify

@@ -7,6 +7,7 @@ read-only (not even migrated), and the registry lock is taken only to read a con
 from __future__ import annotations
 
 import sqlite3
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from jobs.store.locking import LockTimeout, StateLock, holder
 from jobs.store.paths import StatePaths
 from jobs.store.registry import TMP_PREFIX, IntegrityError, Registry
 from jobs.store.schema import LATEST, published_dirs, schema_version
+from jobs.store.stale import fate, open_runs
 
 
 @dataclass(frozen=True)
@@ -42,14 +44,19 @@ def diagnose(state_dir: Path, *, name: str | None = None, lock_timeout: float = 
     if not state.is_dir():
         return [Finding("ok", "state", f"{state} does not exist yet: nothing to check (a first night creates it)")]
     out: list[Finding] = []
-    who = holder(StatePaths(state).night_lock) if _held(StatePaths(state).night_lock) else ""
+    running = _held(state)  # the night lock is the state directory's own inode (jobs/store/locking.py)
+    who = (holder(StatePaths(state).night_lock) or "its holder did not say who") if running else ""
     out.append(Finding("note", "night", f"a night is running ({who})") if who else
                Finding("ok", "night", "no night is running"))
     try:
         with StateLock(StatePaths(state).lock, timeout=lock_timeout, what="doctor (reading)"):
-            out += _check(state, name)
+            out += _check(state, name, running)
     except LockTimeout as e:
         out.append(Finding("problem", "lock", str(e), "run doctor again when the publish or command is done"))
+    except PermissionError as e:  # a read-only state directory (a backup, another user's): read it unlocked
+        out.append(Finding("note", "permissions", f"cannot take the registry lock ({e.strerror}: {e.filename}): "
+                           "reading without it", "run doctor as the service's user to check under the lock"))
+        out += _check(state, name, running)
     return out
 
 
@@ -57,9 +64,10 @@ def _held(lock: Path) -> bool:
     import fcntl
     import os
 
-    if not lock.exists():
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
         return False
-    fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return False
@@ -69,7 +77,7 @@ def _held(lock: Path) -> bool:
         os.close(fd)
 
 
-def _check(state: Path, name: str | None) -> list[Finding]:
+def _check(state: Path, name: str | None, night_running: bool = False) -> list[Finding]:
     path = StatePaths(state).ledger
     dirs = published_dirs(state)
     registry = Registry(state, create=False)
@@ -81,6 +89,13 @@ def _check(state: Path, name: str | None) -> list[Finding]:
                             "aside (the new numbering would start at v0001 again)")]
         return [Finding("ok", "ledger", "no ledger yet (a first night creates it)")]
     try:
+        with open(path, "rb"):  # not readable by this user: a permission, never damage
+            pass
+    except PermissionError as e:
+        return [Finding("problem", "permissions", f"{path} cannot be read by this user ({e.strerror}): the ledger "
+                        "was not checked", "run doctor as the service's user (or with read access to the state "
+                        "directory)")]
+    try:
         ledger = _ReadOnlyLedger(path)
         check = ledger.db.execute("PRAGMA quick_check").fetchone()[0]
         version = schema_version(ledger.db)
@@ -88,7 +103,9 @@ def _check(state: Path, name: str | None) -> list[Finding]:
         return [Finding("problem", "ledger", f"{path} is not a readable SQLite ledger ({e}): every command that "
                         "needs it is refused", "restore the ledger from a backup (with its -wal file if any)")]
     try:
-        return _against_registry(ledger, registry, check, version, name)
+        found = _against_registry(ledger, registry, check, version, name)
+        return found + [Finding("note", "run", fate(r, time.time(), night_running=night_running))
+                        for r in (open_runs(ledger) if _has_tables(ledger) else [])]
     except sqlite3.DatabaseError as e:
         return [Finding("problem", "ledger", f"{path} cannot be read ({e})", "restore the ledger from a backup")]
     finally:

@@ -10,8 +10,14 @@ import contextlib
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
+
+from jobs.contract.crashpoints import declare, reached
+
+PRIVATE_JSON_REPLACED = declare("files.private_json_replaced",
+                                "a private JSON state file (scores, before-scores) is replaced")
 
 
 def sha256_file(path: Path) -> str:
@@ -44,6 +50,29 @@ def fsync_tree(root: Path) -> None:
 # inference server reads is group-readable, raw user data and training state are private.
 PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600  # ledger, quarantine, checkpoints, locks
 SHARED_DIR, SHARED_FILE = 0o750, 0o440  # published versions: the inference server's group reads them
+
+
+class StatePermission(PermissionError):
+    """This user may not read (or write) the state directory: a permission, never damage. The message names
+    the path and what to do; the state itself is left as it is."""
+
+
+def permission_problem(path: Path, e: OSError | None = None, *, write: bool = True) -> StatePermission:
+    why = f" ({e.strerror})" if e is not None and e.strerror else ""
+    return StatePermission(f"{path}: permission denied{why}: this user may not {'write' if write else 'read'} the "
+                           "state directory (it belongs to another user, or is read-only); its files are left as "
+                           "they are: run as the service's user, or give this one access")
+
+
+def writable(directory: Path) -> bool:
+    """A real attempt (not os.access, which root always passes): can a file be created here?"""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".nightshift-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(tmp)
+    return True
 
 
 class DamagedState(RuntimeError):
@@ -86,6 +115,7 @@ def write_private_json(path: Path, obj: Any) -> None:
         tmp.write_text(json.dumps(obj))
         os.chmod(tmp, PRIVATE_FILE)
         os.replace(tmp, path)
+        reached(PRIVATE_JSON_REPLACED)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -12,6 +12,7 @@ from pathlib import Path
 import structlog
 
 from jobs.contract import parse_version_name
+from jobs.store.fallback import fall_back
 from jobs.store.files import DamagedState
 from jobs.store.ledger import Ledger
 from jobs.store.locking import StateLock
@@ -89,7 +90,13 @@ def parent_for_night(registry: Registry, ledger: Ledger, *, repair: bool, lock_t
                 return None
             raise DamagedState((problem or f"`current` points at {registry.current()}")
                                + ", but the ledger has never put a version in service; `nightshift doctor` explains")
-        path = verified(registry, ledger, expected, role="version in service")
+        try:
+            path = verified(registry, ledger, expected, role="version in service")
+        except DamagedState as e:
+            good = fall_back(registry, ledger, expected, str(e), lock_timeout=lock_timeout) if repair else None
+            if good is None:
+                raise
+            continue  # the ledger now says `good` is in service: checked again from the top
         if problem is None and registry.current() == path.resolve():  # the very directory, not a copy elsewhere
             return expected
         was = problem or ("`current` is missing" if current is None else f"`current` points at {registry.current()}")

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from jobs.contract import CalibrationRecord, HotswapOutcome, Plan, RunSummary
+from jobs.contract.crashpoints import declare, reached
+from jobs.contract.redact import redact_text
 from jobs.store.schema import open_database
 
 # Version statuses: training -> promoted | rejected | failed; any kept one -> pruned (files deleted,
@@ -24,6 +26,17 @@ from jobs.store.schema import open_database
 
 # Run statuses. 'running' means a child owns it (or died owning it: resumable).
 FINAL_RUN_STATUSES = ("succeeded", "rejected", "failed", "skipped")
+
+# Crash points: each ledger write a restart must find, just after it committed (jobs/contract/crashpoints.py).
+RUN_STARTED = declare("ledger.run_started", "a run row is open")
+PLAN_SAVED = declare("ledger.plan_saved", "the plan, its samples and the reserved version number are stored")
+RUN_FINISHED = declare("ledger.run_finished", "the run is closed")
+SUMMARY_STORED = declare("ledger.summary_stored", "a closed run's final summary is stored")
+PHASE_RECORDED = declare("ledger.phase_recorded", "a phase's duration is stored")
+THROUGHPUT_RECORDED = declare("ledger.throughput_recorded", "the night's measured throughput is stored")
+EVENT_ADDED = declare("ledger.event_added", "an event row is stored")
+HOTSWAP_RECORDED = declare("ledger.hotswap_recorded", "one hot-swap target's outcome is stored")
+STAT_KEY_REMEMBERED = declare("ledger.stat_key_remembered", "a known file's stat key is stored (no re-hash)")
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,18 @@ class Ledger:
     def remember_stat_key(self, source: str, path: str, sha256: str, stat_key: str) -> None:
         self.db.execute("UPDATE files SET stat_key=? WHERE source=? AND path=? AND sha256=?",
                         (stat_key, source, path, sha256))
+        reached(STAT_KEY_REMEMBERED)
+
+    def file_by_stat(self, source: str, path: str, stat_key: str) -> int | None:
+        q = "SELECT id FROM files WHERE source=? AND path=? AND stat_key=? ORDER BY id DESC LIMIT 1"
+        r = self.db.execute(q, (source, path, stat_key)).fetchone()
+        return None if r is None else int(r[0])
+
+    def moved_files(self, source: str) -> list[tuple[str, str | None]]:
+        """(where each moved file is now, its stat key as read): the latest row of each moved file."""
+        q = ("SELECT moved_to, stat_key FROM files WHERE id IN (SELECT MAX(id) FROM files WHERE source=? AND "
+             "moved_to IS NOT NULL GROUP BY moved_to)")
+        return [(str(r[0]), r[1]) for r in self.db.execute(q, (source,))]
 
     def file_known_by_hash(self, source: str, sha256: str) -> bool:
         q = "SELECT 1 FROM files WHERE source=? AND sha256=?"
@@ -87,8 +112,11 @@ class Ledger:
             (records, accepted, duplicates, quarantined, file_id),
         )
 
-    def set_file_moved(self, file_id: int, moved_to: str) -> None:
-        self.db.execute("UPDATE files SET moved_to=? WHERE id=?", (moved_to, file_id))
+    def set_file_moved(self, file_id: int, moved_to: str, stat_key: str | None) -> None:  # watched: its growth read
+        self.db.execute("UPDATE files SET moved_to=?, stat_key=? WHERE id=?", (moved_to, stat_key, file_id))
+
+    def refresh_moved(self, source: str, moved_to: str, stat_key: str) -> None:
+        self.db.execute("UPDATE files SET stat_key=? WHERE source=? AND moved_to=?", (stat_key, source, moved_to))
 
     # ---- samples -----------------------------------------------------------------------------
     def add_sample(self, conn: sqlite3.Connection, *, hash: str, source: str, file_id: int, line: int,
@@ -188,6 +216,7 @@ class Ledger:
                 "INSERT INTO runs (id, night, status, started_at, deadline) VALUES (?,?, 'running', ?, ?)",
                 (run_id, night, self.clock(), deadline),
             )
+        reached(RUN_STARTED)
 
     def resume_run(self, run_id: str, deadline: float) -> int:
         with self.tx() as c:
@@ -213,6 +242,7 @@ class Ledger:
                 "INSERT INTO versions (version, name, run_id, parent, status, created_at) VALUES (?,?,?,?,?,?)",
                 (plan.version, version_name, run_id, plan.parent_version, "training", self.clock()),
             )
+        reached(PLAN_SAVED)
 
     def plan_of(self, run: sqlite3.Row) -> Plan | None:
         return Plan.model_validate_json(run["plan"]) if run["plan"] else None
@@ -228,18 +258,20 @@ class Ledger:
         with self.tx() as c:
             c.execute(
                 "UPDATE runs SET status=?, ended_at=?, summary=COALESCE(?, summary), error=? WHERE id=?",
-                (status, self.clock(), summary.model_dump_json() if summary else None, error, run_id),
+                (status, self.clock(), _summary_json(summary), redact_text(error) if error else None, run_id),
             )
             if status in ("failed", "skipped"):
                 # Nothing was published under the number it reserved (a published version is
                 # 'promoted' or 'rejected'): give the number back rather than burn it.
                 c.execute("DELETE FROM versions WHERE run_id=? AND status='training'", (run_id,))
                 c.execute("UPDATE runs SET version=NULL WHERE id=?", (run_id,))
+        reached(RUN_FINISHED)
 
     def store_summary(self, run_id: str, summary: RunSummary) -> None:
         """The final summary (end time, backlog after the run) of a closed run."""
         self.db.execute("UPDATE runs SET summary=? WHERE id=? AND status != 'running'",
-                        (summary.model_dump_json(), run_id))
+                        (_summary_json(summary), run_id))
+        reached(SUMMARY_STORED)
 
     def summary_of(self, run: sqlite3.Row) -> RunSummary | None:
         """A run's stored summary, typed (None when it has none or it no longer validates)."""
@@ -255,6 +287,7 @@ class Ledger:
             "INSERT OR REPLACE INTO phases (run_id, phase, started_at, seconds) VALUES (?,?,?,?)",
             (run_id, phase, started_at, seconds),
         )
+        reached(PHASE_RECORDED)
 
     # ---- throughput history ------------------------------------------------------------------
     def record_throughput(self, *, key: str, run_id: str | None, origin: str, tokens: int, seconds: float,
@@ -265,6 +298,7 @@ class Ledger:
             (key, run_id, self.clock(), origin, tokens, seconds, tokens / seconds if seconds > 0 else 0.0,
              overhead_seconds, json.dumps(detail)),
         )
+        reached(THROUGHPUT_RECORDED)
 
     def throughput_history(self, key: str, n: int = 5) -> list[sqlite3.Row]:
         return self.db.execute(
@@ -334,9 +368,10 @@ class Ledger:
         self.db.execute(
             "INSERT INTO hotswaps (at, version, trigger, run_id, target, kind, ok, attempts, seconds, error, detail)"
             " VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-            (self.clock(), version, trigger, run_id, o.target, o.kind, int(o.ok), o.attempts, o.seconds, o.error,
-             json.dumps(o.detail, default=str)),
+            (self.clock(), version, trigger, run_id, o.target, o.kind, int(o.ok), o.attempts, o.seconds,
+             redact_text(o.error) if o.error else o.error, redact_text(json.dumps(o.detail, default=str))),
         )
+        reached(HOTSWAP_RECORDED)
 
     def hotswaps(self, version: int | None = None) -> list[sqlite3.Row]:
         if version is None:
@@ -347,8 +382,13 @@ class Ledger:
                   detail: dict[str, Any] | None = None) -> None:
         self.db.execute(
             "INSERT INTO events (at, kind, run_id, version, detail) VALUES (?,?,?,?,?)",
-            (self.clock(), kind, run_id, version, json.dumps(detail or {})),
+            (self.clock(), kind, run_id, version, redact_text(json.dumps(detail or {}))),
         )
+        reached(EVENT_ADDED)
+
+def _summary_json(summary: RunSummary | None) -> str | None:  # URLs in it (hot-swap errors) redacted
+    return None if summary is None else redact_text(summary.model_dump_json())
+
 
 def _sample(r: sqlite3.Row) -> SampleRow:
     return SampleRow(int(r["id"]), r["hash"], json.loads(r["record"]), int(r["n_tokens"]), r["source"])

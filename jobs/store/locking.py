@@ -9,6 +9,9 @@ Two levels, always taken in this order:
 - `lock`: the registry lock, held for seconds around every change of the versions or of `current`
   (the night's publish, the `adapters` commands), so those never interleave.
 (`hotswap.lock`, around announcing, comes after `lock` and never the other way round.)
+
+The night lock is taken on the state directory itself (its inode), not on a file in it: deleting
+`night.lock` (which only says who holds it) cannot let a second night in beside the first.
 """
 
 from __future__ import annotations
@@ -56,16 +59,18 @@ class StateLock:
     else LockTimeout naming the holder. `fd` is the descriptor to pass to a child that must keep
     holding it (the lock is released when every process holding the descriptor has closed it)."""
 
-    def __init__(self, path: Path, *, timeout: float = 60.0, what: str = "") -> None:
+    def __init__(self, path: Path, *, timeout: float = 60.0, what: str = "", inode: Path | None = None) -> None:
         self.path = Path(path)
         self.timeout = timeout
         self.what = what
+        self.inode = inode  # lock this (a directory that stays) instead of `path`, which then only names the holder
         self.fd: int | None = None
 
     def __enter__(self) -> StateLock:
         if not self.path.parent.exists():
             make_dir(self.path.parent, SHARED_DIR)  # the state directory: its group reads the versions in it
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = (os.open(self.inode, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if self.inode is not None
+              else os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
         end = time.monotonic() + self.timeout
         while True:
             try:
@@ -80,9 +85,20 @@ class StateLock:
                     raise LockTimeout(f"{self.path.parent} is held by another nightshift process"
                                       + (f" ({who})" if who else "") + f" ({waited}{purpose})") from None
                 time.sleep(0.05)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {self.what}|{time.time():.0f}\n".encode(), 0)
         self.fd = fd
+        note = f"{os.getpid()} {self.what}|{time.time():.0f}\n".encode()
+        if self.inode is None:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, note, 0)
+        else:  # who holds it, for the message of the next one (best effort: the lock does not depend on it)
+            try:
+                nfd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                try:
+                    os.write(nfd, note)
+                finally:
+                    os.close(nfd)
+            except OSError:
+                pass
         return self
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
@@ -93,25 +109,25 @@ class StateLock:
 
 
 def night_lock(state_dir: Path, *, timeout: float = 0.0, what: str = "") -> StateLock:
-    return StateLock(StatePaths(state_dir).night_lock, timeout=timeout, what=what)
+    return StateLock(StatePaths(state_dir).night_lock, timeout=timeout, what=what, inode=Path(state_dir))
 
 
 def inherited_night_lock(state_dir: Path, environ: dict[str, str] | None = None, *,
                          holder_pid: int | None = None) -> bool:
     """True when this process was handed the state directory's night lock by its parent (checked:
-    the descriptor is open on that very file and the lock is held). `holder_pid`: the descriptor is
+    the descriptor is open on that very directory and the lock is held). `holder_pid`: the descriptor is
     that process's, not ours (a torchrun worker: its launcher got the lock, the worker did not)."""
     raw = (os.environ if environ is None else environ).get(LOCK_FD_ENV, "")
     if not raw.isdigit():
         return False
     try:
         mine = os.stat(f"/proc/{holder_pid}/fd/{raw}") if holder_pid is not None else os.fstat(int(raw))
-        there = os.stat(StatePaths(state_dir).night_lock)
+        there = os.stat(Path(state_dir))
     except OSError:
         return False
     if (mine.st_dev, mine.st_ino) != (there.st_dev, there.st_ino):
         return False
-    probe = os.open(StatePaths(state_dir).night_lock, os.O_RDONLY | os.O_CLOEXEC)
+    probe = os.open(Path(state_dir), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

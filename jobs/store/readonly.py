@@ -6,7 +6,7 @@ import sqlite3
 import time
 from pathlib import Path
 
-from jobs.store.files import DamagedState
+from jobs.store.files import DamagedState, permission_problem, writable
 from jobs.store.ledger import Ledger
 from jobs.store.schema import LATEST, migrate, schema_version
 
@@ -19,8 +19,12 @@ def open_read_only(path: Path, *, clock=time.time) -> Ledger:
     ledger = Ledger.__new__(Ledger)
     ledger.path, ledger.clock = Path(path), clock
     if ledger.path.is_file():
-        uri = f"{ledger.path.resolve().as_uri()}?mode=ro"
-        db = sqlite3.connect(uri, uri=True, timeout=30, isolation_level=None, check_same_thread=False)
+        try:
+            with open(ledger.path, "rb"):
+                pass
+        except PermissionError as e:
+            raise permission_problem(ledger.path, e, write=False) from None
+        db = _connect(ledger.path)
         try:
             if schema_version(db) < LATEST:
                 copy = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
@@ -31,6 +35,8 @@ def open_read_only(path: Path, *, clock=time.time) -> Ledger:
                 db.execute("PRAGMA query_only=ON")
         except sqlite3.DatabaseError as e:
             db.close()
+            if isinstance(e, sqlite3.OperationalError) and not writable(ledger.path.parent):
+                raise permission_problem(ledger.path.parent, None, write=False) from None
             raise DamagedState(f"{ledger.path} is not a readable nightshift ledger ({e}): restore it from a "
                                "backup; `nightshift doctor` lists what it finds") from None
     else:
@@ -40,3 +46,19 @@ def open_read_only(path: Path, *, clock=time.time) -> Ledger:
     db.row_factory = sqlite3.Row
     ledger.db = db
     return ledger
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    """mode=ro; where the directory cannot be written (a read-only state directory, another user's), SQLite
+    cannot make the WAL's shared-memory file, so the file is read as it is on disk (immutable)."""
+    uri = f"{path.resolve().as_uri()}?mode=ro"
+    db = sqlite3.connect(uri, uri=True, timeout=30, isolation_level=None, check_same_thread=False)
+    try:
+        db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+        return db
+    except sqlite3.OperationalError:
+        db.close()
+        if writable(path.parent):
+            raise
+    return sqlite3.connect(f"{uri}&immutable=1", uri=True, timeout=30, isolation_level=None,
+                           check_same_thread=False)

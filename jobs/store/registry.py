@@ -17,8 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from jobs.contract import parse_version_name, version_name
+from jobs.contract.crashpoints import declare, reached
 from jobs.store.files import SHARED_DIR, fsync_dir, fsync_tree, make_dir, seal_tree, sha256_file
 from jobs.store.paths import StatePaths
+
+VERSION_WRITTEN = declare("registry.version_written", "a version's files are sealed and fsynced under .tmp-*")
+VERSION_RENAMED = declare("registry.version_renamed", "the version directory has its final name, not yet recorded")
+CURRENT_SWAPPED = declare("registry.current_swapped", "`current` points at the new version (rename + fsync)")
 
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
@@ -61,8 +66,10 @@ class Registry:
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
         seal_tree(tmp)  # group-readable, read-only, whatever the umask: the inference server reads it
         fsync_tree(tmp)
+        reached(VERSION_WRITTEN)
         os.rename(tmp, final)
         fsync_dir(self.adapters)
+        reached(VERSION_RENAMED)
         return final
 
     def verify(self, path: Path) -> dict[str, Any]:
@@ -96,6 +103,7 @@ class Registry:
         os.symlink(os.path.relpath(path, self.state_dir), tmp_link)
         os.replace(tmp_link, self.current_link)
         fsync_dir(self.state_dir)
+        reached(CURRENT_SWAPPED)
 
     def current_problem(self) -> str | None:
         """What is wrong with `current` as it is on disk (None: absent, or a link to a directory)."""

@@ -14,6 +14,7 @@ not SQLite while the registry holds published versions, and a ledger written by 
 
 from __future__ import annotations
 
+import errno
 import os
 import sqlite3
 from collections.abc import Callable
@@ -22,7 +23,15 @@ from pathlib import Path
 
 from jobs.contract import parse_version_name
 from jobs.store import learning_schema
-from jobs.store.files import PRIVATE_FILE, SHARED_DIR, DamagedState, chmod_quietly, make_dir
+from jobs.store.files import (
+    PRIVATE_FILE,
+    SHARED_DIR,
+    DamagedState,
+    chmod_quietly,
+    make_dir,
+    permission_problem,
+    writable,
+)
 from jobs.store.paths import StatePaths
 
 SCHEMA = """
@@ -127,10 +136,16 @@ def open_database(path: Path, *, timeout: float = 30.0) -> sqlite3.Connection:
             + ": refusing to start afresh (every sample would be trained again and version names reused). "
             "Restore the ledger from a backup, or move the whole state directory aside to start over; "
             "`nightshift doctor` lists what it finds")
-    if size is None:
-        if not state.exists():
+    try:
+        if size is None and not state.exists():
             make_dir(state, SHARED_DIR)  # the inference server's group traverses it to the versions
         os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE))  # WAL and SHM inherit it
+    except PermissionError as e:
+        raise permission_problem(path, e) from None
+    except OSError as e:
+        if e.errno == errno.EROFS:  # a read-only file system: a permission too
+            raise permission_problem(path, e) from None
+        raise
     chmod_quietly(path, PRIVATE_FILE)
     db = sqlite3.connect(path, timeout=timeout, isolation_level=None, check_same_thread=False)
     db.row_factory = sqlite3.Row
@@ -141,6 +156,8 @@ def open_database(path: Path, *, timeout: float = 30.0) -> sqlite3.Connection:
         migrate(db, path, has_versions=bool(versions))
     except sqlite3.DatabaseError as e:
         db.close()
+        if isinstance(e, sqlite3.OperationalError) and not writable(state):  # its -wal/-shm cannot be made
+            raise permission_problem(state, None) from None
         raise DamagedState(f"{path} is not a readable nightshift ledger ({e}): restore it from a backup; "
                            "`nightshift doctor` lists what it finds") from None
     except BaseException:

@@ -16,7 +16,7 @@ import pytest
 
 from jobs.contract import ExitCode
 from jobs.store.ledger import Ledger
-from jobs.store.locking import StateLock
+from jobs.store.locking import StateLock, night_lock
 from tests.conftest import REPO, alpaca, toml_config, write_jsonl
 from tests.fixtures.daemon_proc import child_pids, runs, start, wait_for, write_config
 from tests.store.test_adapters import craft
@@ -79,7 +79,7 @@ def test_two_onces_one_runs_the_other_exits_busy_and_the_lock_outlives_a_killed_
 
 def _free(state):
     try:
-        with StateLock(state / "night.lock", timeout=0):
+        with night_lock(state, timeout=0):
             return True
     except Exception:
         return False
@@ -106,7 +106,7 @@ def test_the_service_waits_for_a_night_held_elsewhere_then_runs_it(tmp_path, tin
     cfg, inbox = write_config(tmp_path, tiny_model, opens_in=1, lasts=300)
     write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(10)])
     state = tmp_path / "state"
-    held = StateLock(state / "night.lock", what="nightshift once").__enter__()
+    held = night_lock(state, what="nightshift once").__enter__()
     daemon = start(cfg)
     try:
         wait_for(lambda: any('"night_waiting_for_lock"' in x for x in daemon.lines), 60, "the wait", daemon)
@@ -137,7 +137,7 @@ def test_a_second_service_on_the_same_state_directory_exits_busy(tmp_path, tiny_
 def test_once_and_calibrate_exit_busy_or_wait_as_configured_and_plan_reads_meanwhile(tmp_path, tiny_model):
     cfg, _ = toml_config(tmp_path, tiny_model)  # an empty inbox: a night would be over at once
     state = tmp_path / "state"
-    with StateLock(state / "night.lock", what="nightshift run: night 2026-11-23"):
+    with night_lock(state, what="nightshift run: night 2026-11-23"):
         for cmd in ("once", "calibrate"):
             t0 = time.time()
             r = nightshift("--config", str(cfg), cmd)
@@ -146,7 +146,7 @@ def test_once_and_calibrate_exit_busy_or_wait_as_configured_and_plan_reads_meanw
             assert time.time() - t0 < 60
         r = nightshift("--config", str(cfg), "plan", "--json")  # read-only: no lock needed
         assert r.returncode == 0 and json.loads(r.stdout)["train_ids"] == [], r.stderr[-2000:]
-    held = StateLock(state / "night.lock", what="nightshift once").__enter__()
+    held = night_lock(state, what="nightshift once").__enter__()
     threading.Timer(3.0, lambda: held.__exit__(None, None, None)).start()
     r = nightshift("--config", str(cfg), "once", env={"NIGHTSHIFT_DAEMON__LOCK_WAIT_SECONDS": "120"})
     assert r.returncode == 0, r.stderr[-2000:]

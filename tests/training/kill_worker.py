@@ -28,9 +28,9 @@ from jobs.contract import StepShape
 from jobs.data.batching import TokenizedSample
 from jobs.training.checkpoints import latest_checkpoint
 from jobs.training.config import TrainConfig
-from jobs.training.ranks.collectives import init_group
 from jobs.training.load import Loaded
 from jobs.training.loop import train
+from jobs.training.ranks.collectives import init_group
 from jobs.training.ranks.topology import DistributedConfig
 
 SAMPLES = 12
