@@ -29,7 +29,7 @@ from jobs.gate import (  # noqa: F401  (the gate's names, where the night and th
     EvalSet,
     GateRule,
     Metric,
-    at_least_as_good,
+    better_than,
     gate,
 )
 
