@@ -194,13 +194,19 @@ def gate(losses: Losses, cfg: EvalConfig, metrics: Measured | None = None, *,
         samples = ((metrics or {}).get(f"{rule.data}_after") or {}).get("samples")
         pairs = _pairs(rule, per_sample)
         check = _check(rule, before, after, samples)
-        if not check.passed and pairs and cfg.alpha is not None:
+        if not check.passed and pairs and cfg.alpha is not None and _within_limit(rule, after):  # a bound is a bound
             p = p_worse(rule.metric, pairs)
             check = check.model_copy(update={"p_value": p, "paired": len(pairs), "passed": p >= cfg.alpha})
             if check.passed:
                 check.rule += f"; the drop is within chance (p={p:.3g} >= {cfg.alpha:g}, {len(pairs)} samples)"
         checks.append(check)
     return GateResult(passed=all(c.passed for c in checks), checks=checks)
+
+
+def _within_limit(rule: GateRule, after: float) -> bool:
+    if rule.limit is None:
+        return True
+    return after >= rule.limit if rule.metric in HIGHER_IS_BETTER else after <= rule.limit
 
 
 def _pairs(rule: GateRule, per_sample: PerSample | None) -> list[tuple[float, float]]:

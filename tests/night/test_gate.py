@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import tomllib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -134,7 +136,8 @@ def test_a_drop_within_the_noise_of_a_small_set_passes_and_the_same_share_of_a_b
     # wins and losses that cancel out: the sign test counts both
     metrics, per = paired([True] * 10 + [False] * 10, [False] * 10 + [True] * 10)
     assert gate(losses(), cfg, metrics, per_sample=per).passed
-    assert not gate(losses(), EvalConfig(alpha=None), *paired([True] * 8, [True] * 6 + [False] * 2)[:1]).passed
+    metrics, per = paired([True] * 8, [True] * 6 + [False] * 2)
+    assert not gate(losses(), EvalConfig(alpha=None), metrics, per_sample=per).passed  # alpha None: points decide
 
 
 def slow_drift(cfg: EvalConfig, nights: int, step: float = 0.02) -> list[tuple[float, bool]]:
@@ -185,3 +188,29 @@ def test_a_rule_needs_a_threshold_and_names_are_checked():
         GateRule(data="heldout", metric="loss")
     with pytest.raises(ValidationError):
         EvalConfig.model_validate({"gate": [{"data": "train", "max_worse": 1}]})
+
+
+def test_the_shipped_config_gates_only_on_the_users_own_data():
+    """Issue 39: the shipped `max_regression_increase_pct = 5` over the demo's 8 records refused every night
+    of a second task. Now no default rule reads data the user did not give, nor a loss percentage."""
+    raw = tomllib.loads((Path(__file__).resolve().parents[2] / "config" / "nightshift.toml").read_text())
+    cfg = EvalConfig.model_validate(raw["eval"])
+    assert cfg.canary_set is not None and cfg.canary_max_drop is None  # the demo file: measured, not gated
+    assert cfg.rules() and all(r.data in ("heldout", "regression") and r.metric != "loss" for r in cfg.rules())
+    # a night of a new task: the user's earlier answers hold, tonight's are learned, the demo file's collapse
+    night = {"regression_before": em(0.95), "regression_reference": em(0.95), "regression_after": em(0.95),
+             "heldout_before": em(0.0), "heldout_after": em(0.9), "canary_before": em(0.5), "canary_after": em(0.0)}
+    night["regression_after"]["loss"] = night["regression_before"]["loss"] * 3
+    assert gate(losses(regression_before=0.05, regression_after=0.15), cfg, night).passed
+    # an operator who points the canary gate at it is refused beyond the threshold
+    strict = EvalConfig.model_validate({**raw["eval"], "canary_max_drop": 0.1})
+    result = gate(losses(), strict, night)
+    assert not result.passed and result.failed().startswith("canary.exact_match 0.5 -> 0")
+
+
+def test_the_paired_test_never_overrides_a_limit():
+    cfg = EvalConfig(gate=[GateRule(data="regression", metric="exact_match", limit=0.9)])
+    metrics, per = paired([True] * 8, [True] * 6 + [False] * 2)
+    assert not gate(losses(), cfg, metrics, per_sample=per).passed  # 0.75 < 0.9: a bound, not a comparison
+    # the old key is the canary's old name: its file no longer weighs in the regression set
+    assert EvalConfig(regression_set=Path("r.jsonl")).canary_set == Path("r.jsonl")
