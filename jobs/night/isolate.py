@@ -110,6 +110,8 @@ def blame(loaded: Any, target: list[TokenizedSample], groups: dict[int, list[Tok
 def on_rejection(ctx: RunContext, loaded: Any, sets: EvalSets, new: list[TokenizedSample],
                  replay: list[TokenizedSample], failed: Sequence[tuple[str, str]]) -> Blame | None:
     """Which of tonight's files made the candidate worse (None: nothing to tell them apart by)."""
+    if not ctx.cfg.train.method.is_adapter:  # a whole model's gradient is as large as the model: not scored
+        return None
     target = lost_samples(sets, failed)
     by_file = file_strikes.files_of(ctx.ledger, [s.sample_id for s in new])
     ids = {s.sample_id: s for s in new}
@@ -131,7 +133,7 @@ def rescore_held(ctx: RunContext, loaded: Any, sets: EvalSets, new: list[Tokeniz
     """A promoted night scores the files held by earlier rejections against what its candidate knows."""
     held = file_strikes.held(ctx.ledger)
     target = known_samples(sets)
-    if not held or not target:
+    if not held or not target or not ctx.cfg.train.method.is_adapter:
         return
     t = ctx.cfg.train
     groups = {}
