@@ -58,6 +58,7 @@ class NightRow(BaseModel):
     losses: dict[str, float | None] = Field(default_factory=dict)
     metrics: dict[str, dict[str, float] | None] = Field(default_factory=dict)  # "<data>_<before|after>"
     gate: GateView | None = None
+    kl_from_service: float | None = None  # nats per token on tonight's samples (forgetting, jobs/night/drift.py)
     # the card
     energy_joules: float | None = None
     joules_per_1k_tokens: float | None = None
@@ -111,6 +112,7 @@ def night_row(run: Any, summ: dict[str, Any], manifest: dict[str, Any]) -> Night
         losses=summ.get("losses") or {}, metrics=summ.get("metrics") or {},
         gate=GateView(passed=gate.get("passed"), held_back=gate.get("held_back"), checks=gate.get("checks") or [])
         if gate else None,
+        kl_from_service=summ.get("kl_from_service"),
         energy_joules=energy, joules_per_1k_tokens=energy * 1000 / tokens if energy and tokens else None,
         mean_power_watts=gpu.get("mean_power_watts"), vram_peak_bytes=gpu.get("peak_reserved_bytes"),
         vram_total_bytes=gpu.get("total_memory_bytes"),

@@ -92,6 +92,11 @@ def quality_charts(nights: list[NightRow], labels: list[str]) -> list[str]:
         out.append(chart(f"{name}: before and after each night", labels, series, ident=f"chart-quality-{name}",
                          caption="dashed: the adapter in service before the night; solid: the candidate. "
                                  "Points after: green promoted, red rejected by the gate."))
+    kl = [n.kl_from_service for n in nights]
+    out.append(chart("forgetting: KL of the candidate from the adapter in service", labels,
+                     [Series("KL on tonight's samples", kl, point_colors=gate)], unit="nats/token",
+                     ident="chart-forgetting-kl", caption="how far each night's candidate moved from the version "
+                     "in service on tonight's data: it predicts forgetting (canary exact match: the quality charts)"))
     return out
 
 

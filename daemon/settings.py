@@ -197,7 +197,8 @@ def load_settings(path: Path | None = DEFAULT_CONFIG, **overrides: Any) -> Setti
 def check_paths(s: Settings) -> list[str]:
     """Problems a config can have beyond its types: things on disk it points at."""
     return path_problems(state_dir=s.state_dir, model_path=s.model.path, build=s.model.build,
-                         inboxes=[src.inbox for src in s.sources], regression_set=s.eval.regression_set)
+                         inboxes=[src.inbox for src in s.sources], regression_set=s.eval.regression_set,
+                         canary_set=s.eval.canary_set)
 
 
 NOT_CONFIG = {"NIGHTSHIFT_LOG_LEVEL", "NIGHTSHIFT_LOG_FORMAT", "NIGHTSHIFT_CONFIG", "NIGHTSHIFT_NIGHT_LOCK_FD"}
@@ -205,7 +206,7 @@ _MISSING = object()
 
 
 def path_problems(*, state_dir: Any = _MISSING, model_path: Any = _MISSING, build: Any = None,
-                  inboxes: list[Any] | None = None, regression_set: Any = None) -> list[str]:
+                  inboxes: list[Any] | None = None, regression_set: Any = None, canary_set: Any = None) -> list[str]:
     """What the config points at on disk; a value left _MISSING (or not a path) is not checked."""
     problems = []
     if isinstance(state_dir, str | Path):
@@ -227,6 +228,8 @@ def path_problems(*, state_dir: Any = _MISSING, model_path: Any = _MISSING, buil
             problems.append(f"[[sources]] #{i} inbox: {inbox} is not readable")
     if isinstance(regression_set, str | Path) and not Path(regression_set).is_file():
         problems.append(f"[eval] regression_set: {regression_set} does not exist")
+    if isinstance(canary_set, str | Path) and canary_set != regression_set and not Path(canary_set).is_file():
+        problems.append(f"[eval] canary_set: {canary_set} does not exist")
     if inboxes is not None and not inboxes:
         problems.append("[[sources]]: no source configured: nothing would ever be trained")
     return problems
@@ -260,7 +263,8 @@ def raw_path_problems(path: Path | None, *, bad: set[str]) -> list[str]:
     return path_problems(state_dir="state" if state_dir is _MISSING and "state_dir" not in bad else state_dir,
                          model_path=pick("model", "path", "[model] path"),
                          build=None if build is _MISSING else build, inboxes=inboxes,
-                         regression_set=pick("eval", "regression_set", "[eval] regression_set"))
+                         regression_set=pick("eval", "regression_set", "[eval] regression_set"),
+                         canary_set=pick("eval", "canary_set", "[eval] canary_set"))
 
 
 def env_problems(environ: Mapping[str, str]) -> tuple[list[str], list[str]]:

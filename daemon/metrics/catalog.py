@@ -44,6 +44,7 @@ LAST_RUN_LOSS = "nightshift_last_run_loss"
 LAST_RUN_EXACT_MATCH_RATIO = "nightshift_last_run_exact_match_ratio"
 LAST_RUN_TOKEN_ACCURACY_RATIO = "nightshift_last_run_token_accuracy_ratio"
 REGRESSION_SET_SAMPLES = "nightshift_regression_set_samples"
+LAST_RUN_KL_FROM_SERVICE_NATS = "nightshift_last_run_kl_from_service_nats"
 SAMPLES_RETURNED_TOTAL = "nightshift_samples_returned_total"
 SAMPLES_SET_ASIDE_TOTAL = "nightshift_samples_set_aside_total"
 LAST_RUN_INFO = "nightshift_last_run_info"
@@ -106,7 +107,7 @@ LOSS_LABELS = {
 }
 # RunSummary.metrics stage -> the `model` label of the answer-level series
 EVAL_MODELS = {"before": "service", "after": "candidate", "reference": "reference", "base": "base"}
-EVAL_DATA = ("heldout", "regression")
+EVAL_DATA = ("heldout", "regression", "canary")
 # minutes to hours: a skipped night takes seconds, a full window up to ~8 h
 RUN_DURATION_BUCKETS = (30, 60, 300, 600, 1200, 1800, 3600, 5400, 7200, 10800, 14400, 21600, 28800, 43200)
 
@@ -161,6 +162,8 @@ SPECS: tuple[Spec, ...] = (
     Spec(LAST_RUN_TOKEN_ACCURACY_RATIO, G, "Share of reply tokens (template markers excluded) the model predicts, "
          "last run: data=heldout|regression, model=service|candidate|reference|base.", ("data", "model")),
     Spec(REGRESSION_SET_SAMPLES, G, "Samples in the regression set (earlier promoted nights' held-out samples)."),
+    Spec(LAST_RUN_KL_FROM_SERVICE_NATS, G, "KL divergence of the last run's candidate from the adapter in service on "
+         "tonight's samples, nats per token (predicts forgetting)."),
     Spec(SAMPLES_RETURNED_TOTAL, C, "Samples of rejected nights put back (to pending, or kept out as rejected)."),
     Spec(SAMPLES_SET_ASIDE_TOTAL, C, "Samples set aside after too many rejected nights."),
     Spec(LAST_RUN_INFO, G, "How the last run trained: method=qlora|lora|full, backend=unsloth|hf.",

@@ -263,6 +263,7 @@ class NightshiftMetrics:
                 v.set(m.LAST_RUN_TOKEN_ACCURACY_RATIO, _num(figures.get("token_accuracy")), data=data, model=model)
         if s.regression_samples is not None:
             v.set(m.REGRESSION_SET_SAMPLES, s.regression_samples)
+        v.set(m.LAST_RUN_KL_FROM_SERVICE_NATS, _num(s.kl_from_service))
 
     def _last_run(self, s: RunSummary, ended: float, window_end: float | None) -> None:
         """Every last-run gauge from one summary: at a run's end, and from the ledger at a restart."""

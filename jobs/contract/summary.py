@@ -46,6 +46,8 @@ class GateCheck(BaseModel):
     rule: str
     passed: bool
     skipped: str | None = None  # why the rule had no data (then passed unless required)
+    p_value: float | None = None  # the paired test's, where the point figures broke the rule (jobs/learning/gate.py)
+    paired: int | None = None  # samples both models were scored on
 
 
 class GateResult(BaseModel):
@@ -154,6 +156,8 @@ class RunSummary(BaseModel):
     # "<data>_<stage>": stage before (adapter in service), after (candidate), reference, base
     metrics: dict[str, EvalMetrics | None] = Field(default_factory=dict)
     not_evaluated: dict[str, str] = Field(default_factory=dict)  # data set -> why it was not evaluated
+    kl_from_service: float | None = None  # KL(candidate || adapter in service) on tonight's data, nats/token
+    isolated: dict[str, str] = Field(default_factory=dict)  # file -> what a rejection did with it
     gate: GateResult | None = None
     hotswap: list[HotswapOutcome] = Field(default_factory=list)
     hotswap_error: str | None = None

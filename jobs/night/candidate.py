@@ -61,6 +61,7 @@ def load_model_and_data(ctx: RunContext, planned: PlannedRun, tokenizer: Any) ->
     lineage.check_checkpoint(ctx.checkpoints, cfg.train.method, resuming=resume is not None)
     train_ids = [sid for sid, role in planned.roles if role in ("train", "replay")]
     heldout_ids = [sid for sid, role in planned.roles if role == "heldout"]
+    new_ids = {sid for sid, role in planned.roles if role == "train"}
     with ctx.phase(Phase.load):
         # the ids in a thread, the model here, in the thread that trains, as it always loaded (another thread was
         # measured not to slow the first step's compile: RESULTS.md: 2026-11-26, wake restart)
@@ -77,7 +78,8 @@ def load_model_and_data(ctx: RunContext, planned: PlannedRun, tokenizer: Any) ->
             train_set=train_set,
             replay_ids={sid for sid, role in planned.roles if role == "replay"},
             heldout_ids=heldout_ids, resume=resume,
-            sets=build_sets(ctx, tok, heldout_ids, planned.parent, score_cache(ctx, loaded, shape.compute)))
+            sets=build_sets(ctx, tok, heldout_ids, planned.parent, score_cache(ctx, loaded, shape.compute),
+                            new_samples=[x for x in train_set if x.sample_id in new_ids]))
     ctx.summary.load_info, ctx.summary.step_shape = loaded.info, shape
     return prepared
 
@@ -107,7 +109,7 @@ def evaluate_candidate(ctx: RunContext, prep: Prepared, when: Literal["before", 
     s = ctx.summary
     s.metrics.update(measured)
     for k, m in measured.items():
-        if k.endswith(("_before", "_after")):
+        if k.endswith(("_before", "_after")) and k.startswith(("heldout_", "regression_")):  # Losses' fields
             setattr(s.losses, k, (m or {}).get("loss"))
     return measured
 

@@ -1,9 +1,13 @@
 """What the gate reads: the night's evaluation sets, measured under every model it compares.
 
-Sets: `heldout` (tonight's new samples kept out of training) and `regression` (the held-out slices
-of earlier promoted nights from the ledger, round-robin under `max_eval_samples`, plus the optional
-fixed `[eval] regression_set` file as slice "file"). A set with fewer than `min_eval_samples`
-samples is not evaluated, and says why.
+Sets: `heldout` (tonight's new samples kept out of training, topped up to `[eval] heldout_pool` with
+the most recent earlier nights' held-out samples: one night's 5 % is often a handful, and a decision
+on 8 samples is noise), `regression` (the held-out slices of earlier promoted nights from the ledger,
+round-robin under `max_eval_samples`: the user's own data only) and `canary` (the operator's fixed
+file, `[eval] canary_set`, measured apart so that records the user never gave cannot outweigh the
+user's). A set with fewer than `min_eval_samples` samples is not evaluated, and says why. Every
+stage's per-sample scores are kept for the gate's paired test, and the candidate's KL divergence from
+the adapter in service on tonight's samples is measured with them (jobs/night/drift.py).
 
 Models (the stage names of the metrics "<data>_<stage>"): `before` (the adapter in service; a new
 adapter, whose lora_B weights are all zero, takes the base's figures), `reference` (the best promoted
@@ -32,6 +36,7 @@ import structlog
 from jobs.data.batching import TokenizedSample
 from jobs.data.render import tokenize_record
 from jobs.learning import evaluate
+from jobs.night import drift
 from jobs.night.context import RunContext
 from jobs.night.scores import BASE_MODEL, LoadIdentity, ScoreCache, version_model
 from jobs.store import learning
@@ -57,6 +62,10 @@ class EvalSets:
     after: dict[int, evaluate.SampleScore] = field(default_factory=dict)  # the candidate's, kept once published
     before_is_base: bool = False  # a new adapter (every lora_B zero): it scores as the base, measured after
     owed: list[str] = field(default_factory=list)  # stages measured after training by swapping weights in
+    canary: list[TokenizedSample] = field(default_factory=list)  # the operator's file
+    kl_set: list[TokenizedSample] = field(default_factory=list)  # tonight's samples the KL is measured on
+    per_sample: dict[str, dict[int, evaluate.SampleScore]] = field(default_factory=dict)  # "<data>_<stage>"
+    view: drift.View = field(default_factory=dict)  # the candidate's distributions on kl_set
 
 
 def score_cache(ctx: RunContext, loaded: Any, compute: str) -> ScoreCache:
@@ -67,31 +76,34 @@ def score_cache(ctx: RunContext, loaded: Any, compute: str) -> ScoreCache:
 
 
 def build_sets(ctx: RunContext, tokenizer: Any, heldout_ids: list[int], parent: int | None,
-               cache: ScoreCache) -> EvalSets:
+               cache: ScoreCache, new_samples: list[TokenizedSample] | None = None) -> EvalSets:
+    """`new_samples`: tonight's new training samples (the KL is measured on them after the held-out)."""
     started = time.monotonic()
     cfg, ledger = ctx.cfg, ctx.ledger
     tk = {"max_seq_length": cfg.train.max_seq_length, "overlong": "truncate",
           "special_tokens": cfg.train.special_tokens}
     cap = cfg.eval.max_eval_samples
-    heldout = [tokenize_record(tokenizer, r.id, r.record, **tk) for r in ledger.samples_by_id(heldout_ids[:cap])]
+    tonight = heldout_ids[:cap]
+    pooled = learning.recent_heldout(ledger, min(cap, cfg.eval.heldout_pool) - len(tonight), exclude=set(tonight))
+    heldout = [tokenize_record(tokenizer, r.id, r.record, **tk) for r in ledger.samples_by_id(tonight + pooled)]
     picked = learning.regression_ids(ledger, cap)
     slices = dict(picked)
     regression = [tokenize_record(tokenizer, r.id, r.record, **tk)
                   for r in ledger.samples_by_id([sid for sid, _ in picked])]
-    if cfg.eval.regression_set:
-        extra = evaluate.load_regression_set(cfg.eval.regression_set, tokenizer, limit=cap,
-                                             max_seq_length=cfg.train.max_seq_length)
-        regression += extra
-        slices.update({s.sample_id: FILE_SLICE for s in extra})
+    canary = (evaluate.load_regression_set(cfg.eval.canary_set, tokenizer, limit=cap,
+                                           max_seq_length=cfg.train.max_seq_length) if cfg.eval.canary_set else [])
+    own = [s for s in heldout if s.sample_id in set(tonight)]
+    kl_set = (own + list(new_samples or []))[: cfg.eval.kl_samples]
     ref = learning.reference_version(ledger)
     ref_path = ctx.registry.path_of(cfg.model.name, ref) if ref is not None else None
     if ref_path is not None and not (ref_path / "adapter_model.safetensors").is_file():
         log.warning("reference_not_on_disk", version=ref, note="the base model serves as the reference")
         ref, ref_path = None, None
     service_path = ctx.registry.path_of(cfg.model.name, parent) if parent is not None else None
-    log.info("eval_sets", heldout=len(heldout), regression=len(regression),
+    log.info("eval_sets", heldout=len(heldout), pooled=len(pooled), regression=len(regression), canary=len(canary),
              seconds=round(time.monotonic() - started, 2))
-    return EvalSets(heldout, regression, cache, slices, ref, ref_path, parent, service_path)
+    return EvalSets(heldout, regression, cache, slices, ref, ref_path, parent, service_path, canary=canary,
+                    kl_set=kl_set)
 
 
 def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
@@ -104,7 +116,7 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
         sets.before_is_base = bool(saved.get("before_is_base"))
         sets.owed = [str(x) for x in saved.get("owed", [])]  # an older night's file: everything was measured
         return saved["metrics"], saved["slices"]
-    sized = _sized(ctx, {"heldout": sets.heldout, "regression": sets.regression})
+    sized = _sized(ctx, {"heldout": sets.heldout, "regression": sets.regression, "canary": sets.canary})
     model = loaded.model
     measured: Measured = {}
     slices: dict[str, dict[str, Any]] = {}
@@ -114,6 +126,7 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
             scores = sets.cache.scored(model_key, samples, lambda ss: _scores(ctx, loaded, ss))
             if stage == "after":
                 sets.after.update(scores)
+            sets.per_sample[f"{data}_{stage}"] = scores
             measured[f"{data}_{stage}"] = evaluate.summarize(scores.values()) if samples else None
             if data == "regression":
                 for name, m in _by_slice(scores, sets.slices).items():
@@ -122,11 +135,15 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
     if when == "after":
         run("after")
         if hasattr(model, "disable_adapter"):
+            kl = _Kl(ctx, loaded, sets)
             with model.disable_adapter():
                 run("base", BASE_MODEL)
+                if sets.before_is_base:
+                    kl.measure()
             if "before" in sets.owed:
                 _run_swapped(ctx, model, sets.service_path, "before",
-                             lambda: run("before", version_model(sets.service)), sized)
+                             lambda: (run("before", version_model(sets.service)), kl.measure()), sized)
+            kl.close()
             if "reference" in sets.owed and sets.reference is not None and not _run_swapped(
                     ctx, model, sets.reference_path, "reference",
                     lambda: run("reference", version_model(sets.reference)), None):
@@ -157,6 +174,31 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
                        "before_is_base": sets.before_is_base, "owed": sets.owed,
                        "not_evaluated": ctx.summary.not_evaluated})
     return measured, slices
+
+
+class _Kl:
+    """The candidate's view taken now (its weights in the model); measured against the adapter in service
+    in whichever pass has the service's weights in (the base's, for a new adapter)."""
+
+    def __init__(self, ctx: RunContext, loaded: Any, sets: EvalSets) -> None:
+        self.ctx, self.loaded, self.sets, self.done = ctx, loaded, sets, False
+        self.kw = {"pad_id": loaded.tokenizer.pad_token_id, "device": loaded.device,
+                   "max_tokens_per_batch": ctx.cfg.eval.max_tokens_per_batch}
+        sets.view = drift.candidate_view(loaded.model, sets.kl_set, **self.kw) if sets.kl_set else {}
+
+    def measure(self) -> None:
+        d = drift.kl_from_view(self.loaded.model, self.sets.kl_set, self.sets.view, **self.kw)
+        self.done = d is not None
+        if d is not None:
+            self.ctx.summary.kl_from_service = round(d.kl, 6)
+            log.info("drift", kl=round(d.kl, 5), samples=d.samples, tokens=d.tokens)
+
+    def close(self) -> None:
+        self.sets.view = {}
+        if not self.done:
+            self.ctx.summary.not_evaluated.setdefault("kl", "no samples tonight, or the adapter in service was not "
+                                                            "measured after training" if self.sets.kl_set else
+                                                            "no samples tonight ([eval] kl_samples)")
 
 
 def _run_swapped(ctx: RunContext, model: Any, path: Path | None, stage: str, run: Any,
@@ -190,13 +232,17 @@ def _fill_from_others(measured: Measured, slices: dict[str, dict[str, Any]], set
                       sized: dict[str, list[TokenizedSample]]) -> None:
     """The stages that are another's figures: the base as the reference while none is promoted, the base as
     a new adapter's `before`, the service as the reference when it is the best promoted."""
+    ps = sets.per_sample
     for data in sized:
         if sets.before_is_base:
             measured[f"{data}_before"] = measured[f"{data}_base"]
+            ps[f"{data}_before"] = ps.get(f"{data}_base", {})
         if sets.reference is None:
             measured[f"{data}_reference"] = measured[f"{data}_base"]
+            ps[f"{data}_reference"] = ps.get(f"{data}_base", {})
         elif sets.reference == sets.service and f"{data}_before" in measured:  # else kept from before training
             measured[f"{data}_reference"] = measured[f"{data}_before"]
+            ps[f"{data}_reference"] = ps.get(f"{data}_before", {})
     if sets.before_is_base:
         for stages in slices.values():
             stages["before"] = stages.get("base")
@@ -213,7 +259,7 @@ def _new_adapter(model: Any) -> bool:
 
 def keep_candidate_scores(ctx: RunContext, sets: EvalSets, version: int) -> None:
     """The promoted candidate's scores, as the version it now is: tomorrow's "before" and "reference"."""
-    samples = [s for s in sets.heldout + sets.regression if s.sample_id in sets.after]
+    samples = [s for s in sets.heldout + sets.regression + sets.canary if s.sample_id in sets.after]
     sets.cache.add(version_model(version), samples, sets.after)
     on_disk = {v for p in ctx.registry.adapters.iterdir() if (v := parse_version(p.name)) is not None}
     sets.cache.forget_versions_except(on_disk)

@@ -31,8 +31,8 @@ def measure_overheads(loaded: Loaded, cfg: NightConfig, *, load_seconds: float, 
     heldout = make_samples("alpaca", int(cfg.eval.max_eval_samples * 117), vocab=vocab, cap=cap, seed=7)
     heldout = heldout[: cfg.eval.max_eval_samples]
     sets = [heldout]
-    if cfg.eval.regression_set is not None and Path(cfg.eval.regression_set).is_file():
-        sets.append(evaluate.load_regression_set(cfg.eval.regression_set, loaded.tokenizer,
+    if cfg.eval.canary_set is not None and Path(cfg.eval.canary_set).is_file():
+        sets.append(evaluate.load_regression_set(cfg.eval.canary_set, loaded.tokenizer,
                                                  limit=cfg.eval.max_eval_samples,
                                                  max_seq_length=cfg.train.max_seq_length))
     kw = {"pad_id": loaded.tokenizer.pad_token_id or 0, "device": loaded.device,

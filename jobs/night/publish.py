@@ -39,11 +39,12 @@ from jobs.contract import (
 from jobs.contract.crashpoints import declare, reached
 from jobs.gpu.telemetry import energy_fields
 from jobs.learning import gate
+from jobs.night import isolate
 from jobs.night.candidate import Prepared
 from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun
 from jobs.night.lineage import method_of
-from jobs.store import learning
+from jobs.store import file_strikes, learning
 from jobs.store.adapters import announce
 from jobs.store.files import DamagedState
 from jobs.store.locking import StateLock
@@ -58,7 +59,8 @@ VERSION_RECORDED = declare("publish.version_recorded",
 
 def judge(ctx: RunContext, prep: Prepared | None = None) -> GateResult:
     verdict = gate.gate(ctx.summary.losses, ctx.cfg.eval, ctx.summary.metrics,
-                            not_evaluated=ctx.summary.not_evaluated)
+                        not_evaluated=ctx.summary.not_evaluated,
+                        per_sample=prep.sets.per_sample if prep is not None else None)
     ref = prep.sets.reference if prep is not None else None
     verdict.reference_version = ref
     verdict.reference = f"v{ref} (the best promoted version so far)" if ref else "the base model (none promoted yet)"
@@ -80,6 +82,7 @@ def publish_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun, resu
     new_ids = [i for i in result.trained_ids if i not in prep.replay_ids]
     replayed = [i for i in result.trained_ids if i in prep.replay_ids]
     partial = [i for i in result.partial_ids if i not in prep.replay_ids]  # stay pending either way
+    blamed = _blame(ctx, prep, verdict, set(new_ids))
     ctx.stop_gpu()  # the version's energy: load, train and evaluate
     with ctx.phase(Phase.publish), StateLock(StatePaths(ctx.state).lock, what="publish"):
         registry.clean_stale()
@@ -95,8 +98,9 @@ def publish_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun, resu
             _discard_own_unrecorded(ctx, final, planned.version)
         tmp = registry.new_tmp_dir(version_name(cfg.model.name, planned.version))
         save_version(prep.loaded, tmp)  # an adapter, or a whole model (method = "full")
-        verdict.new_reference = passed and gate.at_least_as_good(s.metrics.get("regression_after"),
-                                                                     s.metrics.get("regression_reference"))
+        verdict.new_reference = passed and gate.better_than(
+            s.metrics.get("regression_after"), s.metrics.get("regression_reference"),
+            reference_is_base=prep.sets.reference is None)
         manifest = _manifest(ctx, prep, planned, result, new_ids, replayed, passed)
         manifest["size_bytes"] = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file())  # retention, disk
         path = registry.publish(tmp, cfg.model.name, planned.version, manifest)
@@ -115,16 +119,36 @@ def publish_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun, resu
                     learning.set_reference(ledger, c, planned.version, run_id=ctx.run_id,
                                            detail={"regression": s.metrics.get("regression_after")})
             else:
+                back = new_ids + partial + prep.heldout_ids
+                if blamed is not None:  # the blamed files held; the rest of the night learns tomorrow, uncounted
+                    for fid in blamed.blamed:
+                        row = file_strikes.strike(ledger, c, fid, version=planned.version,
+                                                  reason=f"{verdict.failed()}; harm {blamed.harm[fid]:.2f} > "
+                                                         f"max(replay's {blamed.yardstick:.2f}, 0) + {isolate.MARGIN}")
+                        s.isolated[row.path] = f"{row.status}: {row.reason}"
+                    held = {i for f in blamed.blamed for i in file_strikes.files_of(ledger, back).get(f, [])}
+                    back = [i for i in back if i not in held]
                 s.returned_samples, s.set_aside_samples = learning.return_rejected(
-                    ledger, c, new_ids + partial + prep.heldout_ids, version=planned.version,
+                    ledger, c, back, version=planned.version,
                     reason=verdict.held_back or verdict.failed() or "rejected", mode=cfg.plan.rejected_samples,
-                    set_aside_after=cfg.plan.set_aside_after, count=verdict.held_back is None)
+                    set_aside_after=cfg.plan.set_aside_after, count=verdict.held_back is None and blamed is None)
             s.regression_samples = learning.regression_size(ledger)[0]
         reached(VERSION_RECORDED)
         if passed:
             registry.promote(path)
     s.promoted, s.adapter_path = passed, str(path)
     return Published(planned.version, path, passed)
+
+
+def _blame(ctx: RunContext, prep: Prepared, verdict: GateResult, new_ids: set[int]) -> isolate.Blame | None:
+    """A rejected night's files scored (jobs/night/isolate.py); None: nothing blamed, or not rejected for its
+    data (held back), or configured to reject whole nights (`[plan] rejected_samples = "rejected"`)."""
+    if verdict.passed or verdict.held_back or ctx.cfg.plan.rejected_samples != "pending":
+        return None
+    failed = [(c.name.split(".")[0], c.against) for c in verdict.checks if not c.passed and not c.skipped]
+    new = [x for x in prep.train_set if x.sample_id in new_ids]
+    replay = [x for x in prep.train_set if x.sample_id in prep.replay_ids]
+    return isolate.on_rejection(ctx, prep.loaded, prep.sets, new, replay, failed)
 
 
 def _discard_own_unrecorded(ctx: RunContext, final: Path, version: int) -> None:
@@ -166,6 +190,7 @@ def _manifest(ctx: RunContext, prep: Prepared, planned: PlannedRun, result: Trai
         "losses": s.losses.model_dump(), "metrics": s.metrics,
         "gate": s.gate.model_dump() if s.gate else None, "promoted": promoted,
         "not_evaluated": s.not_evaluated, "regression_slices": prep.slices,
+        "kl_from_service": s.kl_from_service, "isolated": s.isolated,
         "loss_curve": loss_curve_points(result.loss_curve),
         "phase_seconds": s.phase_seconds,
         "plan": {"predicted_train_seconds": p.predicted_train_seconds, "tokens_per_second": p.tokens_per_second,

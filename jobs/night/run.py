@@ -22,6 +22,7 @@ from jobs.night.candidate import evaluate_candidate, load_model_and_data, train_
 from jobs.night.config import NightConfig
 from jobs.night.context import RunContext, open_context
 from jobs.night.intake import plan_night, pull_new_data
+from jobs.night.isolate import rescore_held
 from jobs.night.measure import keep_candidate_scores
 from jobs.night.model import ensure_model, model_fingerprint, model_to_read, throughput_key
 from jobs.night.publish import announce_version, close_run, finish_published, judge, publish_candidate
@@ -124,6 +125,8 @@ def _steps(ctx: RunContext) -> None:
     published = publish_candidate(ctx, prep, planned, result, judge(ctx, prep))
     if published.promoted:
         keep_candidate_scores(ctx, prep.sets, published.version)
+        rescore_held(ctx, prep.loaded, prep.sets, [x for x in prep.train_set if x.sample_id not in prep.replay_ids],
+                     published.version)
         announce_version(ctx, published.version, published.path)
     close_run(ctx, planned, result, published)
 

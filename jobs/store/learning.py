@@ -106,6 +106,16 @@ def regression_ids(ledger: Ledger, cap: int) -> list[tuple[int, str]]:
     return out
 
 
+def recent_heldout(ledger: Ledger, n: int, *, exclude: set[int]) -> list[int]:
+    """Up to `n` held-out samples of the most recent promoted nights (newest first): the pool that tops up a
+    night with too few held-out samples of its own."""
+    if n <= 0:
+        return []
+    rows = ledger.db.execute("SELECT id FROM samples WHERE status='heldout' ORDER BY id DESC LIMIT ?",
+                             (n + len(exclude),))
+    return [int(r[0]) for r in rows if int(r[0]) not in exclude][:n]
+
+
 def regression_size(ledger: Ledger) -> tuple[int, int]:
     """(samples, slices) of the regression set."""
     r = ledger.db.execute("SELECT COUNT(*), COUNT(DISTINCT night || '/' || source) FROM regression_set").fetchone()

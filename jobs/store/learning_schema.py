@@ -79,3 +79,14 @@ def _rebuild_samples(db: sqlite3.Connection) -> None:
     db.execute("DROP TABLE samples")
     db.execute("ALTER TABLE samples_v2 RENAME TO samples")
     db.execute("CREATE INDEX IF NOT EXISTS samples_by_status ON samples (status, id)")
+
+
+FILE_STRIKES = """
+CREATE TABLE IF NOT EXISTS file_strikes (
+  file_id INTEGER PRIMARY KEY, strikes INTEGER NOT NULL, status TEXT NOT NULL, reason TEXT, at REAL NOT NULL)
+"""
+
+
+def migrate_file_strikes(c: sqlite3.Connection) -> None:
+    """Migration step 4: the files a rejected night blamed (jobs/store/file_strikes.py), held then quarantined."""
+    c.execute(FILE_STRIKES)

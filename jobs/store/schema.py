@@ -108,6 +108,8 @@ MIGRATIONS: list[Step] = [
          _file_identity),
     Step(3, "learning that holds: sample statuses rejected/set_aside, regression set, loss curves, references",
          learning_schema.migrate),
+    Step(4, "file strikes: a rejected night's blamed files held, quarantined at the second fault (issue 39)",
+         learning_schema.migrate_file_strikes),
 ]
 LATEST = MIGRATIONS[-1].version
 

@@ -9,14 +9,15 @@ import sys
 import pytest
 
 from jobs.contract import ExitCode
-from jobs.store.locking import NIGHT_LOCK, LockTimeout, night_lock
+from jobs.store.locking import LockTimeout, night_lock
+from jobs.store.paths import StatePaths
 from tests.conftest import REPO, alpaca, toml_config, write_jsonl
 
 
 def test_the_night_lock_holds_when_its_file_is_deleted(tmp_path):
     state = tmp_path / "state"
     with night_lock(state, what="nightshift once"):
-        (state / NIGHT_LOCK).unlink()  # `rm state/*.lock` while a night trains
+        StatePaths(state).night_lock.unlink()  # `rm state/*.lock` while a night trains
         with pytest.raises(LockTimeout, match="held by another nightshift process"):
             night_lock(state, timeout=0, what="a second night").__enter__()
     with night_lock(state, timeout=0):  # released with its holder

@@ -37,7 +37,7 @@ def test_redaction_keeps_the_host_and_known_endpoints_and_masks_the_rest():
 
 
 def test_every_log_line_is_redacted():
-    from jobs import logs
+    from jobs.runtime import logs
 
     stream = io.StringIO()
     logs.configure("INFO", fmt="json", stream=stream, priority_prefix=False)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+import tomllib
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from jobs.contract import GateCheck, Losses
-from jobs.learning.gate import EvalConfig, GateRule, at_least_as_good, gate
+from jobs.learning.evaluate import SampleScore
+from jobs.learning.gate import EvalConfig, GateRule, better_than, gate
 
 
 def losses(**kw: float | None) -> Losses:
@@ -100,30 +103,47 @@ def test_the_defaults_protect_answers_per_night_and_against_the_reference_and_th
     assert cfg.max_regression_increase_pct is None  # a learned answer's loss is ~0.02: a % of it is noise
     names = [r.name for r in cfg.rules()]
     assert names == ["regression.exact_match", "regression.token_accuracy", "regression.exact_match vs reference",
-                     "regression.token_accuracy vs reference"]
+                     "regression.token_accuracy vs reference", "heldout.exact_match"]
     metrics = {"regression_before": em(0.90), "regression_reference": em(0.97), "regression_after": em(0.90)}
     result = gate(losses(), cfg, metrics)  # no worse than the service, 7 points under the reference
-    assert not result.passed and [c.passed for c in result.checks] == [True, True, False, False]
+    assert not result.passed and [c.passed for c in result.checks] == [True, True, False, False, True]
     assert result.checks[2].against == "reference" and result.checks[2].before == 0.97
     base = EvalConfig(gate=[GateRule(data="regression", metric="loss", against="base", max_worse_pct=0)])
     assert gate(losses(), base, {**metrics, "regression_base": em(0.5)}).passed  # loss 0.1 vs the base's 0.5
     assert not gate(losses(), base, {**metrics, "regression_base": em(0.95)}).passed
 
 
-def test_one_samples_worth_is_tolerated_on_a_small_set():
+def scores(rights: list[bool]) -> dict[int, SampleScore]:
+    return {i: SampleScore(loss_sum=0.1 if r else 2.0, tokens=2, exact=r, reply_tokens=2, reply_correct=2 if r else 0)
+            for i, r in enumerate(rights)}
+
+
+def paired(before: list[bool], after: list[bool]) -> tuple[dict[str, Any], dict[str, Any]]:
+    m = {f"regression_{k}": em(sum(v) / len(v), len(v)) for k, v in
+         (("before", before), ("reference", before), ("after", after))}
+    return m, {f"regression_{k}": scores(v) for k, v in (("before", before), ("reference", before), ("after", after))}
+
+
+def test_a_drop_within_the_noise_of_a_small_set_passes_and_the_same_share_of_a_big_one_does_not():
     cfg = EvalConfig()
-    small = {"regression_before": em(1.0, 14), "regression_reference": em(1.0, 14), "regression_after": em(13 / 14, 14)}
-    result = gate(losses(), cfg, small)  # one answer of 14 (7 points) is within "0.05 or 1 sample"
-    assert result.passed and result.checks[0].rule == "worse by <= 0.05 or 1 sample"
-    small["regression_after"] = em(12 / 14, 14)  # two answers are not
-    assert not gate(losses(), cfg, small).passed
-    big = {"regression_before": em(1.0), "regression_reference": em(1.0), "regression_after": em(0.94)}
-    assert not gate(losses(), cfg, big).passed  # 6 points of 200 samples: 12 answers
+    metrics, per = paired([True] * 8, [True] * 6 + [False] * 2)  # 2 answers of 8 lost: 25 points, p = 0.25
+    assert not gate(losses(), cfg, metrics).passed  # the point figures alone refuse it
+    result = gate(losses(), cfg, metrics, per_sample=per)
+    assert result.passed and result.checks[0].p_value == pytest.approx(0.25) and result.checks[0].paired == 8
+    assert "within chance" in result.checks[0].rule
+    metrics, per = paired([True] * 200, [True] * 150 + [False] * 50)  # 50 answers of 200
+    result = gate(losses(), cfg, metrics, per_sample=per)
+    assert not result.passed and result.checks[0].p_value < 1e-10
+    # wins and losses that cancel out: the sign test counts both
+    metrics, per = paired([True] * 10 + [False] * 10, [False] * 10 + [True] * 10)
+    assert gate(losses(), cfg, metrics, per_sample=per).passed
+    metrics, per = paired([True] * 8, [True] * 6 + [False] * 2)
+    assert not gate(losses(), EvalConfig(alpha=None), metrics, per_sample=per).passed  # alpha None: points decide
 
 
-def slow_drift(cfg: EvalConfig, nights: int, step: float = 0.04) -> list[tuple[float, bool]]:
+def slow_drift(cfg: EvalConfig, nights: int, step: float = 0.02) -> list[tuple[float, bool]]:
     """Nights whose candidates each lose `step` of exact match against the adapter in service. The
-    reference moves as the night does (jobs/night/publish.py): to a promoted candidate at least as good."""
+    reference moves as the night does (jobs/night/publish.py): to a promoted candidate strictly better."""
     service = reference = 0.99
     out = []
     for _ in range(nights):
@@ -132,7 +152,7 @@ def slow_drift(cfg: EvalConfig, nights: int, step: float = 0.04) -> list[tuple[f
                    "regression_after": em(after)}
         passed = gate(losses(), cfg, metrics).passed
         if passed:
-            if at_least_as_good(em(after), em(reference)):
+            if better_than(em(after), em(reference)):
                 reference = after
             service = after
         out.append((round(service, 2), passed))
@@ -141,18 +161,27 @@ def slow_drift(cfg: EvalConfig, nights: int, step: float = 0.04) -> list[tuple[f
 
 def test_a_slow_drift_passes_a_per_night_limit_and_is_stopped_by_the_cumulative_one():
     per_night_only = EvalConfig(gate=[r for r in EvalConfig().gate if r.against == "service"])
-    drift = slow_drift(per_night_only, 5)  # 4 points a night, each within the 5-point per-night limit
-    assert all(passed for _, passed in drift) and drift[-1][0] == pytest.approx(0.79)  # 20 points lost
+    drift = slow_drift(per_night_only, 5)  # 2 points a night, each within the 3-point per-night limit
+    assert all(passed for _, passed in drift) and drift[-1][0] == pytest.approx(0.89)  # 10 points lost
     anchored = slow_drift(EvalConfig(), 5)
     assert [passed for _, passed in anchored] == [True, False, False, False, False]
-    assert anchored[-1][0] == pytest.approx(0.95)  # held within 5 points of the best promoted version
+    assert anchored[-1][0] == pytest.approx(0.97)  # held within 3 points of the best measured version
 
 
-def test_the_reference_moves_to_a_candidate_at_least_as_good():
-    assert at_least_as_good(em(0.9), em(0.9)) and at_least_as_good(em(0.95), em(0.9))
-    assert not at_least_as_good(em(0.89), em(0.9))
-    assert at_least_as_good({"exact_match": 0.5, "token_accuracy": 0.8}, {"exact_match": 0.5, "token_accuracy": 0.7})
-    assert at_least_as_good(None, em(0.9)) and at_least_as_good(em(0.1), None)  # nothing to compare: it does
+def test_a_tie_or_a_loss_never_moves_the_reference():
+    assert not better_than(em(0.9), em(0.9)) and better_than(em(0.95), em(0.9))  # a tie used to move it
+    assert not better_than(em(0.89), em(0.9))
+    assert better_than({"exact_match": 0.5, "token_accuracy": 0.8}, {"exact_match": 0.5, "token_accuracy": 0.7})
+    assert better_than(None, None, reference_is_base=True)  # a first promotion replaces the base
+    assert not better_than(None, em(0.9)) and not better_than(em(0.1), None)  # nothing measured: it stays
+    # noisy nights that tie the reference each night on the regression set cannot walk it down
+    reference, history = 0.99, []
+    for noise in (0.0, -0.01, 0.0, -0.02, 0.0):
+        cand = reference + noise
+        if better_than(em(cand), em(reference)):
+            reference = cand
+        history.append(reference)
+    assert history == [0.99] * 5
 
 
 def test_a_rule_needs_a_threshold_and_names_are_checked():
@@ -160,3 +189,29 @@ def test_a_rule_needs_a_threshold_and_names_are_checked():
         GateRule(data="heldout", metric="loss")
     with pytest.raises(ValidationError):
         EvalConfig.model_validate({"gate": [{"data": "train", "max_worse": 1}]})
+
+
+def test_the_shipped_config_gates_only_on_the_users_own_data():
+    """Issue 39: the shipped `max_regression_increase_pct = 5` over the demo's 8 records refused every night
+    of a second task. Now no default rule reads data the user did not give, nor a loss percentage."""
+    raw = tomllib.loads((Path(__file__).resolve().parents[2] / "config" / "nightshift.toml").read_text())
+    cfg = EvalConfig.model_validate(raw["eval"])
+    assert cfg.canary_set is not None and cfg.canary_max_drop is None  # the demo file: measured, not gated
+    assert cfg.rules() and all(r.data in ("heldout", "regression") and r.metric != "loss" for r in cfg.rules())
+    # a night of a new task: the user's earlier answers hold, tonight's are learned, the demo file's collapse
+    night = {"regression_before": em(0.95), "regression_reference": em(0.95), "regression_after": em(0.95),
+             "heldout_before": em(0.0), "heldout_after": em(0.9), "canary_before": em(0.5), "canary_after": em(0.0)}
+    night["regression_after"]["loss"] = night["regression_before"]["loss"] * 3
+    assert gate(losses(regression_before=0.05, regression_after=0.15), cfg, night).passed
+    # an operator who points the canary gate at it is refused beyond the threshold
+    strict = EvalConfig.model_validate({**raw["eval"], "canary_max_drop": 0.1})
+    result = gate(losses(), strict, night)
+    assert not result.passed and result.failed().startswith("canary.exact_match 0.5 -> 0")
+
+
+def test_the_paired_test_never_overrides_a_limit():
+    cfg = EvalConfig(gate=[GateRule(data="regression", metric="exact_match", limit=0.9)])
+    metrics, per = paired([True] * 8, [True] * 6 + [False] * 2)
+    assert not gate(losses(), cfg, metrics, per_sample=per).passed  # 0.75 < 0.9: a bound, not a comparison
+    # the old key is the canary's old name: its file no longer weighs in the regression set
+    assert EvalConfig(regression_set=Path("r.jsonl")).canary_set == Path("r.jsonl")

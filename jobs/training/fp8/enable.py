@@ -201,7 +201,7 @@ def calibrate_fp8(loaded: Any, cfg: Any, model_path: Path, learnable: Learnable 
     if not ok:
         log.info("fp8_refused", reason=why)
         return decide_calibration(cfg.train.compute, False, why, None, None), None
-    files = data_files(cfg.eval.regression_set, [Path(s.inbox) for s in cfg.sources])
+    files = data_files(cfg.eval.canary_set, [Path(s.inbox) for s in cfg.sources])
     ids, label = sample_tokens(loaded.tokenizer, files, n=CAPTURE_TOKENS)
     out = enable_fp8(loaded.model, device=loaded.device, tokens=ids, activations=label,
                      unsloth=loaded.backend == "unsloth", keep_transposed=cfg.train.fp8_keep_transposed,
