@@ -5,9 +5,10 @@ HotswapOutcome per target, in configuration order. A target that fails (after it
 does not stop the others, and nothing here touches the adapter files: a failed hot-swap
 never undoes a publication. Only the URLs and commands from the configuration are used.
 
-How clients find the newest name: after a swap where every vllm/sglang target has the
-version loaded, `newest_name_file` (if configured) holds it (`tiny-v0007\\n`, replaced
-atomically); the webhook body carries it; the daemon exports it as a metric. Clients must
+How clients find the newest name: a version is served as `<name>-<8 hex digest>` (`tiny-v0007-1a2b3c4d`,
+AdapterRef.served_name). After a swap where every vllm/sglang target has the version loaded,
+`newest_name_file` (if configured) holds that served name (`tiny-v0007-1a2b3c4d\\n`, replaced
+atomically); the webhook body carries it (`served_name`). Clients must
 not take the highest version listed by /v1/models: after a rollback that is the bad one.
 """
 
@@ -90,6 +91,7 @@ def notify_all(
             "kind": t.kind,
             "version": adapter.version,
             "name": adapter.name,
+            "served_name": adapter.served_name if adapter.method.is_adapter else None,
             "attempts": outcome.attempts,
             "seconds": round(outcome.seconds, 3),
         }
@@ -100,7 +102,7 @@ def notify_all(
         outcomes.append(outcome)
     servers_ok = all(o.ok for o in outcomes if o.kind in ("vllm", "sglang"))
     if cfg.newest_name_file is not None and servers_ok:
-        write_newest_name(cfg.newest_name_file, adapter.name)
+        write_newest_name(cfg.newest_name_file, adapter.served_name if adapter.method.is_adapter else adapter.name)
     return outcomes
 
 

@@ -41,6 +41,7 @@ from urllib.parse import urlsplit
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+_VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks (0.32.0)
 _CLEAR_SECRETS = {
     "token": "token",
     "api_key": "api_key",
@@ -63,7 +64,7 @@ def _check_url(url: str) -> str:
 class _Target(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
-    timeout_s: float = Field(30.0, gt=0)  # per HTTP socket operation / whole command run
+    timeout_s: float = Field(30.0, gt=0)  # one deadline for a whole HTTP exchange / a whole command run
     retries: int = Field(2, ge=0)  # attempts after the first one, for transient failures only
     backoff_s: float = Field(1.0, ge=0)  # wait before retry 1; doubles each retry (capped at 60 s)
 
@@ -89,6 +90,7 @@ class _Target(BaseModel):
 class _HttpTarget(_Target):
     verify_tls: bool = True  # off only for a lab; logged as a warning at every send
     ca_bundle: Path | None = None  # PEM file of the CA(s) that signed the server's certificate
+    max_body_bytes: int = Field(1 << 20, ge=1024)  # an answer is read up to this many bytes, the rest dropped
 
 
 class LoraServerTarget(_HttpTarget):
@@ -107,6 +109,12 @@ class LoraServerTarget(_HttpTarget):
     # as not sent. Unset: sglang reloads, vllm refuses (it has no production full-weight reload).
     full_versions: Literal["reload", "refuse"] | None = None
     reload_timeout_s: float = Field(600.0, gt=0)  # reading a whole model from disk takes minutes
+    # What the server was started with, checked before every load (jobs.hotswap.preflight). vLLM does
+    # not say it over HTTP: give its --max-lora-rank here (vLLM's default 16). SGLang says it
+    # (/get_server_info), and its answer wins over these.
+    max_lora_rank: int = Field(16, ge=1)
+    lora_target_modules: list[str] | None = None  # SGLang's --lora-target-modules; unset: not checked
+    expert_lora: bool = False  # the server runs LoRA on MoE experts (vLLM's FusedMoE-LoRA); off: refused
 
     @field_validator("base_url")
     @classmethod
@@ -116,6 +124,9 @@ class LoraServerTarget(_HttpTarget):
     @model_validator(mode="after")
     def _secrets(self) -> LoraServerTarget:
         self._one_of(self.api_key_file, self.api_key_env, "api_key")
+        if self.kind == "vllm" and self.max_lora_rank not in _VLLM_RANKS:
+            raise ValueError(f"max_lora_rank = {self.max_lora_rank}: vLLM's --max-lora-rank is one of "
+                             f"{', '.join(map(str, _VLLM_RANKS))}")
         if self.kind == "vllm" and self.full_versions == "reload":
             raise ValueError('full_versions = "reload": vLLM has no production API to reload a whole model '
                              "(its reload_weights needs VLLM_SERVER_DEV_MODE); use a command or webhook target")
