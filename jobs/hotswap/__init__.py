@@ -36,6 +36,7 @@ from jobs.hotswap.core import (
     Clock,
     HotswapOutcome,
     Sleep,
+    backoff_delays,
 )
 from jobs.hotswap.lora_server import loaded_versions, plan_unloads
 from jobs.hotswap.webhook import verify_signature
@@ -54,6 +55,7 @@ __all__ = [
     "notify_one",
     "plan_unloads",
     "verify_signature",
+    "worst_case_seconds",
     "write_newest_name",
 ]
 
@@ -104,6 +106,17 @@ def notify_all(
     if cfg.newest_name_file is not None and servers_ok:
         write_newest_name(cfg.newest_name_file, adapter.served_name if adapter.method.is_adapter else adapter.name)
     return outcomes
+
+
+def worst_case_seconds(cfg: HotswapConfig) -> float:
+    """How long notify_all can take at most: each target's attempts, each bounded by one deadline
+    (timeout_s; a whole-model reload's reload_timeout_s), and the waits between them. Whoever waits
+    for an announcement in progress (rollback, promote) waits this long, not a guess."""
+    total = 0.0
+    for t in cfg.targets:
+        per_attempt = max(t.timeout_s, t.reload_timeout_s) if isinstance(t, LoraServerTarget) else t.timeout_s
+        total += (t.retries + 1) * per_attempt + sum(backoff_delays(t.retries, t.backoff_s))
+    return total
 
 
 def write_newest_name(path: Path, name: str) -> None:

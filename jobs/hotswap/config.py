@@ -64,7 +64,9 @@ def _check_url(url: str) -> str:
 class _Target(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
-    timeout_s: float = Field(30.0, gt=0)  # one deadline for a whole HTTP exchange / a whole command run
+    # One deadline for a whole attempt: every HTTP exchange of it (connect, send, the whole answer) or
+    # the whole command run. A swap takes at most (retries + 1) * timeout_s plus the backoffs.
+    timeout_s: float = Field(30.0, gt=0)
     retries: int = Field(2, ge=0)  # attempts after the first one, for transient failures only
     backoff_s: float = Field(1.0, ge=0)  # wait before retry 1; doubles each retry (capped at 60 s)
 

@@ -75,10 +75,11 @@ class _Client:
         except SecretError as e:
             raise TargetError(str(e), retryable=False) from e
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.deadline = time.monotonic() + t.timeout_s  # one attempt, all its exchanges, ends here
 
     def _kw(self) -> dict[str, Any]:
         return {"headers": self.headers, "timeout_s": self.t.timeout_s, "ctx": self.ctx,
-                "max_body": self.t.max_body_bytes}
+                "max_body": self.t.max_body_bytes, "deadline": self.deadline}
 
     def post(self, route: str, payload: dict[str, Any]) -> Response:
         return post_json(self.t.base_url + str(self.routes[route]), payload, **self._kw())

@@ -135,13 +135,18 @@ def request(
     timeout_s: float,
     ctx: ssl.SSLContext,
     max_body: int = MAX_BODY_BYTES,
+    deadline: float | None = None,
 ) -> Response:
-    """One HTTP exchange, all of it within `timeout_s`. Raises TargetError for transport failures
-    (retryable unless TLS)."""
+    """One HTTP exchange, all of it within `timeout_s` and before `deadline` (time.monotonic(): the end
+    of the attempt this exchange belongs to). Raises TargetError for transport failures (retryable
+    unless TLS)."""
     hdrs = {"User-Agent": USER_AGENT, "Accept": "application/json", "Connection": "close", **(headers or {})}
-    deadline = time.monotonic() + timeout_s
-    conn, path = _connection(url, timeout_s, ctx)
-    watchdog = _Watchdog(conn, timeout_s)
+    now = time.monotonic()
+    deadline = min(now + timeout_s, deadline if deadline is not None else float("inf"))
+    if deadline <= now:
+        raise TargetError(f"{method} {url}: not sent, the attempt's {timeout_s:g} s are spent", retryable=True)
+    conn, path = _connection(url, deadline - now, ctx)
+    watchdog = _Watchdog(conn, deadline - now)
     timed_out = TargetError(f"{method} {url}: timed out after {timeout_s:g} s (the whole exchange)", retryable=True)
     try:
         with watchdog:
@@ -161,7 +166,7 @@ def request(
         if watchdog.fired.is_set():
             raise timed_out from e
         raise TargetError(f"{method} {url}: TLS error: {e}", retryable=False) from e
-    except (TimeoutError, socket.timeout) as e:
+    except TimeoutError as e:
         raise timed_out from e
     except (OSError, http.client.HTTPException) as e:  # refused, reset mid-answer, bad status line...
         if watchdog.fired.is_set():

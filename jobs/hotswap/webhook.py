@@ -123,7 +123,8 @@ def post(
             ts = int(wall())
             headers[TIMESTAMP_HEADER] = str(ts)
             headers[SIGNATURE_HEADER] = sign(secret, ts, body)
-        r = request("POST", t.url, body=body, headers=headers, timeout_s=t.timeout_s, ctx=ctx)
+        r = request("POST", t.url, body=body, headers=headers, timeout_s=t.timeout_s, ctx=ctx,
+                    max_body=t.max_body_bytes)
         if not r.ok:
             raise TargetError(
                 f"POST {t.url}: HTTP {r.status}: {r.message()}",

@@ -38,12 +38,12 @@ from jobs.contract import (
     version_name,
 )
 from jobs.gpu import energy_fields
+from jobs.hotswap.versions import announce
 from jobs.night.candidate import Prepared
 from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun
 from jobs.night.lineage import method_of
 from jobs.store import learning
-from jobs.store.adapters import announce
 from jobs.store.files import DamagedState
 from jobs.store.locking import StateLock
 from jobs.training.loop import TrainResult
