@@ -415,7 +415,7 @@ def test_nights_hotswap_and_peft_swaps_v1_for_v2_in_place(
     hs = [e for e in events if e["event"] == "hotswap"]
     assert [(e["version"], e["outcome"]["target"], e["outcome"]["ok"]) for e in hs] == [(1, "vllm", True)]
     assert [e["state"] for e in events if e["event"] == "phase" and e["phase"] == "hotswap"] == ["start", "end"]
-    assert bare(vllm.loaded) == ["tiny-v0001"] and newest.read_text() == f"{list(vllm.loaded)[0]}\n"
+    assert bare(vllm.loaded) == ["tiny-v0001"] and newest.read_text() == f"{next(iter(vllm.loaded))}\n"
 
     ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
 
@@ -462,7 +462,7 @@ def test_nights_hotswap_and_peft_swaps_v1_for_v2_in_place(
     # rollback through the CLI: current moves back, vLLM and the consumer follow
     s = settings(state, vllm_target(vllm), newest=newest)
     assert cli(s, "adapters", "rollback") == 0
-    assert current(state) == "tiny-v0001" and newest.read_text() == f"{list(vllm.loaded)[0]}\n"
+    assert current(state) == "tiny-v0001" and newest.read_text() == f"{next(iter(vllm.loaded))}\n"
     hotswap_adapter(consumer, str(state / "current"), adapter_name="default")
     assert torch.equal(logits(consumer), before)
 
