@@ -188,11 +188,29 @@ class CommandTarget(_Target):
 Target = Annotated[LoraServerTarget | WebhookTarget | CommandTarget, Field(discriminator="kind")]
 
 
+class ShadowConfig(BaseModel):
+    """[hotswap.shadow]: the candidate through the server before promotion (jobs.hotswap.shadow).
+
+    Loaded under a shadow name, the gate's probe prompts answered greedily by the server and by the
+    candidate in process; the gate fails where more than `max_disagreement` of them differ in their
+    first `max_new_tokens` tokens. Same dtype and weights (a LoRA on an unquantised base, float32 or
+    bf16 on both sides) agree token for token; a QLoRA candidate (4-bit base in process, 16-bit in the
+    server) may not: give such a setup a tolerance."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = False
+    target: str | None = None  # the vllm/sglang target to ask (default: the first one)
+    samples: int = Field(8, ge=1)  # probe prompts, from the held-out then the regression set
+    max_new_tokens: int = Field(8, ge=1)
+    max_disagreement: float = Field(0.0, ge=0.0, le=1.0)  # share of probes allowed to differ
+
+
 class HotswapConfig(BaseModel):
     """[hotswap]: the targets, notified one after the other after a promotion or a rollback."""
 
     model_config = ConfigDict(extra="forbid")
     targets: list[Target] = Field(default_factory=list)
+    shadow: ShadowConfig = Field(default_factory=ShadowConfig)
     # Written (atomically) with the served name, e.g. `tiny-v0007\n`, once every vllm/sglang
     # target has it loaded: clients pick the newest name here (or from the metric / webhook),
     # never by "highest version listed" (after a rollback that one is the bad one).
@@ -207,6 +225,19 @@ class HotswapConfig(BaseModel):
                 raise ValueError(f"two targets are named {t.name!r}; names label metrics and must be unique")
             seen.add(t.name)
         return targets
+
+    @model_validator(mode="after")
+    def _shadow_target(self) -> HotswapConfig:
+        if self.shadow.enabled and self.shadow_target() is None:
+            which = f"named {self.shadow.target!r}" if self.shadow.target else "at all"
+            raise ValueError(f"[hotswap.shadow] enabled, but no vllm or sglang target {which} to load the candidate in")
+        return self
+
+    def shadow_target(self) -> LoraServerTarget | None:
+        servers = [t for t in self.targets if isinstance(t, LoraServerTarget)]
+        if self.shadow.target is not None:
+            servers = [t for t in servers if t.name == self.shadow.target]
+        return servers[0] if servers else None
 
 
 class SecretError(Exception):

@@ -65,7 +65,7 @@ ROUTES = {
 }
 
 
-class _Client:
+class Client:
     def __init__(self, t: LoraServerTarget) -> None:
         self.t = t
         self.routes = ROUTES[t.kind]
@@ -77,15 +77,15 @@ class _Client:
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.deadline = time.monotonic() + t.timeout_s  # one attempt, all its exchanges, ends here
 
-    def _kw(self) -> dict[str, Any]:
+    def kw(self) -> dict[str, Any]:
         return {"headers": self.headers, "timeout_s": self.t.timeout_s, "ctx": self.ctx,
                 "max_body": self.t.max_body_bytes, "deadline": self.deadline}
 
     def post(self, route: str, payload: dict[str, Any]) -> Response:
-        return post_json(self.t.base_url + str(self.routes[route]), payload, **self._kw())
+        return post_json(self.t.base_url + str(self.routes[route]), payload, **self.kw())
 
     def get(self, route: str) -> Response:
-        return request("GET", self.t.base_url + str(self.routes[route]), **self._kw())
+        return request("GET", self.t.base_url + str(self.routes[route]), **self.kw())
 
     def limits(self) -> preflight.ServerLimits:
         """What the server can load: SGLang says it at /get_server_info; vLLM: the target's settings."""
@@ -157,7 +157,7 @@ def _version(name: str) -> int:
 def loaded_versions(t: LoraServerTarget, prefix: str) -> list[str]:
     """The 'kept loaded' set: our versions that the server lists now, oldest first (an SGLang that
     lists no adapters in /v1/models cannot say without a load: [])."""
-    served, _ = _Client(t).served()
+    served, _ = Client(t).served()
     return ours(served or {}, prefix)
 
 
@@ -189,7 +189,7 @@ def swap(
     shape = preflight.adapter_shape(adapter.path) if (adapter.path / "adapter_config.json").exists() else None
 
     def attempt(_: int) -> dict[str, Any]:
-        c = _Client(t)
+        c = Client(t)
         if shape is not None:
             preflight.check(t, name, shape, c.limits())
         detail: dict[str, Any] = {"lora_name": name, "lora_path": path, "already_loaded": False}
@@ -234,7 +234,7 @@ def swap(
     )
 
 
-def _unload_extra(c: _Client, adapter: AdapterRef, served: list[str], keep: int) -> tuple[list[str], dict]:
+def _unload_extra(c: Client, adapter: AdapterRef, served: list[str], keep: int) -> tuple[list[str], dict]:
     """Unload failures do not fail the swap (the new version is served); they are reported."""
     unloaded: list[str] = []
     errors: dict[str, str] = {}

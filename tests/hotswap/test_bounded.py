@@ -149,3 +149,22 @@ def test_preflight_names_every_misfit_before_any_load(tmp_path: Path, servers: l
     with pytest.raises(ValueError, match="one of 1, 8, 16"):
         HotswapConfig.model_validate({"targets": [{"kind": "vllm", "name": "v", "base_url": srv.url,
                                                    "max_lora_rank": 12}]})
+
+
+def test_a_shadow_check_the_server_cannot_run_says_so_and_passes(tmp_path: Path, servers: list) -> None:
+    """A server without the completions route (or down): the check is skipped with the reason, never a lost
+    night; the shadow loaded for it is unloaded."""
+    from jobs.hotswap import shadow
+    from jobs.hotswap.config import ShadowConfig
+    from tests.fixtures.lora_servers import start
+
+    srv = start(servers, "vllm")
+    cfg = HotswapConfig.model_validate({"targets": [{"kind": "vllm", "name": "v", "base_url": srv.url}],
+                                        "shadow": {"enabled": True}})
+    sh = ShadowConfig(enabled=True)
+    res = shadow.check(cfg.shadow_target(), sh, adapter(tmp_path), [[1, 2, 3]], [[4, 5]])  # type: ignore[arg-type]
+    assert res.error is not None and "HTTP 404" in res.error and res.passed(sh) and res.agreement is None
+    assert [r["body"]["lora_name"] for r in srv.posts("/v1/unload_lora_adapter")] == [res.name]
+    assert srv.loaded == {} and "-shadow-" in res.name
+    with pytest.raises(ValueError, match=r"\[hotswap.shadow\] enabled, but no vllm or sglang target"):
+        HotswapConfig.model_validate({"targets": [], "shadow": {"enabled": True}})

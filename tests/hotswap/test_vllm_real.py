@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from jobs.hotswap import AdapterRef, HotswapConfig, notify_all
+from jobs.hotswap import AdapterRef, HotswapConfig, notify_all, shadow
+from jobs.hotswap.config import ShadowConfig
 from tests.fixtures.real_vllm import (
     MAX_LORA_RANK,
     VllmServer,
@@ -106,6 +107,21 @@ def test_100_alternating_swaps_never_answer_stale(vllm_server: VllmServer, tiny_
     assert set(vllm_server.models()) & set(want) == {v2.served_name}  # keep_loaded = 1
 
 
+def test_a_shadow_that_answers_otherwise_fails_and_is_unloaded(vllm_server: VllmServer, tiny_model: Path,
+                                                                tmp_path: Path) -> None:
+    prompts = prompt_ids(tiny_model)[:3]
+    cand = published(tiny_model, tmp_path, 5, seed=31)
+    want = in_process(tiny_model, cand.path, prompts)
+    t = HotswapConfig.model_validate({"targets": [target(vllm_server)]}).targets[0]
+    sh = ShadowConfig(enabled=True, samples=3, max_new_tokens=8)
+    ok = shadow.check(t, sh, cand, prompts, want)  # type: ignore[arg-type]
+    assert ok.error is None and ok.agreement == 1.0 and ok.passed(sh)
+    other = in_process(tiny_model, published(tiny_model, tmp_path / "o", 5, seed=32).path, prompts)
+    bad = shadow.check(t, sh, cand, prompts, other)  # type: ignore[arg-type]
+    assert bad.error is None and bad.disagreeing and not bad.passed(sh)
+    assert bad.unload_error is None and shadow.shadow_name(cand) not in vllm_server.models()
+
+
 @pytest.mark.slow
 def test_nights_rollback_and_a_server_restarted_mid_night(vllm_server: VllmServer, tiny_model: Path,
                                                          night_env: Any, tmp_path: Path) -> None:
@@ -116,7 +132,8 @@ def test_nights_rollback_and_a_server_restarted_mid_night(vllm_server: VllmServe
 
     inbox, make = night_env
     newest = tmp_path / "newest"
-    hot = {"targets": [target(vllm_server, keep_loaded=1)], "newest_name_file": str(newest)}
+    hot = {"targets": [target(vllm_server, keep_loaded=1)], "newest_name_file": str(newest),
+           "shadow": {"enabled": True, "samples": 4}}
     cfg = make(hotswap=hot, eval={"min_eval_samples": 1}, train={"learning_rate": 2e-2, "lora_rank": 8})
     state = Path(cfg.state_dir)
     prompts = prompt_ids(tiny_model)
@@ -133,6 +150,10 @@ def test_nights_rollback_and_a_server_restarted_mid_night(vllm_server: VllmServe
     write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(40)])
     s1 = run(cfg)
     assert s1["promoted"] and s1["hotswap"][0]["ok"], s1
+    [through] = [c for c in s1["gate"]["checks"] if c["name"] == "server.greedy_match"]
+    assert through["passed"] and through["after"] == 1.0 and through["skipped"] is None, through
+    assert s1["metrics"]["probe_server"]["exact_match"] == 1.0
+    assert not [n for n in vllm_server.models() if "-shadow-" in n]  # unloaded after the check
     n1 = served_ok(1)
     write_jsonl(inbox / "b.jsonl", [alpaca(i, " please") for i in range(30)])
     s2 = run(cfg, night="2026-11-22")
