@@ -193,12 +193,9 @@ def swap(
         if shape is not None:
             preflight.check(t, name, shape, c.limits())
         detail: dict[str, Any] = {"lora_name": name, "lora_path": path, "already_loaded": False}
-        before = c.served()[0] if t.kind == "vllm" else None
+        before = c.served()[0]  # None: an SGLang whose /v1/models lists no adapters (its load answer will)
         if before is not None and name in before and before[name] not in (None, path):
-            detail["replaced_stale"] = before[name]  # same name, other files: never trust a same-name reload
-            log.warning("hotswap.stale_name", target=t.name, lora_name=name, served=before[name], sent=path)
-            if (why := c.unload(name)) is not None:
-                raise TargetError(f"{name} is held from {before[name]} and cannot be unloaded: {why}", retryable=True)
+            _replace_stale(c, name, before[name], detail, log)
         elif before is not None and name in before:
             detail["already_loaded"] = True
         body: Any = None
@@ -209,8 +206,14 @@ def swap(
                 raise TargetError(f"load {name}: {r.message()}", retryable=False)
             if not r.ok:
                 held = c.served(body)[0] or {}
-                same = name in held and held[name] in (None, path)
-                if r.status in (400, 409) and (same or (t.kind == "sglang" and "already loaded" in r.message())):
+                if r.status in (400, 409) and held.get(name) not in (None, path):  # SGLang: said only now
+                    _replace_stale(c, name, str(held[name]), detail, log)
+                    r = c.post("load", {"lora_name": name, "lora_path": path})
+                    body = r.json()
+                    if not r.ok:
+                        raise _refused(name, r)
+                elif r.status in (400, 409) and (name in held or (t.kind == "sglang" and "already loaded" in
+                                                                  r.message())):
                     detail["already_loaded"] = True  # a re-send: the server has it (SGLang says so in words)
                 else:
                     raise _refused(name, r)
@@ -232,6 +235,14 @@ def swap(
     return with_retries(
         attempt, target=t.name, kind=t.kind, retries=t.retries, backoff_s=t.backoff_s, sleep=sleep, clock=clock, log=log
     )
+
+
+def _replace_stale(c: Client, name: str, held_from: str, detail: dict[str, Any], log: Any) -> None:
+    """`name` is held from other files (a hand load, a restored backup): never trust a same-name reload."""
+    detail["replaced_stale"] = held_from
+    log.warning("hotswap.stale_name", target=c.t.name, lora_name=name, served=held_from, sent=detail["lora_path"])
+    if (why := c.unload(name)) is not None:
+        raise TargetError(f"{name} is held from {held_from} and cannot be unloaded: {why}", retryable=True)
 
 
 def _unload_extra(c: Client, adapter: AdapterRef, served: list[str], keep: int) -> tuple[list[str], dict]:

@@ -537,3 +537,26 @@ def test_tls_self_signed_is_refused_by_default(
     lab = cfg({"kind": "vllm", "name": "t", "base_url": srv.url, "verify_tls": False})
     [out] = notify_all(lab, adapter(tmp_path, 2), sleep=sleeps)
     assert out.ok and set(srv.loaded) == {sn(1), sn(2)}
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_a_name_held_from_other_files_is_unloaded_and_loaded_again(tmp_path: Path, servers: list[Fake],
+                                                                   kind: str) -> None:
+    """Another state directory, a restored backup: the server holds our served name from elsewhere. The
+    old code called it a re-send ("already loaded", ok) and the server kept answering with other weights."""
+    srv = start(servers, kind)
+    a = adapter(tmp_path, 1)
+    srv.loaded[a.served_name] = "/elsewhere/tiny-v0001"
+    [out] = notify_all(cfg({"kind": kind, "name": "s", "base_url": srv.url}), a, sleep=Sleeps())
+    assert out.ok and out.detail["replaced_stale"] == "/elsewhere/tiny-v0001" and not out.detail["already_loaded"]
+    assert srv.loaded == {a.served_name: str(a.path)}
+    unload = "/v1/unload_lora_adapter" if kind == "vllm" else "/unload_lora_adapter"
+    assert [r["body"]["lora_name"] for r in srv.posts(unload)] == [a.served_name]
+
+
+def test_served_names_differ_for_other_files_under_one_version(tmp_path: Path) -> None:
+    a = adapter(tmp_path / "a", 1)
+    b = AdapterRef(version=1, name="tiny-v0001", path=a.path, base_model=BASE,
+                   manifest={"files": {"adapter_config.json": "cd" * 32}})
+    assert a.name == b.name and a.served_name != b.served_name
+    assert parse_version_name(a.served_name) is None  # not a version name: never published under it
