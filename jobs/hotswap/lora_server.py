@@ -186,12 +186,11 @@ def swap(
     name, path = adapter.served_name, lora_path_for(t, adapter)
     if not t.verify_tls and t.base_url.startswith("https:"):
         log.warning("hotswap.tls_unverified", target=t.name, url=t.base_url)
-    shape = preflight.adapter_shape(adapter.path) if (adapter.path / "adapter_config.json").exists() else None
 
     def attempt(_: int) -> dict[str, Any]:
         c = Client(t)
-        if shape is not None:
-            preflight.check(t, name, shape, c.limits())
+        if (adapter.path / "adapter_config.json").exists():  # else the server says what is missing
+            preflight.check(t, name, preflight.adapter_shape(adapter.path), c.limits())
         detail: dict[str, Any] = {"lora_name": name, "lora_path": path, "already_loaded": False}
         before = c.served()[0]  # None: an SGLang whose /v1/models lists no adapters (its load answer will)
         if before is not None and name in before and before[name] not in (None, path):

@@ -168,3 +168,14 @@ def test_a_shadow_check_the_server_cannot_run_says_so_and_passes(tmp_path: Path,
     assert srv.loaded == {} and "-shadow-" in res.name
     with pytest.raises(ValueError, match=r"\[hotswap.shadow\] enabled, but no vllm or sglang target"):
         HotswapConfig.model_validate({"targets": [], "shadow": {"enabled": True}})
+
+
+def test_an_unreadable_adapter_config_is_one_clear_failure(tmp_path: Path, servers: list) -> None:
+    from tests.fixtures.lora_servers import start
+
+    srv = start(servers, "vllm")
+    a = adapter(tmp_path)
+    (a.path / "adapter_config.json").write_text("{not json")
+    cfg = HotswapConfig.model_validate({"targets": [{"kind": "vllm", "name": "v", "base_url": srv.url, "retries": 2}]})
+    [out] = notify_all(cfg, a, sleep=lambda _: None)
+    assert not out.ok and out.attempts == 1 and "adapter_config.json: cannot read the adapter's config" in out.error
