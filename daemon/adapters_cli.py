@@ -23,7 +23,7 @@ from typing import Any
 from daemon.tables import grid
 from jobs.contract import ExitCode
 from jobs.contract.redact import redact_text, redact_value
-from jobs.hotswap import HotswapConfig, HotswapOutcome
+from jobs.hotswap import HotswapConfig, HotswapOutcome, versions
 from jobs.store.adapters import AdapterError, Adapters, RegistryConfig, VersionInfo, diff
 from jobs.store.locking import LockTimeout
 from jobs.store.registry import IntegrityError
@@ -75,9 +75,17 @@ def add_commands(sub: Any) -> None:
 READING = {"cmd_list", "cmd_show", "cmd_diff"}  # these change nothing: they open the state read-only
 
 
-def open_adapters(s: Any, *, read_only: bool = False) -> Adapters:
+class WithTargets(Adapters):
+    """The store's versions with the [hotswap] targets that promote, rollback and hotswap tell."""
+
+    def __init__(self, state_dir: Any, *, hotswap: HotswapConfig, cfg: RegistryConfig, read_only: bool = False) -> None:
+        super().__init__(state_dir, cfg=cfg, read_only=read_only)
+        self.hotswap_cfg = hotswap
+
+
+def open_adapters(s: Any, *, read_only: bool = False) -> WithTargets:
     """Settings -> Adapters; [hotswap] / [registry] default to nothing configured / defaults."""
-    return Adapters(
+    return WithTargets(
         s.state_dir,
         hotswap=getattr(s, "hotswap", None) or HotswapConfig(),
         cfg=getattr(s, "registry", None) or RegistryConfig(),
@@ -85,7 +93,7 @@ def open_adapters(s: Any, *, read_only: bool = False) -> Adapters:
     )
 
 
-def _guarded(fn: Callable[[argparse.Namespace, Adapters], int]) -> Callable[[argparse.Namespace, Any], int]:
+def _guarded(fn: Callable[[argparse.Namespace, WithTargets], int]) -> Callable[[argparse.Namespace, Any], int]:
     """(args, Adapters) -> the CLI's (args, settings) handler. Operator errors become one clear
     line on stderr and exit 1; the one in service stays."""
 
@@ -211,8 +219,7 @@ def _short(v: Any) -> str:
 # ---- changing what is in service ----------------------------------------------------------------
 
 
-def _announce_and_report(ad: Adapters, info: VersionInfo, trigger: str) -> int:
-    outcomes = ad.announce(info.version, trigger=trigger, only_if_current=True)[1]
+def _report(ad: WithTargets, outcomes: list[HotswapOutcome] | None) -> int:
     if outcomes is None:
         print("  hot-swap: skipped, `current` moved on meanwhile (whoever moved it announces)")
         return 0
@@ -231,17 +238,17 @@ def _print_outcomes(outcomes: list[HotswapOutcome], cfg: HotswapConfig) -> None:
 
 
 @_guarded
-def cmd_promote(args: argparse.Namespace, ad: Adapters) -> int:
+def cmd_promote(args: argparse.Namespace, ad: WithTargets) -> int:
     info, previous = ad.promote(args.version)
-    print(f"{info.name} is in service (was {_vname(ad, previous)}); integrity verified")
-    return _announce_and_report(ad, info, "promote")
+    print(f"{info.name} is in service (was {_vname(ad, previous)}); integrity verified", flush=True)
+    return _report(ad, versions.send(ad, ad.hotswap_cfg, info.version, trigger="promote", only_if_current=True)[1])
 
 
 @_guarded
-def cmd_rollback(args: argparse.Namespace, ad: Adapters) -> int:
+def cmd_rollback(args: argparse.Namespace, ad: WithTargets) -> int:
     info, previous = ad.rollback()
-    print(f"rolled back: {info.name} is in service (was {_vname(ad, previous)}); integrity verified")
-    return _announce_and_report(ad, info, "rollback")
+    print(f"rolled back: {info.name} is in service (was {_vname(ad, previous)}); integrity verified", flush=True)
+    return _report(ad, versions.send(ad, ad.hotswap_cfg, info.version, trigger="rollback", only_if_current=True)[1])
 
 
 def _vname(ad: Adapters, v: int | None) -> str:
@@ -276,8 +283,9 @@ def cmd_prune(args: argparse.Namespace, ad: Adapters) -> int:
 
 
 @_guarded
-def cmd_hotswap(args: argparse.Namespace, ad: Adapters) -> int:
-    info, outcomes = ad.announce(args.version, trigger="resend")
+def cmd_hotswap(args: argparse.Namespace, ad: WithTargets) -> int:
+    info, outcomes = versions.send(ad, ad.hotswap_cfg, args.version, trigger="resend")
+    outcomes = outcomes or []
     if args.json:
         print(
             json.dumps(

@@ -147,7 +147,8 @@ def _run_once(s: Settings, window: Window, ledger: Ledger, run_id: str, lock_fd:
         # one attempt for a manual night: close it (a killed `once` leaves it open, and a rerun resumes)
         error = (summary.error if summary else None) or f"the night's process died ({out.describe_exit()})"
         closed = NightOutcomes(ledger).close(night, "failed", error, deadline=deadline)
-        summary = summary or RunSummary(run_id=closed, night=night, outcome=Outcome.failed, error=error)
+        row = ledger.run(closed)  # a run killed after promoting its version closes as succeeded
+        summary = summary or RunSummary(run_id=closed, night=night, outcome=row["status"], error=row["error"])
     if summary.outcome != Outcome.interrupted:
         Notifier(s.hotswap, ledger).night_closed(summary)
     if out.summary is None:

@@ -33,7 +33,9 @@ from daemon.supervisor import ChildOutcome, NightChild, night_world, run_id_for,
 from daemon.window import Window, utcnow
 from jobs.contract import ChildEvent, ExitCode, Outcome, PhaseEvent, ProgressEvent, RunSummary
 from jobs.gpu.telemetry import free_vram_gb
+from jobs.hotswap.versions import resend_if_unheard
 from jobs.night.space import night_disk_need_gb
+from jobs.store.adapters import Adapters
 from jobs.store.ledger import Ledger
 from jobs.store.locking import LockTimeout, StateLock, night_lock
 from jobs.store.outcomes import NightOutcomes
@@ -132,6 +134,7 @@ class Service:
         sched = WakeScheduler(w, lambda _win: self.wake.set(), clock=self.clock)
         sched.start()
         sdnotify.ready(f"waiting for window {w.describe()}", environ=self.environ)
+        threading.Thread(target=self._resend_unheard, name="hotswap-resend", daemon=True).start()
         try:
             while not self.stop.is_set():
                 self.ping()
@@ -162,6 +165,19 @@ class Service:
             self.ledger.close()
         log.info("stopped")
         return 0
+
+    def _resend_unheard(self) -> None:
+        """The version in service, sent again to a target whose last announcement of it failed (a night cut
+        in its hot-swap, a server that was down). In a thread: bounded, but a server may take minutes."""
+        ad = Adapters(self.state, cfg=self.s.registry)
+        try:
+            outcomes = resend_if_unheard(ad, self.s.hotswap)
+            if outcomes is not None:
+                log.info("hotswap.resent_at_start", ok=all(o.ok for o in outcomes), targets=len(outcomes))
+        except Exception as e:  # a damaged version, the lock: said, and the service goes on
+            log.error("hotswap.resend_failed", error=f"{type(e).__name__}: {e}")
+        finally:
+            ad.close()
 
     def _show_window(self, now: datetime) -> tuple[Window | None, Window]:
         """The window open now (or None) and the next one, as the metrics show them."""
@@ -228,7 +244,7 @@ class Service:
         """`count`: also a run in the metrics (not when its failed attempts were already counted)."""
         run_id = self.outcomes.close(window.night, status, reason, deadline=window.end.timestamp())
         row = self.ledger.run(run_id)
-        summary = RunSummary(run_id=run_id, night=window.night, outcome=status, error=reason,
+        summary = RunSummary(run_id=run_id, night=window.night, outcome=row["status"], error=row["error"],
                              started_at=row["started_at"], ended_at=row["ended_at"])
         if count:
             self.metrics.on_summary(summary)

@@ -158,7 +158,9 @@ SPECS: tuple[Spec, ...] = (
     ),
     # what was learned
     Spec(LAST_RUN_EXACT_MATCH_RATIO, G, "Share of replies the model gets exactly right (teacher-forced), last run: "
-         "data=heldout|regression, model=service|candidate|reference|base.", ("data", "model")),
+         "data=heldout|regression, model=service|candidate|reference|base; data=probe, model=server: share of the "
+         "gate's probe prompts the inference server answered as the candidate in process ([hotswap.shadow]).",
+         ("data", "model")),
     Spec(LAST_RUN_TOKEN_ACCURACY_RATIO, G, "Share of reply tokens (template markers excluded) the model predicts, "
          "last run: data=heldout|regression, model=service|candidate|reference|base.", ("data", "model")),
     Spec(REGRESSION_SET_SAMPLES, G, "Samples in the regression set (earlier promoted nights' held-out samples)."),

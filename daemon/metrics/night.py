@@ -261,6 +261,9 @@ class NightshiftMetrics:
                 figures = s.metrics.get(f"{data}_{stage}") or {}
                 v.set(m.LAST_RUN_EXACT_MATCH_RATIO, _num(figures.get("exact_match")), data=data, model=model)
                 v.set(m.LAST_RUN_TOKEN_ACCURACY_RATIO, _num(figures.get("token_accuracy")), data=data, model=model)
+        # [hotswap.shadow]: the share of probes the server answered as the candidate did in process
+        v.set(m.LAST_RUN_EXACT_MATCH_RATIO, _num((s.metrics.get("probe_server") or {}).get("exact_match")),
+              data="probe", model="server")
         if s.regression_samples is not None:
             v.set(m.REGRESSION_SET_SAMPLES, s.regression_samples)
         v.set(m.LAST_RUN_KL_FROM_SERVICE_NATS, _num(s.kl_from_service))

@@ -38,7 +38,7 @@ class GateCheck(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     name: str  # "<data>.<metric>", then " vs reference" / " vs base" when not against the adapter in service
-    against: Literal["service", "reference", "base"] = "service"  # whose figures `before` holds
+    against: Literal["service", "reference", "base", "server"] = "service"  # whose figures `before` holds
     before: float | None
     after: float | None
     change: float | None  # after - before (positive: the metric went up)

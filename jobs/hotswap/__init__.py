@@ -5,9 +5,10 @@ HotswapOutcome per target, in configuration order. A target that fails (after it
 does not stop the others, and nothing here touches the adapter files: a failed hot-swap
 never undoes a publication. Only the URLs and commands from the configuration are used.
 
-How clients find the newest name: after a swap where every vllm/sglang target has the
-version loaded, `newest_name_file` (if configured) holds it (`tiny-v0007\\n`, replaced
-atomically); the webhook body carries it; the daemon exports it as a metric. Clients must
+How clients find the newest name: a version is served as `<name>-<8 hex digest>` (`tiny-v0007-1a2b3c4d`,
+AdapterRef.served_name). After a swap where every vllm/sglang target has the version loaded,
+`newest_name_file` (if configured) holds that served name (`tiny-v0007-1a2b3c4d\\n`, replaced
+atomically); the webhook body carries it (`served_name`). Clients must
 not take the highest version listed by /v1/models: after a rollback that is the bad one.
 """
 
@@ -35,6 +36,7 @@ from jobs.hotswap.core import (
     Clock,
     HotswapOutcome,
     Sleep,
+    backoff_delays,
 )
 from jobs.hotswap.lora_server import loaded_versions, plan_unloads
 from jobs.hotswap.webhook import verify_signature
@@ -53,6 +55,7 @@ __all__ = [
     "notify_one",
     "plan_unloads",
     "verify_signature",
+    "worst_case_seconds",
     "write_newest_name",
 ]
 
@@ -90,6 +93,7 @@ def notify_all(
             "kind": t.kind,
             "version": adapter.version,
             "name": adapter.name,
+            "served_name": adapter.served_name if adapter.method.is_adapter else None,
             "attempts": outcome.attempts,
             "seconds": round(outcome.seconds, 3),
         }
@@ -100,8 +104,19 @@ def notify_all(
         outcomes.append(outcome)
     servers_ok = all(o.ok for o in outcomes if o.kind in ("vllm", "sglang"))
     if cfg.newest_name_file is not None and servers_ok:
-        write_newest_name(cfg.newest_name_file, adapter.name)
+        write_newest_name(cfg.newest_name_file, adapter.served_name if adapter.method.is_adapter else adapter.name)
     return outcomes
+
+
+def worst_case_seconds(cfg: HotswapConfig) -> float:
+    """How long notify_all can take at most: each target's attempts, each bounded by one deadline
+    (timeout_s; a whole-model reload's reload_timeout_s), and the waits between them. Whoever waits
+    for an announcement in progress (rollback, promote) waits this long, not a guess."""
+    total = 0.0
+    for t in cfg.targets:
+        per_attempt = max(t.timeout_s, t.reload_timeout_s) if isinstance(t, LoraServerTarget) else t.timeout_s
+        total += (t.retries + 1) * per_attempt + sum(backoff_delays(t.retries, t.backoff_s))
+    return total
 
 
 def write_newest_name(path: Path, name: str) -> None:

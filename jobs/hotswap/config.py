@@ -41,6 +41,7 @@ from urllib.parse import urlsplit
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+_VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks (0.32.0)
 _CLEAR_SECRETS = {
     "token": "token",
     "api_key": "api_key",
@@ -63,7 +64,9 @@ def _check_url(url: str) -> str:
 class _Target(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
-    timeout_s: float = Field(30.0, gt=0)  # per HTTP socket operation / whole command run
+    # One deadline for a whole attempt: every HTTP exchange of it (connect, send, the whole answer) or
+    # the whole command run. A swap takes at most (retries + 1) * timeout_s plus the backoffs.
+    timeout_s: float = Field(30.0, gt=0)
     retries: int = Field(2, ge=0)  # attempts after the first one, for transient failures only
     backoff_s: float = Field(1.0, ge=0)  # wait before retry 1; doubles each retry (capped at 60 s)
 
@@ -89,6 +92,7 @@ class _Target(BaseModel):
 class _HttpTarget(_Target):
     verify_tls: bool = True  # off only for a lab; logged as a warning at every send
     ca_bundle: Path | None = None  # PEM file of the CA(s) that signed the server's certificate
+    max_body_bytes: int = Field(1 << 20, ge=1024)  # an answer is read up to this many bytes, the rest dropped
 
 
 class LoraServerTarget(_HttpTarget):
@@ -107,6 +111,12 @@ class LoraServerTarget(_HttpTarget):
     # as not sent. Unset: sglang reloads, vllm refuses (it has no production full-weight reload).
     full_versions: Literal["reload", "refuse"] | None = None
     reload_timeout_s: float = Field(600.0, gt=0)  # reading a whole model from disk takes minutes
+    # What the server was started with, checked before every load (jobs.hotswap.preflight). vLLM does
+    # not say it over HTTP: give its --max-lora-rank here (vLLM's default 16). SGLang says it
+    # (/get_server_info), and its answer wins over these.
+    max_lora_rank: int = Field(16, ge=1)
+    lora_target_modules: list[str] | None = None  # SGLang's --lora-target-modules; unset: not checked
+    expert_lora: bool = False  # the server runs LoRA on MoE experts (vLLM's FusedMoE-LoRA); off: refused
 
     @field_validator("base_url")
     @classmethod
@@ -116,6 +126,9 @@ class LoraServerTarget(_HttpTarget):
     @model_validator(mode="after")
     def _secrets(self) -> LoraServerTarget:
         self._one_of(self.api_key_file, self.api_key_env, "api_key")
+        if self.kind == "vllm" and self.max_lora_rank not in _VLLM_RANKS:
+            raise ValueError(f"max_lora_rank = {self.max_lora_rank}: vLLM's --max-lora-rank is one of "
+                             f"{', '.join(map(str, _VLLM_RANKS))}")
         if self.kind == "vllm" and self.full_versions == "reload":
             raise ValueError('full_versions = "reload": vLLM has no production API to reload a whole model '
                              "(its reload_weights needs VLLM_SERVER_DEV_MODE); use a command or webhook target")
@@ -175,11 +188,29 @@ class CommandTarget(_Target):
 Target = Annotated[LoraServerTarget | WebhookTarget | CommandTarget, Field(discriminator="kind")]
 
 
+class ShadowConfig(BaseModel):
+    """[hotswap.shadow]: the candidate through the server before promotion (jobs.hotswap.shadow).
+
+    Loaded under a shadow name, the gate's probe prompts answered greedily by the server and by the
+    candidate in process; the gate fails where more than `max_disagreement` of them differ in their
+    first `max_new_tokens` tokens. Same dtype and weights (a LoRA on an unquantised base, float32 or
+    bf16 on both sides) agree token for token; a QLoRA candidate (4-bit base in process, 16-bit in the
+    server) may not: give such a setup a tolerance."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = False
+    target: str | None = None  # the vllm/sglang target to ask (default: the first one)
+    samples: int = Field(8, ge=1)  # probe prompts, from the held-out then the regression set
+    max_new_tokens: int = Field(8, ge=1)
+    max_disagreement: float = Field(0.0, ge=0.0, le=1.0)  # share of probes allowed to differ
+
+
 class HotswapConfig(BaseModel):
     """[hotswap]: the targets, notified one after the other after a promotion or a rollback."""
 
     model_config = ConfigDict(extra="forbid")
     targets: list[Target] = Field(default_factory=list)
+    shadow: ShadowConfig = Field(default_factory=ShadowConfig)
     # Written (atomically) with the served name, e.g. `tiny-v0007\n`, once every vllm/sglang
     # target has it loaded: clients pick the newest name here (or from the metric / webhook),
     # never by "highest version listed" (after a rollback that one is the bad one).
@@ -194,6 +225,19 @@ class HotswapConfig(BaseModel):
                 raise ValueError(f"two targets are named {t.name!r}; names label metrics and must be unique")
             seen.add(t.name)
         return targets
+
+    @model_validator(mode="after")
+    def _shadow_target(self) -> HotswapConfig:
+        if self.shadow.enabled and self.shadow_target() is None:
+            which = f"named {self.shadow.target!r}" if self.shadow.target else "at all"
+            raise ValueError(f"[hotswap.shadow] enabled, but no vllm or sglang target {which} to load the candidate in")
+        return self
+
+    def shadow_target(self) -> LoraServerTarget | None:
+        servers = [t for t in self.targets if isinstance(t, LoraServerTarget)]
+        if self.shadow.target is not None:
+            servers = [t for t in servers if t.name == self.shadow.target]
+        return servers[0] if servers else None
 
 
 class SecretError(Exception):

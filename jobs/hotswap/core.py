@@ -9,6 +9,9 @@ permanent ones stop at once. The sleep function is injected so tests never wait.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,11 +50,39 @@ class AdapterRef:
             raise ValueError(f"adapter path must be absolute (servers resolve it themselves): {self.path}")
 
     @property
+    def digest(self) -> str:
+        """8 hex of a sha256 over the adapter's files (names and their sha256 from the manifest, else
+        read from disk): two versions of the same number from two state directories differ here."""
+        files = self.manifest.get("files") if isinstance(self.manifest, dict) else None
+        if not isinstance(files, dict) or not files:
+            p = Path(self.path)
+            files = ({f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(p.iterdir()) if f.is_file()}
+                     if p.is_dir() else {"path": str(p)})
+        canon = json.dumps(sorted(files.items()), separators=(",", ":")).encode()
+        return hashlib.sha256(canon).hexdigest()[:8]
+
+    @property
+    def served_name(self) -> str:
+        """The name a LoRA server holds this version under: `tiny-v0007-1a2b3c4d`. Never the same
+        for other weights (this state directory or another), so a server can never answer a
+        request for it from another adapter's weights or prefix-cache blocks."""
+        return f"{self.name}-{self.digest}"
+
+    @property
     def prefix(self) -> str:
         """`tiny` for `tiny-v0007`: adapters with this prefix on a server are ours to unload."""
         parsed = parse_version_name(self.name)
         assert parsed is not None  # checked in __post_init__
         return parsed[0]
+
+
+_SERVED = re.compile(r"(?P<prefix>[A-Za-z0-9_.-]+?)-v(?P<version>\d{4,})(?:-(?P<digest>[0-9a-f]{8}))?")
+
+
+def parse_served_name(name: str) -> tuple[str, int] | None:
+    """`tiny-v0007-1a2b3c4d` (or an older server's `tiny-v0007`) -> ("tiny", 7); else None."""
+    m = _SERVED.fullmatch(name)
+    return (m["prefix"], int(m["version"])) if m else None
 
 
 class TargetError(Exception):

@@ -56,7 +56,7 @@ def swap(t: LoraServerTarget, adapter: AdapterRef, *, sleep: Sleep, clock: Clock
             raise TargetError(str(e), retryable=False) from e
         r = post_json(t.base_url + ROUTE, {"model_path": path, "weight_version": adapter.name},
                       headers={"Authorization": f"Bearer {key}"} if key else {}, timeout_s=t.reload_timeout_s,
-                      ctx=tls_context(t.verify_tls, t.ca_bundle))
+                      max_body=t.max_body_bytes, ctx=tls_context(t.verify_tls, t.ca_bundle))
         body = r.json()
         if r.ok and isinstance(body, dict) and body.get("success") is True:
             return {"model_path": path, "weight_version": adapter.name, "message": body.get("message"),

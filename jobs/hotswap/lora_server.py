@@ -30,8 +30,13 @@ python/sglang/srt/entrypoints/http_server.py):
 - The docs advise starting it with --max-lora-rank and --lora-target-modules when adapters
   are loaded at runtime (their shape must fit what the server reserved).
 
-Idempotent re-send (`nightshift hotswap`, a retry after a lost answer): a 400/409 on load
-counts as success when the name is then listed by /v1/models.
+Never a stale adapter (vLLM issue 42125: a same-name reload keeps serving the old adapter's
+prefix-cache blocks): a version is served as `<name>-<8 hex of its files' sha256>`
+(AdapterRef.served_name), so no two weights share a name, from this state directory or another.
+Before loading, the server's list is read: a name held from another path is unloaded and loaded
+again; the same name from the same path is already there (a re-send). Every load is preflighted
+(jobs.hotswap.preflight); a refusal that will not change (4xx, a 500 saying the rank or a feature is
+unsupported) ends the swap at once.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from jobs.hotswap import preflight
 from jobs.hotswap.config import LoraServerTarget, SecretError
 from jobs.hotswap.core import (
     AdapterRef,
@@ -46,18 +52,20 @@ from jobs.hotswap.core import (
     HotswapOutcome,
     Sleep,
     TargetError,
-    parse_version_name,
+    parse_served_name,
     with_retries,
 )
 from jobs.hotswap.transport import Response, post_json, request, retryable_status, tls_context
 
 ROUTES = {
-    "vllm": {"load": "/v1/load_lora_adapter", "unload": "/v1/unload_lora_adapter", "list": "/v1/models"},
-    "sglang": {"load": "/load_lora_adapter", "unload": "/unload_lora_adapter", "list": "/v1/models"},
+    "vllm": {"load": "/v1/load_lora_adapter", "unload": "/v1/unload_lora_adapter", "list": "/v1/models",
+             "info": None},
+    "sglang": {"load": "/load_lora_adapter", "unload": "/unload_lora_adapter", "list": "/v1/models",
+               "info": "/get_server_info"},
 }
 
 
-class _Client:
+class Client:
     def __init__(self, t: LoraServerTarget) -> None:
         self.t = t
         self.routes = ROUTES[t.kind]
@@ -67,19 +75,32 @@ class _Client:
         except SecretError as e:
             raise TargetError(str(e), retryable=False) from e
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.deadline = time.monotonic() + t.timeout_s  # one attempt, all its exchanges, ends here
+
+    def kw(self) -> dict[str, Any]:
+        return {"headers": self.headers, "timeout_s": self.t.timeout_s, "ctx": self.ctx,
+                "max_body": self.t.max_body_bytes, "deadline": self.deadline}
 
     def post(self, route: str, payload: dict[str, Any]) -> Response:
-        return post_json(
-            self.t.base_url + self.routes[route],
-            payload,
-            headers=self.headers,
-            timeout_s=self.t.timeout_s,
-            ctx=self.ctx,
-        )
+        return post_json(self.t.base_url + str(self.routes[route]), payload, **self.kw())
+
+    def get(self, route: str) -> Response:
+        return request("GET", self.t.base_url + str(self.routes[route]), **self.kw())
+
+    def limits(self) -> preflight.ServerLimits:
+        """What the server can load: SGLang says it at /get_server_info; vLLM: the target's settings."""
+        info = None
+        if self.routes["info"]:
+            try:
+                r = self.get("info")
+                info = r.json() if r.ok else None
+            except TargetError:
+                info = None  # an older build without the route: the configuration stands
+        return preflight.limits_from(self.t, info)
 
     def cards(self) -> list[dict[str, Any]]:
-        url = self.t.base_url + self.routes["list"]
-        r = request("GET", url, headers=self.headers, timeout_s=self.t.timeout_s, ctx=self.ctx)
+        url = self.t.base_url + str(self.routes["list"])
+        r = self.get("list")
         if not r.ok:
             raise TargetError(f"GET {url}: HTTP {r.status}: {r.message()}", retryable=retryable_status(r.status))
         data = r.json()
@@ -87,10 +108,6 @@ class _Client:
         if not isinstance(items, list):
             raise TargetError(f"GET {url}: no data[] list in the answer", retryable=False)
         return [m for m in items if isinstance(m, dict) and "id" in m]
-
-    def models(self) -> dict[str, str | None]:
-        """Every id served (base models and adapters) -> its `root` (an adapter's path)."""
-        return {str(m["id"]): m.get("root") for m in self.cards()}
 
     def served(self, answer: Any = None) -> tuple[dict[str, str | None] | None, str]:
         """The adapters the server holds, and who said so. SGLang: the `loaded_adapters` of a load or
@@ -104,13 +121,22 @@ class _Client:
             cards = self.cards()
             if not any(m.get("parent") for m in cards):
                 return None, "unknown: /v1/models lists no adapters on this SGLang build"
-            return {str(m["id"]): m.get("root") for m in cards}, self.routes["list"]
-        return self.models(), self.routes["list"]
+            return {str(m["id"]): m.get("root") for m in cards}, str(self.routes["list"])
+        return {str(m["id"]): m.get("root") for m in self.cards()}, str(self.routes["list"])
+
+    def unload(self, name: str) -> str | None:
+        """None when `name` is gone (unloaded now or already), else why not."""
+        try:
+            r = self.post("unload", {"lora_name": name})
+        except TargetError as e:
+            return str(e)
+        gone = r.status == 404 or (self.t.kind == "sglang" and "does not exist" in r.message())
+        return None if r.ok or gone else f"HTTP {r.status}: {r.message()}"
 
 
 def ours(names: list[str] | dict[str, Any], prefix: str) -> list[str]:
     """Our versioned names among those served, oldest version first."""
-    found = [(p[1], n) for n in names if (p := parse_version_name(n)) and p[0] == prefix]
+    found = [(p[1], n) for n in names if (p := parse_served_name(n)) and p[0] == prefix]
     return [n for _, n in sorted(found)]
 
 
@@ -124,14 +150,14 @@ def plan_unloads(loaded: list[str], just_loaded: str, keep_loaded: int) -> list[
 
 
 def _version(name: str) -> int:
-    parsed = parse_version_name(name)
+    parsed = parse_served_name(name)
     return parsed[1] if parsed else -1
 
 
 def loaded_versions(t: LoraServerTarget, prefix: str) -> list[str]:
     """The 'kept loaded' set: our versions that the server lists now, oldest first (an SGLang that
     lists no adapters in /v1/models cannot say without a load: [])."""
-    served, _ = _Client(t).served()
+    served, _ = Client(t).served()
     return ours(served or {}, prefix)
 
 
@@ -139,6 +165,13 @@ def lora_path_for(t: LoraServerTarget, adapter: AdapterRef) -> str:
     if t.remote_adapters_dir:
         return f"{t.remote_adapters_dir.rstrip('/')}/{adapter.path.name}"
     return str(adapter.path)
+
+
+def _refused(name: str, r: Response) -> TargetError:
+    """A load the server answered with an error: retried only where another attempt can help."""
+    msg = r.message()
+    retry = retryable_status(r.status) and not (r.status == 500 and preflight.DETERMINISTIC_500.search(msg))
+    return TargetError(f"load {name}: HTTP {r.status}: {msg}", retryable=retry, detail={"status": r.status})
 
 
 def swap(
@@ -149,43 +182,51 @@ def swap(
     clock: Clock = time.monotonic,
     log: Any,
 ) -> HotswapOutcome:
-    """Load `adapter` under its versioned name, confirm it is listed, unload our extra versions."""
-    name, path = adapter.name, lora_path_for(t, adapter)
+    """Preflight, load `adapter` under its served name, confirm it is listed, unload our extra versions."""
+    name, path = adapter.served_name, lora_path_for(t, adapter)
     if not t.verify_tls and t.base_url.startswith("https:"):
         log.warning("hotswap.tls_unverified", target=t.name, url=t.base_url)
 
     def attempt(_: int) -> dict[str, Any]:
-        c = _Client(t)
+        c = Client(t)
+        if (adapter.path / "adapter_config.json").exists():  # else the server says what is missing
+            preflight.check(t, name, preflight.adapter_shape(adapter.path), c.limits())
         detail: dict[str, Any] = {"lora_name": name, "lora_path": path, "already_loaded": False}
-        r = c.post("load", {"lora_name": name, "lora_path": path})
-        body = r.json()
-        if r.ok and isinstance(body, dict) and body.get("success") is False:  # SGLang says no
-            raise TargetError(f"load {name}: {r.message()}", retryable=False)
+        before = c.served()[0]  # None: an SGLang whose /v1/models lists no adapters (its load answer will)
+        if before is not None and name in before and before[name] not in (None, path):
+            _replace_stale(c, name, before[name], detail, log)
+        elif before is not None and name in before:
+            detail["already_loaded"] = True
+        body: Any = None
+        if not detail["already_loaded"]:
+            r = c.post("load", {"lora_name": name, "lora_path": path})
+            body = r.json()
+            if r.ok and isinstance(body, dict) and body.get("success") is False:  # SGLang says no
+                raise TargetError(f"load {name}: {r.message()}", retryable=False)
+            if not r.ok:
+                held = c.served(body)[0] or {}
+                if r.status in (400, 409) and held.get(name) not in (None, path):  # SGLang: said only now
+                    _replace_stale(c, name, str(held[name]), detail, log)
+                    r = c.post("load", {"lora_name": name, "lora_path": path})
+                    body = r.json()
+                    if not r.ok:
+                        raise _refused(name, r)
+                elif r.status in (400, 409) and (name in held or (t.kind == "sglang" and "already loaded" in
+                                                                  r.message())):
+                    detail["already_loaded"] = True  # a re-send: the server has it (SGLang says so in words)
+                else:
+                    raise _refused(name, r)
         served, said_by = c.served(body)
-        if not r.ok:
-            # idempotent re-send: the server has it (SGLang may say so only in its own words)
-            held = name in (served or {}) or (t.kind == "sglang" and "already loaded" in r.message())
-            if r.status in (400, 409) and held:
-                detail["already_loaded"] = True
-            else:
-                raise TargetError(
-                    f"load {name}: HTTP {r.status}: {r.message()}",
-                    retryable=retryable_status(r.status),
-                    detail={"status": r.status},
-                )
         if detail["already_loaded"] and name not in (served or {}):
-            served = {**(served or {}), name: None}
-            said_by = "the server's 'already loaded' answer"
+            served, said_by = {**(served or {}), name: None}, "the server's 'already loaded' answer"
         if served is None:
             raise TargetError(f"{name}: the load answer lists no adapters and {c.routes['list']} lists none on "
                               "this server: cannot confirm the load", retryable=False)
         if name not in served:
             raise TargetError(f"{name} was accepted but is not listed by the {said_by}", retryable=True)
+        if served[name] not in (None, path):
+            raise TargetError(f"{name} is served from {served[name]}, not {path}", retryable=True)
         detail["confirmed_by"] = said_by
-        root = served[name]
-        if root and root != path:
-            detail["warning"] = f"{name} is served from {root}, not {path}"
-            log.warning("hotswap.path_mismatch", target=t.name, lora_name=name, served=root, sent=path)
         detail["unloaded"], detail["unload_errors"] = _unload_extra(c, adapter, list(served), t.keep_loaded)
         detail["loaded"] = [n for n in ours(served, adapter.prefix) if n not in detail["unloaded"]]
         return detail
@@ -195,19 +236,21 @@ def swap(
     )
 
 
-def _unload_extra(c: _Client, adapter: AdapterRef, served: list[str], keep: int) -> tuple[list[str], dict]:
+def _replace_stale(c: Client, name: str, held_from: str, detail: dict[str, Any], log: Any) -> None:
+    """`name` is held from other files (a hand load, a restored backup): never trust a same-name reload."""
+    detail["replaced_stale"] = held_from
+    log.warning("hotswap.stale_name", target=c.t.name, lora_name=name, served=held_from, sent=detail["lora_path"])
+    if (why := c.unload(name)) is not None:
+        raise TargetError(f"{name} is held from {held_from} and cannot be unloaded: {why}", retryable=True)
+
+
+def _unload_extra(c: Client, adapter: AdapterRef, served: list[str], keep: int) -> tuple[list[str], dict]:
     """Unload failures do not fail the swap (the new version is served); they are reported."""
     unloaded: list[str] = []
     errors: dict[str, str] = {}
-    for old in plan_unloads(ours(served, adapter.prefix), adapter.name, keep):
-        try:
-            r = c.post("unload", {"lora_name": old})
-        except TargetError as e:
-            errors[old] = str(e)
-            continue
-        gone = r.status == 404 or (c.t.kind == "sglang" and "does not exist" in r.message())
-        if r.ok or gone:  # already gone is what we wanted
+    for old in plan_unloads(ours(served, adapter.prefix), adapter.served_name, keep):
+        if (why := c.unload(old)) is None:
             unloaded.append(old)
         else:
-            errors[old] = f"HTTP {r.status}: {r.message()}"
+            errors[old] = why
     return unloaded, errors

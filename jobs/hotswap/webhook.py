@@ -1,6 +1,6 @@
 """Generic webhook: POST the new version as JSON, authenticated and signed.
 
-Body (UTF-8 JSON, keys sorted, no spaces): {"base_model", "event", "manifest", "method", "name", "path",
+Body (UTF-8 JSON, keys sorted, no spaces): {"base_model", "event", "manifest", "method", "name", "served_name", "path",
 "text", "version"} for a promotion (`method` "full": `path` is a whole model directory, safetensors
 shards and tokenizer, else a LoRA adapter), the manifest without its "config", so no receiver learns
 the other targets' URLs or where secrets live; other events (jobs.hotswap.events) send {"event", "text", "night", ...};
@@ -51,6 +51,7 @@ def payload_bytes(adapter: AdapterRef, style: str = "nightshift") -> bytes:
         "text": text,
         "version": adapter.version,
         "name": adapter.name,
+        "served_name": adapter.served_name,  # the name a LoRA server holds it under (jobs.hotswap.core)
         "path": str(adapter.path),
         "base_model": adapter.base_model,
         "manifest": {k: v for k, v in adapter.manifest.items() if k != "config"},
@@ -122,7 +123,8 @@ def post(
             ts = int(wall())
             headers[TIMESTAMP_HEADER] = str(ts)
             headers[SIGNATURE_HEADER] = sign(secret, ts, body)
-        r = request("POST", t.url, body=body, headers=headers, timeout_s=t.timeout_s, ctx=ctx)
+        r = request("POST", t.url, body=body, headers=headers, timeout_s=t.timeout_s, ctx=ctx,
+                    max_body=t.max_body_bytes)
         if not r.ok:
             raise TargetError(
                 f"POST {t.url}: HTTP {r.status}: {r.message()}",

@@ -38,6 +38,7 @@ from jobs.contract import (
 )
 from jobs.contract.crashpoints import declare, reached
 from jobs.gpu.telemetry import energy_fields
+from jobs.hotswap.versions import announce
 from jobs.learning import gate
 from jobs.night import isolate
 from jobs.night.candidate import Prepared
@@ -45,7 +46,6 @@ from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun
 from jobs.night.lineage import method_of
 from jobs.store import file_strikes, learning
-from jobs.store.adapters import announce
 from jobs.store.files import DamagedState
 from jobs.store.locking import StateLock
 from jobs.store.paths import StatePaths

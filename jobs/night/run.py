@@ -27,6 +27,7 @@ from jobs.night.measure import keep_candidate_scores
 from jobs.night.model import ensure_model, model_fingerprint, model_to_read, throughput_key
 from jobs.night.publish import announce_version, close_run, finish_published, judge, publish_candidate
 from jobs.night.ranks import share_prepared
+from jobs.night.shadow import check_through_server
 from jobs.store.files import DamagedState
 from jobs.store.integrity import check_registry_known, parent_for_night
 from jobs.training.ranks.collectives import SOLO, Solo
@@ -122,7 +123,10 @@ def _steps(ctx: RunContext) -> None:
         ctx.finish("skipped", "the deadline left no time for a single step")
         return
     evaluate_candidate(ctx, prep, "after")
-    published = publish_candidate(ctx, prep, planned, result, judge(ctx, prep))
+    verdict = judge(ctx, prep)
+    if verdict.passed:  # [hotswap.shadow]: the server must answer as the candidate did in process
+        check_through_server(ctx, prep, planned.version, verdict)
+    published = publish_candidate(ctx, prep, planned, result, verdict)
     if published.promoted:
         keep_candidate_scores(ctx, prep.sets, published.version)
         rescore_held(ctx, prep.loaded, prep.sets, [x for x in prep.train_set if x.sample_id not in prep.replay_ids],

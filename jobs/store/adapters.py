@@ -1,7 +1,8 @@
-"""Operator actions on published adapter versions: list, show, diff, promote, rollback, pin, prune,
-and announcing a version to the hot-swap targets (shared with the night).
+"""Operator actions on published adapter versions: list, show, diff, promote, rollback, pin, prune.
 
-Imports no torch: the daemon's CLI runs these. Two locks in the state directory:
+No network here: telling the servers (announcing a version, promote/rollback that also tell them) is
+jobs.hotswap.versions, above the store. Imports no torch: the daemon's CLI runs these. Two locks in
+the state directory:
 - `lock` (the one the night's publish takes) around every change of the registry or of `current`,
   held for file operations only (seconds), so a running night is never kept waiting long;
 - `hotswap.lock` around announcing (network, retries: up to minutes). Whoever announces checks,
@@ -26,8 +27,6 @@ from typing import Any
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
-from jobs.contract import Method
-from jobs.hotswap import AdapterRef, HotswapConfig, HotswapOutcome, notify_all
 from jobs.store.ledger import Ledger
 from jobs.store.locking import StateLock
 from jobs.store.paths import StatePaths
@@ -35,7 +34,6 @@ from jobs.store.readonly import open_read_only
 from jobs.store.registry import TMP_PREFIX, Registry, parse_version
 
 log = structlog.get_logger("nightshift.adapters")
-Notify = Callable[[HotswapConfig, AdapterRef], list[HotswapOutcome]]
 KEPT_STATUSES = ("promoted", "rejected")  # published and on disk
 
 
@@ -103,10 +101,8 @@ class Adapters:
         self,
         state_dir: Path,
         *,
-        hotswap: HotswapConfig | None = None,
         cfg: RegistryConfig | None = None,
         clock: Callable[[], float] = time.time,
-        notify: Notify = notify_all,
         read_only: bool = False,
     ) -> None:
         """`read_only`: for the commands that only read (list, show, diff): nothing is created or migrated,
@@ -115,9 +111,7 @@ class Adapters:
         self.registry = Registry(self.state_dir, create=not read_only)
         path = StatePaths(self.state_dir).ledger
         self.ledger = open_read_only(path, clock=clock) if read_only else Ledger(path, clock=clock)
-        self.hotswap_cfg = hotswap or HotswapConfig()
         self.cfg = cfg or RegistryConfig()
-        self.notify = notify
 
     def close(self) -> None:
         self.ledger.close()
@@ -297,67 +291,6 @@ class Adapters:
         self.ledger.add_event("pruned", version=info.version, detail={"status_before": info.status})
         if gone is not None:
             shutil.rmtree(gone, ignore_errors=True)
-
-    # ---- hot-swap -------------------------------------------------------------------------------
-    def announce(
-        self, ref: str | int | None = None, *, trigger: str, only_if_current: bool = False
-    ) -> tuple[VersionInfo, list[HotswapOutcome] | None]:
-        """Send a version (default: the one in service) to every target. None: skipped because
-        `only_if_current` and it is no longer in service."""
-        info = self.get("current" if ref is None else ref)
-        if info.status == "pruned" or not info.on_disk:
-            raise AdapterError(f"{info.name} is not on disk ({info.status})")
-        outcomes = announce(
-            self.registry,
-            self.ledger,
-            self.hotswap_cfg,
-            info.version,
-            info.path,
-            trigger=trigger,
-            notify=self.notify,
-            only_if_current=only_if_current,
-            lock_timeout=self.cfg.lock_timeout_seconds,
-        )
-        return info, outcomes
-
-
-def announce(
-    registry: Registry,
-    ledger: Ledger,
-    cfg: HotswapConfig,
-    version: int,
-    path: Path,
-    *,
-    trigger: str,
-    run_id: str | None = None,
-    notify: Notify = notify_all,
-    only_if_current: bool = True,
-    on_outcome: Callable[[HotswapOutcome], None] = lambda _: None,
-    lock_timeout: float = 600.0,
-) -> list[HotswapOutcome] | None:
-    """Verify the version, then notify every target and record each outcome (ledger, log, callback).
-
-    None when `only_if_current` and `current` moved on meanwhile: whoever moved it announces.
-    IntegrityError when the files do not match the manifest: nothing is sent.
-    """
-    with StateLock(StatePaths(registry.state_dir).hotswap_lock, timeout=lock_timeout, what=f"hotswap ({trigger})"):
-        if only_if_current and registry.current() != Path(path).resolve():
-            log.warning("hotswap.skipped", version=version, reason="no longer the version in service")
-            return None
-        manifest = registry.verify(path)
-        ref = AdapterRef(
-            version=version,
-            name=Path(path).name,
-            path=Path(path).resolve(),
-            base_model=str((manifest.get("base_model") or {}).get("path", "")),
-            manifest=manifest,
-            method=Method(manifest.get("method") or Method.qlora),
-        )
-        outcomes = notify(cfg, ref)
-        for o in outcomes:
-            ledger.record_hotswap(version, o, trigger=trigger, run_id=run_id)
-            on_outcome(o)
-    return outcomes
 
 
 def diff(a: dict[str, Any], b: dict[str, Any], *, ignore: tuple[str, ...] = ("files",)) -> list[tuple[str, Any, Any]]:

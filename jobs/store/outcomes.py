@@ -23,12 +23,20 @@ class NightOutcomes:
                               detail={"night": night, "error": error, "tail": tail[-20:]})
 
     def close(self, night: str, status: str, error: str, deadline: float | None = None) -> str:
-        """Close tonight's open run (or record one) as failed/skipped, so the night counts as done."""
+        """Close tonight's open run (or record one) as failed/skipped, so the night counts as done.
+
+        A run whose version was already recorded promoted (killed while announcing it: a server that
+        hung, the window's end) is closed as succeeded, its error saying the hot-swap was cut: the
+        version is in service whatever the servers heard, and the next start re-sends it."""
         run = self.ledger.open_run(night)
         if run is None:
             run_id = f"{night}-{status}-{int(self.ledger.clock())}"
             self.ledger.start_run(run_id, night, deadline or self.ledger.clock())
         else:
             run_id = run["id"]
+        promoted = self.ledger.db.execute("SELECT name FROM versions WHERE run_id=? AND status='promoted'",
+                                          (run_id,)).fetchone()
+        if promoted is not None and status == "failed":
+            status, error = "succeeded", f"{promoted['name']} promoted; its hot-swap was cut: {error}"
         close_run(self.ledger, run_id, status, error=error)  # also drops its checkpoints, frees its number
         return run_id

@@ -28,6 +28,9 @@ from jobs.hotswap import (
 )
 from tests.fixtures.lora_servers import BASE, Fake, start
 
+DIGEST = AdapterRef(version=1, name="t-v0001", path=Path("/x"), base_model=BASE,
+                    manifest={"files": {"adapter_config.json": "ab" * 32}}).digest
+
 
 def adapter(tmp_path: Path, version: int, prefix: str = "tiny") -> AdapterRef:
     d = tmp_path / "adapters" / version_name(prefix, version)
@@ -40,6 +43,11 @@ def adapter(tmp_path: Path, version: int, prefix: str = "tiny") -> AdapterRef:
         base_model=BASE,
         manifest={"version": version, "files": {"adapter_config.json": "ab" * 32}},
     )
+
+
+def sn(v: int, prefix: str = "tiny") -> str:
+    """The served name of adapter(tmp_path, v): every version of these tests has the same files' digest."""
+    return f"{version_name(prefix, v)}-{DIGEST}"
 
 
 class Sleeps(list[float]):
@@ -154,18 +162,19 @@ def test_vllm_loads_versioned_names_and_honours_keep_loaded(tmp_path: Path, serv
         [out] = notify_all(c, a, sleep=Sleeps())
         assert out.ok and out.attempts == 1 and out.error is None, out
         assert out.kind == "vllm" and out.target == "vllm"
-        assert out.detail["loaded"] == [version_name("tiny", n) for n in range(max(1, v - 1), v + 1)]
+        assert out.detail["loaded"] == [sn(n) for n in range(max(1, v - 1), v + 1)]
         assert sorted((p.name, p.stat().st_mtime_ns) for p in a.path.iterdir()) == before  # untouched
         assert loaded_versions(c.targets[0], "tiny") == out.detail["loaded"]  # type: ignore[arg-type]
     loads = [r["body"] for r in srv.posts("/v1/load_lora_adapter")]
-    assert [b["lora_name"] for b in loads] == [f"tiny-v000{v}" for v in range(1, 6)]
-    assert all(Path(b["lora_path"]).is_absolute() and b["lora_path"].endswith(b["lora_name"]) for b in loads)
+    assert [b["lora_name"] for b in loads] == [sn(v) for v in range(1, 6)]
+    assert all(Path(b["lora_path"]).is_absolute() and b["lora_name"].startswith(Path(b["lora_path"]).name + "-")
+               for b in loads)
     assert [r["body"]["lora_name"] for r in srv.posts("/v1/unload_lora_adapter")] == [
-        "tiny-v0001",
-        "tiny-v0002",
-        "tiny-v0003",
+        sn(1),
+        sn(2),
+        sn(3),
     ]
-    assert set(srv.loaded) == {"sql-lora", "big-v0001", "tiny-v0004", "tiny-v0005"}
+    assert set(srv.loaded) == {"sql-lora", "big-v0001", sn(4), sn(5)}
 
 
 def test_vllm_resend_of_a_loaded_name_is_success(tmp_path: Path, servers: list[Fake]) -> None:
@@ -175,7 +184,7 @@ def test_vllm_resend_of_a_loaded_name_is_success(tmp_path: Path, servers: list[F
     assert notify_all(c, a, sleep=Sleeps())[0].detail["already_loaded"] is False
     [again] = notify_all(c, a, sleep=Sleeps())
     assert again.ok and again.attempts == 1 and again.detail["already_loaded"] is True
-    assert len(srv.posts("/v1/load_lora_adapter")) == 2 and list(srv.loaded) == ["tiny-v0007"]
+    assert len(srv.posts("/v1/load_lora_adapter")) == 1 and list(srv.loaded) == [sn(7)]  # seen held: not re-sent
 
 
 def test_vllm_rollback_keeps_the_version_just_loaded(tmp_path: Path, servers: list[Fake]) -> None:
@@ -183,10 +192,10 @@ def test_vllm_rollback_keeps_the_version_just_loaded(tmp_path: Path, servers: li
     c = cfg({"kind": "vllm", "name": "vllm", "base_url": srv.url, "keep_loaded": 2})
     for v in (3, 4, 5):
         notify_all(c, adapter(tmp_path, v), sleep=Sleeps())
-    assert set(srv.loaded) == {"tiny-v0004", "tiny-v0005"}
+    assert set(srv.loaded) == {sn(4), sn(5)}
     [out] = notify_all(c, adapter(tmp_path, 3), sleep=Sleeps())  # roll back to v3
-    assert out.ok and out.detail["unloaded"] == ["tiny-v0004"]
-    assert set(srv.loaded) == {"tiny-v0003", "tiny-v0005"}
+    assert out.ok and out.detail["unloaded"] == [sn(4)]
+    assert set(srv.loaded) == {sn(3), sn(5)}
 
 
 def test_vllm_bearer_api_key(tmp_path: Path, servers: list[Fake], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -223,7 +232,7 @@ def test_remote_adapters_dir_rewrites_the_path(tmp_path: Path, servers: list[Fak
     (remote / "tiny-v0001").mkdir(parents=True)
     c = cfg({"kind": "vllm", "name": "v", "base_url": srv.url, "remote_adapters_dir": str(remote) + "/"})
     assert notify_all(c, adapter(tmp_path, 1), sleep=Sleeps())[0].ok
-    assert srv.loaded["tiny-v0001"] == f"{remote}/tiny-v0001"
+    assert srv.loaded[sn(1)] == f"{remote}/tiny-v0001"
 
 
 # -- SGLang ----------------------------------------------------------------------------------
@@ -232,9 +241,9 @@ def test_sglang_same_policy(tmp_path: Path, servers: list[Fake]) -> None:
     c = cfg({"kind": "sglang", "name": "sg", "base_url": srv.url, "keep_loaded": 1})
     for v in (1, 2, 3):
         [out] = notify_all(c, adapter(tmp_path, v), sleep=Sleeps())
-        assert out.ok and out.kind == "sglang" and out.detail["loaded"] == [f"tiny-v000{v}"]
-    assert list(srv.loaded) == ["tiny-v0003"]
-    assert [r["body"]["lora_name"] for r in srv.posts("/unload_lora_adapter")] == ["tiny-v0001", "tiny-v0002"]
+        assert out.ok and out.kind == "sglang" and out.detail["loaded"] == [sn(v)]
+    assert list(srv.loaded) == [sn(3)]
+    assert [r["body"]["lora_name"] for r in srv.posts("/unload_lora_adapter")] == [sn(1), sn(2)]
     assert not srv.posts("/v1/load_lora_adapter")  # SGLang's routes have no /v1
     [again] = notify_all(c, adapter(tmp_path, 3), sleep=Sleeps())
     assert again.ok and again.detail["already_loaded"]
@@ -251,9 +260,9 @@ def test_sglang_load_is_confirmed_from_its_answer_where_v1_models_lists_only_the
         [out] = notify_all(c, adapter(tmp_path, v), sleep=Sleeps())
         assert out.ok, out.error
         assert out.detail["confirmed_by"] == "load response"
-        assert out.detail["loaded"] == [f"tiny-v000{n}" for n in range(max(1, v - 1), v + 1)]
-    assert list(srv.loaded) == ["tiny-v0002", "tiny-v0003"]  # keep_loaded, from the answer's list
-    assert [r["body"]["lora_name"] for r in srv.posts("/unload_lora_adapter")] == ["tiny-v0001"]
+        assert out.detail["loaded"] == [sn(n) for n in range(max(1, v - 1), v + 1)]
+    assert list(srv.loaded) == [sn(2), sn(3)]  # keep_loaded, from the answer's list
+    assert [r["body"]["lora_name"] for r in srv.posts("/unload_lora_adapter")] == [sn(1)]
     # a re-send: SGLang says "already loaded" (its error answer lists nothing here): held, so a success
     [again] = notify_all(c, adapter(tmp_path, 3), sleep=Sleeps())
     assert again.ok and again.detail["already_loaded"] and again.attempts == 1
@@ -290,7 +299,7 @@ def test_retries_with_exponential_backoff(tmp_path: Path, servers: list[Fake]) -
     [out] = notify_all(c, adapter(tmp_path, 1), sleep=sleeps)
     assert not out.ok and out.attempts == 4 and sleeps == [0.5, 1.0, 2.0]
     assert "HTTP 503" in (out.error or "") and "engine is sleeping" in (out.error or "")
-    assert len(srv.posts("/v1/load_lora_adapter")) == 4
+    assert len(srv.requests) == 4  # one GET /v1/models per attempt (a failing server is asked before the load)
 
 
 def test_backoff_is_capped(tmp_path: Path, servers: list[Fake]) -> None:
@@ -338,7 +347,7 @@ def test_one_failing_target_does_not_stop_the_others(tmp_path: Path, servers: li
     json.dumps([o.model_dump(mode='json') for o in outs])  # JSON-ready for the ledger / child events
     ok_only = cfg(*[t.model_dump() for t in c.targets[1:]], newest_name_file=str(newest))
     assert all(o.ok for o in notify_all(ok_only, adapter(tmp_path, 2), sleep=Sleeps()))
-    assert newest.read_text() == "tiny-v0002\n"
+    assert newest.read_text() == sn(2) + "\n"
 
 
 def test_redirects_are_refused(tmp_path: Path, servers: list[Fake]) -> None:
@@ -379,6 +388,7 @@ def test_webhook_is_signed_and_carries_the_bearer_token(
         "text": "nightshift: tiny-v0007 is now in service",
         "version": 7,
         "name": "tiny-v0007",
+        "served_name": sn(7),
         "path": str(a.path),
         "base_model": BASE,
         "manifest": a.manifest,
@@ -526,4 +536,27 @@ def test_tls_self_signed_is_refused_by_default(
     assert notify_all(trusted, a, sleep=sleeps)[0].ok
     lab = cfg({"kind": "vllm", "name": "t", "base_url": srv.url, "verify_tls": False})
     [out] = notify_all(lab, adapter(tmp_path, 2), sleep=sleeps)
-    assert out.ok and set(srv.loaded) == {"tiny-v0001", "tiny-v0002"}
+    assert out.ok and set(srv.loaded) == {sn(1), sn(2)}
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_a_name_held_from_other_files_is_unloaded_and_loaded_again(tmp_path: Path, servers: list[Fake],
+                                                                   kind: str) -> None:
+    """Another state directory, a restored backup: the server holds our served name from elsewhere. The
+    old code called it a re-send ("already loaded", ok) and the server kept answering with other weights."""
+    srv = start(servers, kind)
+    a = adapter(tmp_path, 1)
+    srv.loaded[a.served_name] = "/elsewhere/tiny-v0001"
+    [out] = notify_all(cfg({"kind": kind, "name": "s", "base_url": srv.url}), a, sleep=Sleeps())
+    assert out.ok and out.detail["replaced_stale"] == "/elsewhere/tiny-v0001" and not out.detail["already_loaded"]
+    assert srv.loaded == {a.served_name: str(a.path)}
+    unload = "/v1/unload_lora_adapter" if kind == "vllm" else "/unload_lora_adapter"
+    assert [r["body"]["lora_name"] for r in srv.posts(unload)] == [a.served_name]
+
+
+def test_served_names_differ_for_other_files_under_one_version(tmp_path: Path) -> None:
+    a = adapter(tmp_path / "a", 1)
+    b = AdapterRef(version=1, name="tiny-v0001", path=a.path, base_model=BASE,
+                   manifest={"files": {"adapter_config.json": "cd" * 32}})
+    assert a.name == b.name and a.served_name != b.served_name
+    assert parse_version_name(a.served_name) is None  # not a version name: never published under it
