@@ -71,22 +71,24 @@ def add_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_hotswap)
 
 
-def open_adapters(s: Any) -> Adapters:
+def open_adapters(s: Any, *, read_only: bool = False) -> Adapters:
     """Settings -> Adapters; [hotswap] / [registry] default to nothing configured / defaults."""
     return Adapters(
         s.state_dir,
         hotswap=getattr(s, "hotswap", None) or HotswapConfig(),
         cfg=getattr(s, "registry", None) or RegistryConfig(),
+        read_only=read_only,
     )
 
 
-def _guarded(fn: Callable[[argparse.Namespace, Adapters], int]) -> Callable[[argparse.Namespace, Any], int]:
+def _guarded(fn: Callable[[argparse.Namespace, Adapters], int], *,
+             read_only: bool = False) -> Callable[[argparse.Namespace, Any], int]:
     """(args, Adapters) -> the CLI's (args, settings) handler. Operator errors become one clear
-    line on stderr and exit 1; the one in service stays."""
+    line on stderr and exit 1; the one in service stays. `read_only`: the command creates nothing."""
 
     @functools.wraps(fn)
     def run(args: argparse.Namespace, s: Any) -> int:
-        ad = open_adapters(s)
+        ad = open_adapters(s, read_only=read_only)
         try:
             return int(fn(args, ad))
         except IntegrityError as e:
@@ -102,6 +104,10 @@ def _guarded(fn: Callable[[argparse.Namespace, Adapters], int]) -> Callable[[arg
         return EXIT_REFUSED
 
     return run
+
+
+def _reading(fn: Callable[[argparse.Namespace, Adapters], int]) -> Callable[[argparse.Namespace, Any], int]:
+    return _guarded(fn, read_only=True)
 
 
 # ---- reading ------------------------------------------------------------------------------------
@@ -148,7 +154,7 @@ def _row(i: VersionInfo) -> dict[str, Any]:
     }
 
 
-@_guarded
+@_reading
 def cmd_list(args: argparse.Namespace, ad: Adapters) -> int:
     rows = [_row(i) for i in ad.versions()]
     if args.json:
@@ -169,7 +175,7 @@ def cmd_list(args: argparse.Namespace, ad: Adapters) -> int:
     return 0
 
 
-@_guarded
+@_reading
 def cmd_show(args: argparse.Namespace, ad: Adapters) -> int:
     i = ad.get(args.version)
     if not args.json:
@@ -181,7 +187,7 @@ def cmd_show(args: argparse.Namespace, ad: Adapters) -> int:
     return 0
 
 
-@_guarded
+@_reading
 def cmd_diff(args: argparse.Namespace, ad: Adapters) -> int:
     a, b = ad.get(args.a), ad.get(args.b)
     rows = diff(a.manifest, b.manifest)

@@ -26,6 +26,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from daemon.config_paths import config_base, rebase_paths
 from daemon.metrics import MetricsConfig
 from daemon.window import WindowConfig
 from jobs.data.quarantine import QuarantineConfig
@@ -91,12 +92,19 @@ class Settings(BaseSettings):
         """Precedence: explicit arguments, then NIGHTSHIFT_* environment, then the TOML file."""
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         if settings_cls.model_config.get("toml_file"):
-            sources.append(TomlConfigSettingsSource(settings_cls))
+            sources.append(_RelativeToml(settings_cls))
         return tuple(sources)
 
     def night_config(self) -> NightConfig:
         return NightConfig.model_validate(
             {k: getattr(self, k) for k in NightConfig.model_fields}, from_attributes=True)
+
+
+class _RelativeToml(TomlConfigSettingsSource):
+    """The TOML file, its relative paths made relative to the file (daemon/config_paths.py)."""
+
+    def _read_file(self, file_path: Path) -> dict[str, Any]:
+        return rebase_paths(Settings, super()._read_file(file_path), config_base(file_path))
 
 
 class ConfigError(ValueError):
@@ -235,6 +243,7 @@ def raw_path_problems(path: Path | None, *, bad: set[str]) -> list[str]:
     `check-config` reports types and paths together. Keys with a type problem of their own are skipped."""
     try:
         raw: dict[str, Any] = tomllib.loads(path.read_text(encoding="utf-8")) if path is not None else {}
+        raw = rebase_paths(Settings, raw, config_base(path)) if path is not None else raw
     except (OSError, ValueError):
         raw = {}
     env = {k.upper(): v for k, v in os.environ.items()}

@@ -9,7 +9,7 @@ from typing import Any
 
 from daemon.settings import Settings
 from jobs.store import learning
-from jobs.store.ledger import Ledger
+from jobs.store.readonly import open_read_only
 from jobs.store.registry import Registry
 from jobs.tables import grid, key_values
 
@@ -19,7 +19,7 @@ def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:
     zone = s.window.zone()
     w = s.window.window_at(now)
     nxt = s.window.next_window(now)
-    ledger = Ledger(Path(s.state_dir) / "ledger.sqlite")
+    ledger = open_read_only(Path(s.state_dir) / "ledger.sqlite")  # status creates nothing, migrates nothing
     try:
         runs = []
         for r in ledger.last_runs(10):
@@ -31,7 +31,7 @@ def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:
                 "trained_samples": summ.get("trained_samples"), "attempts": r["attempt"], "error": r["error"],
             })
         backlog = ledger.backlog()
-        current = Registry(Path(s.state_dir)).current_version()
+        current = Registry(Path(s.state_dir), create=False).current_version()
         row = ledger.version(current) if current else None
         manifest = json.loads(row["manifest"]) if row and row["manifest"] else {}
         aside = learning.set_aside(ledger)

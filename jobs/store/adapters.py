@@ -30,6 +30,7 @@ from jobs.contract import Method
 from jobs.hotswap import AdapterRef, HotswapConfig, HotswapOutcome, notify_all
 from jobs.store.ledger import Ledger
 from jobs.store.locking import StateLock
+from jobs.store.readonly import open_read_only
 from jobs.store.registry import TMP_PREFIX, Registry, parse_version
 
 log = structlog.get_logger("nightshift.adapters")
@@ -105,10 +106,13 @@ class Adapters:
         cfg: RegistryConfig | None = None,
         clock: Callable[[], float] = time.time,
         notify: Notify = notify_all,
+        read_only: bool = False,
     ) -> None:
+        """`read_only`: list, show, diff: nothing is created or migrated (a missing state dir reads as empty)."""
         self.state_dir = Path(state_dir)
-        self.registry = Registry(self.state_dir)
-        self.ledger = Ledger(self.state_dir / "ledger.sqlite", clock=clock)
+        self.registry = Registry(self.state_dir, create=not read_only)
+        self.ledger = (open_read_only(self.state_dir / "ledger.sqlite", clock=clock) if read_only
+                       else Ledger(self.state_dir / "ledger.sqlite", clock=clock))
         self.hotswap_cfg = hotswap or HotswapConfig()
         self.cfg = cfg or RegistryConfig()
         self.notify = notify

@@ -16,6 +16,7 @@ from jobs.store.files import DamagedState
 from jobs.store.integrity import ledger_in_service, unknown_versions
 from jobs.store.ledger import Ledger
 from jobs.store.locking import NIGHT_LOCK, REGISTRY_LOCK, LockTimeout, StateLock, holder
+from jobs.store.readonly import read_only_uri
 from jobs.store.registry import TMP_PREFIX, IntegrityError, Registry
 from jobs.store.schema import LATEST, published_dirs, schema_version
 
@@ -33,7 +34,7 @@ class _ReadOnlyLedger(Ledger):
 
     def __init__(self, path: Path) -> None:  # no super().__init__: open_database would migrate
         self.path, self.clock = Path(path), None
-        self.db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+        self.db = sqlite3.connect(read_only_uri(Path(path)), uri=True, isolation_level=None)
         self.db.row_factory = sqlite3.Row
 
 
@@ -46,7 +47,9 @@ def diagnose(state_dir: Path, *, name: str | None = None, lock_timeout: float = 
     out.append(Finding("note", "night", f"a night is running ({who})") if who else
                Finding("ok", "night", "no night is running"))
     try:
-        with StateLock(state / REGISTRY_LOCK, timeout=lock_timeout, what="doctor (reading)"):
+        if not (state / REGISTRY_LOCK).exists():  # nothing ever published or changed: no lock file to create
+            return out + _check(state, name)
+        with StateLock(state / REGISTRY_LOCK, timeout=lock_timeout, what="doctor (reading)", shared=True):
             out += _check(state, name)
     except LockTimeout as e:
         out.append(Finding("problem", "lock", str(e), "run doctor again when the publish or command is done"))

@@ -57,20 +57,26 @@ class StateLock:
     else LockTimeout naming the holder. `fd` is the descriptor to pass to a child that must keep
     holding it (the lock is released when every process holding the descriptor has closed it)."""
 
-    def __init__(self, path: Path, *, timeout: float = 60.0, what: str = "") -> None:
+    def __init__(self, path: Path, *, timeout: float = 60.0, what: str = "", shared: bool = False) -> None:
+        """`shared`: a reader's lock (doctor) on an existing lock file: it keeps writers out, lets other readers
+        in, and writes nothing (a read-only command leaves the state directory as it was)."""
         self.path = Path(path)
         self.timeout = timeout
         self.what = what
+        self.shared = shared
         self.fd: int | None = None
 
     def __enter__(self) -> StateLock:
-        if not self.path.parent.exists():
-            make_dir(self.path.parent, SHARED_DIR)  # the state directory: its group reads the versions in it
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if self.shared:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        else:
+            if not self.path.parent.exists():
+                make_dir(self.path.parent, SHARED_DIR)  # the state directory: its group reads the versions in it
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         end = time.monotonic() + self.timeout
         while True:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 if time.monotonic() >= end:
@@ -81,8 +87,9 @@ class StateLock:
                     raise LockTimeout(f"{self.path.parent} is held by another nightshift process"
                                       + (f" ({who})" if who else "") + f" ({waited}{purpose})") from None
                 time.sleep(0.05)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {self.what}|{time.time():.0f}\n".encode(), 0)
+        if not self.shared:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {self.what}|{time.time():.0f}\n".encode(), 0)
         self.fd = fd
         return self
 
