@@ -12,6 +12,7 @@ import json
 import os
 import re
 import tomllib
+import typing
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -145,12 +146,38 @@ def merge_problems(problems: list[str]) -> list[str]:
     return [f"{n}: " + "; or: ".join(dict.fromkeys(r)) if any(r) else n for n, r in merged.items()]
 
 
+def known_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the table at `loc` accepts (for "did you mean"): the Settings model walked along it."""
+    model: Any = Settings
+    for part in loc:
+        if isinstance(part, int) or (isinstance(part, str) and part.isdigit()):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = _model_in(field.annotation)
+        if model is None:
+            return []
+    return sorted(getattr(model, "model_fields", {}))
+
+
+def _model_in(tp: Any) -> Any:
+    """The pydantic model inside an annotation (Model, Model | None, list[Model]), or None."""
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return tp
+    for arg in typing.get_args(tp):
+        if (found := _model_in(arg)) is not None:
+            return found
+    return None
+
+
 def format_error(err: dict[str, Any]) -> str:
     loc = tuple(x for x in err["loc"] if not _union_member(x))
     name, env = key_name(loc)
     in_list = any(isinstance(x, int) for x in loc)
     if err["type"] == "extra_forbidden":
-        return f"{name}: unknown key"
+        hint = difflib.get_close_matches(str(loc[-1]).lower(), known_keys(loc[:-1]), n=1) if loc else []
+        return f"{name}: unknown key" + (f" (did you mean '{hint[0]}'?)" if hint else "")
     if err["type"] == "missing":
         return f"{name}: required key is missing" + ("" if in_list else f" (or set {env})")
     msg = str(err["msg"]).removeprefix("Value error, ")

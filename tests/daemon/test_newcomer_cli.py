@@ -1,0 +1,44 @@
+"""Small things a newcomer met (issue 42): "did you mean" for a misspelt key, quiet on a closed pipe."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from daemon.settings import ConfigError, load_settings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(("toml", "said"), [
+    ('[train]\nlora_rnak = 8\n', "[train] lora_rnak: unknown key (did you mean 'lora_rank'?)"),
+    ('stat_dir = "s"\n', "stat_dir: unknown key (did you mean 'state_dir'?)"),
+    ('[[sources]]\nname = "a"\ninbx = "i"\n', "[[sources]] #1 inbx: unknown key (did you mean 'inbox'?)"),
+])
+def test_a_misspelt_key_gets_a_did_you_mean(tmp_path, toml, said):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(toml + f'[model]\npath = "{tmp_path}"\n' if toml.startswith("stat") else
+                   f'[model]\npath = "{tmp_path}"\n' + toml)
+    with pytest.raises(ConfigError) as e:
+        load_settings(cfg)
+    assert said in e.value.problems
+
+
+def test_a_key_like_no_other_gets_no_guess(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[model]\npath = "{tmp_path}"\n[train]\nzzqx = 1\n')
+    with pytest.raises(ConfigError) as e:
+        load_settings(cfg)
+    assert "[train] zzqx: unknown key" in e.value.problems
+
+
+def test_status_into_a_closed_pipe_is_quiet(tmp_path):
+    """`nightshift status | head -1`: head exits after one line; nightshift must not print "Broken pipe"."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n[model]\npath = "{tmp_path}"\nbuild = "tiny-llama"\n')
+    r = subprocess.run(f"{sys.executable} -m daemon --config {cfg} status | head -1", shell=True, cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    assert r.stdout.startswith("config") and r.stderr == "", r.stderr
