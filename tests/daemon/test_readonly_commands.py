@@ -83,6 +83,9 @@ def test_no_read_only_command_creates_or_changes_a_state_directory(relative_conf
     s = load_settings(relative_config)
     summary = run(s.night_config())  # a real state directory: a ledger, one version, `current`
     assert summary["outcome"] == "succeeded" and (home / "state" / "current").exists()
+    # the default method is qlora, but nothing is quantised on a CPU: the version says lora (issue 42)
+    manifest = json.loads((home / "state" / "current" / "manifest.json").read_text())
+    assert summary["method"] == manifest["method"] == "lora"
     write_jsonl(home / "inbox" / "b.jsonl", [alpaca(i, " b") for i in range(4)])
     before = tree(home, elsewhere)
     for argv in READ_ONLY:
