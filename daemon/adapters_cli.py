@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from daemon.adapters_view import diff_lines, show_lines
 from jobs.contract import ExitCode
 from jobs.hotswap import HotswapConfig, HotswapOutcome
 from jobs.store.adapters import AdapterError, Adapters, RegistryConfig, VersionInfo, diff
@@ -39,11 +40,12 @@ def add_commands(sub: Any) -> None:
     p = asub.add_parser("list", help="every version: outcome, metrics, which is in service, pinned")
     p.add_argument("--json", action="store_true", help="the same as JSON")
     p.set_defaults(func=cmd_list)
-    p = asub.add_parser("show", help="print a version's manifest")
+    p = asub.add_parser("show", help="a version's figures and lineage (the whole manifest with --json)")
     p.add_argument("version", help="3, v0003, <name>-v0003 or current")
     p.add_argument("--json", action="store_true", help="the manifest only")
     p.set_defaults(func=cmd_show)
-    p = asub.add_parser("diff", help="compare two versions' configs and figures (flattened key paths)")
+    p = asub.add_parser("diff", help="what differs between two versions (a list such as the loss curve: one line; "
+                          "every key with --json)")
     p.add_argument("a", help="the first version: 3, v0003, <name>-v0003 or current")
     p.add_argument("b", help="the second version")
     p.add_argument("--json", action="store_true", help="the differences as JSON")
@@ -178,12 +180,13 @@ def cmd_list(args: argparse.Namespace, ad: Adapters) -> int:
 @_reading
 def cmd_show(args: argparse.Namespace, ad: Adapters) -> int:
     i = ad.get(args.version)
-    if not args.json:
-        state = [i.status] + (["IN SERVICE"] if i.in_service else []) + (["pinned"] if i.pinned else [])
-        kind = "a LoRA adapter" if i.method != "full" else "a whole model"
-        print(f"# {i.name}: {', '.join(state)}; {i.method} ({kind}, {_size(i.size_bytes)}); "
-              f"{i.path if i.on_disk else 'files deleted (pruned)'}")
-    print(json.dumps(i.manifest, indent=2, sort_keys=True, default=str))
+    if args.json:
+        print(json.dumps(i.manifest, indent=2, sort_keys=True, default=str))
+        return 0
+    state = [i.status] + (["IN SERVICE"] if i.in_service else []) + (["pinned"] if i.pinned else [])
+    kind = "a LoRA adapter" if i.method != "full" else "a whole model"
+    where = str(i.path) if i.on_disk else "files deleted (pruned)"
+    print(show_lines(i.name, f"{', '.join(state)}; {i.method} ({kind}, {_size(i.size_bytes)}); {where}", i.manifest))
     return 0
 
 
@@ -194,19 +197,8 @@ def cmd_diff(args: argparse.Namespace, ad: Adapters) -> int:
     if args.json:
         print(json.dumps([{"key": k, a.name: va, b.name: vb} for k, va, vb in rows], indent=2, default=str))
         return 0
-    print(f"# {a.name} -> {b.name}: {len(rows)} difference(s) (file hashes left out)")
-    width = max((len(k) for k, _, _ in rows), default=0)
-    for k, va, vb in rows:
-        delta = ""
-        if isinstance(va, int | float) and isinstance(vb, int | float) and not isinstance(va, bool) and va:
-            delta = f"  ({vb - va:+.4g}, {(vb - va) / abs(va) * 100:+.1f}%)"
-        print(f"  {k.ljust(width)}  {_short(va)} -> {_short(vb)}{delta}")
+    print(diff_lines(a.name, b.name, rows))
     return 0
-
-
-def _short(v: Any) -> str:
-    text = json.dumps(v, default=str) if not isinstance(v, str) else v
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # ---- changing what is in service ----------------------------------------------------------------

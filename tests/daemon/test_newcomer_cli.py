@@ -42,3 +42,16 @@ def test_status_into_a_closed_pipe_is_quiet(tmp_path):
     r = subprocess.run(f"{sys.executable} -m daemon --config {cfg} status | head -1", shell=True, cwd=REPO,
                        capture_output=True, text=True, timeout=600)
     assert r.stdout.startswith("config") and r.stderr == "", r.stderr
+
+
+def test_adapters_show_and_diff_summarise_and_keep_the_whole_json_behind_a_flag():
+    from daemon.adapters_view import diff_lines, show_lines
+
+    manifest = {"night": "2026-11-21", "data": {"samples": 342}, "losses": {"heldout_after": 3.1},
+                "gate": {"passed": False, "checks": [{"name": "heldout.loss", "passed": False}]},
+                "config": {"train": {"lora_rank": 8}}, "files": {f"f{i}": "h" for i in range(900)}}
+    text = show_lines("tiny-v0002", "kept", manifest)
+    assert len(text.splitlines()) < 15 and "342" in text and "failed: heldout.loss" in text and "--json" in text
+    rows = [(f"losses.curve.{i}.loss", 1.0 + i, 2.0 + i) for i in range(176)] + [("data.samples", 300, 342)]
+    text = diff_lines("tiny-v0001", "tiny-v0002", rows)
+    assert len(text.splitlines()) == 3 and "176 entries differ" in text and "300 -> 342" in text
