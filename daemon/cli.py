@@ -172,13 +172,16 @@ def plan_events(progress: NightProgress) -> Any:
 
 
 def cmd_plan(args: argparse.Namespace, s: Settings) -> int:
-    now = dt.datetime.now().astimezone()
-    deadline = parse_until(args.until, window_seconds(s), now)
+    # the night `once` would run, with its name (the replay draw is seeded by it) and its training deadline
+    # (the window's end less the save margin): the plan shows the figures `once` will have (52 vs 45 replayed
+    # samples when the plan was seeded "plan" and timed to the window's very end)
+    window = manual_window(args, s)
+    night, deadline = window.night, window.deadline(s.window.save_margin).timestamp()
     problems = check_paths(s)  # no night lock: a plan only reads, so it also works while a night runs
     if problems:
         raise ConfigError(args.config, problems)
     with NightProgress(choose_mode(json_output=args.json, log_format=s.log.format)) as progress:
-        out = run_child(s, night="plan", deadline=deadline, plan_only=True, on_event=plan_events(progress))
+        out = run_child(s, night=night, deadline=deadline, plan_only=True, on_event=plan_events(progress))
     if out.summary is None or out.summary.plan is None:
         print(f"nightshift plan: failed ({out.describe_exit()})", file=sys.stderr)
         print("\n".join(out.tail[-15:]), file=sys.stderr)

@@ -55,3 +55,36 @@ def test_adapters_show_and_diff_summarise_and_keep_the_whole_json_behind_a_flag(
     rows = [(f"losses.curve.{i}.loss", 1.0 + i, 2.0 + i) for i in range(176)] + [("data.samples", 300, 342)]
     text = diff_lines("tiny-v0001", "tiny-v0002", rows)
     assert len(text.splitlines()) == 3 and "176 entries differ" in text and "300 -> 342" in text
+
+
+def test_plan_asks_the_child_for_the_night_and_deadline_once_will_use(tmp_path, monkeypatch):
+    """The replay draw is seeded by the night's name and the plan is sized by the training deadline: `plan` used
+    "plan" and the window's very end, so `once` a minute later replayed 45 where the plan said 52 (issue 42)."""
+    import datetime as dt
+
+    from daemon import cli
+    from tests.conftest import toml_config
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cfg, _ = toml_config(tmp_path, model, more="[window]\nsave_margin_minutes = 3\n")
+    asked: list[tuple[str, float]] = []
+
+    class Out:
+        summary, tail = None, []
+
+        def describe_exit(self) -> str:
+            return "stand-in"
+
+    def run_child(s, *, night, deadline, plan_only, **kw):
+        asked.append((night, deadline))
+        return Out()
+
+    monkeypatch.setattr(cli, "run_child", run_child)
+    until = (dt.datetime.now() + dt.timedelta(minutes=30)).replace(microsecond=0)
+    for cmd in ("plan", "once"):
+        cli.main(["--config", str(cfg), cmd, "--until", until.strftime("%H:%M:%S")])
+    (plan_night, plan_deadline), (once_night, once_deadline) = asked
+    assert plan_night == once_night and plan_night.startswith("manual-")
+    assert plan_deadline == once_deadline == until.timestamp() - 180
