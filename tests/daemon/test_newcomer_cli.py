@@ -88,3 +88,38 @@ def test_plan_asks_the_child_for_the_night_and_deadline_once_will_use(tmp_path, 
     (plan_night, plan_deadline), (once_night, once_deadline) = asked
     assert plan_night == once_night and plan_night.startswith("manual-")
     assert plan_deadline == once_deadline == until.timestamp() - 180
+
+
+def test_an_unreadable_inbox_file_is_shown_by_the_plan_and_not_called_quarantined(tmp_path, tokenizer,
+                                                                                   monkeypatch):
+    """The pull leaves an unreadable file in place and retries it; the plan did not show it and `once` called
+    it quarantined (issue 42)."""
+    from daemon import report
+    from jobs.contract import Outcome, RunSummary
+    from jobs.data import preview as preview_mod
+    from jobs.data.sources import SourceConfig
+    from jobs.store.readonly import open_read_only
+    from tests.conftest import alpaca, write_jsonl
+
+    inbox = tmp_path / "inbox"
+    write_jsonl(inbox / "a.jsonl", [alpaca(1)])
+    write_jsonl(inbox / "b.jsonl", [alpaca(2), "{broken"])
+
+    def refuse(f, allowed):
+        if f.display.endswith("a.jsonl"):
+            raise PermissionError(13, "Permission denied")
+        return real(f, allowed)
+
+    real = preview_mod.open_inbox_file
+    monkeypatch.setattr(preview_mod, "open_inbox_file", refuse)
+    led = open_read_only(tmp_path / "state" / "ledger.sqlite")
+    res = preview_mod.preview([SourceConfig(name="in", inbox=inbox, settle_seconds=0)], led, tokenizer,
+                              max_seq_length=128, overlong="reject")
+    assert res.quarantined == {"unreadable": 1, "invalid_json": 1} and res.ingested == {"in": 1}
+    table = report.inbox_table({"files": 1, "new_samples": 1, "duplicates": 0, "would_quarantine": res.quarantined})
+    [would] = [x for x in table.splitlines() if x.startswith("would be quarantined")]
+    assert "invalid_json 1" in would and "unreadable" not in would and "cannot be read now" in table
+    s = RunSummary(night="n", outcome=Outcome.succeeded, quarantined={"unreadable": 1, "invalid_json": 1})
+    text = report.summary_table(s)
+    [line] = [x for x in text.splitlines() if x.startswith("quarantined")]
+    assert "unreadable" not in line and "invalid_json 1" in line and "tried again at the next pull" in text
