@@ -123,3 +123,23 @@ def test_an_unreadable_inbox_file_is_shown_by_the_plan_and_not_called_quarantine
     text = report.summary_table(s)
     [line] = [x for x in text.splitlines() if x.startswith("quarantined")]
     assert "unreadable" not in line and "invalid_json 1" in line and "tried again at the next pull" in text
+
+
+def test_the_report_shows_a_night_interrupted_and_resumed(tmp_path):
+    """Not one plain "succeeded" row (issue 42): the attempts, the interruptions and the crashes."""
+    from daemon.report_data import collect
+    from daemon.report_html import outcome_text
+    from jobs.store.ledger import Ledger
+
+    led = Ledger(tmp_path / "ledger.sqlite")
+    led.start_run("r1", "2026-11-21", 2e9)
+    led.add_event("interrupted", run_id="r1", detail={"next_batch": 3, "of": 9})
+    led.resume_run("r1", 2e9)
+    led.finish_run("r1", "succeeded")
+    led.start_run("r2", "2026-11-22", 2e9)
+    led.finish_run("r2", "succeeded")
+    night1, night2 = collect(tmp_path, 14, ledger=led).nights
+    led.close()
+    assert (night1.attempts, night1.interruptions, night1.failed_attempts) == (2, 1, 0)
+    assert outcome_text(night1) == "succeeded after 2 attempts (1 interrupted, resumed)"
+    assert outcome_text(night2) == "succeeded"

@@ -105,6 +105,11 @@ def test_sigterm_mid_training_saves_a_checkpoint_and_the_restart_resumes(tmp_pat
     assert run["status"] == "running"  # open: the next start resumes it
     assert list(state.glob("checkpoints/*/latest/state.json")), "no checkpoint saved on SIGTERM"
     assert counts(state) == {"pending": 24}
+    led = Ledger(state / "ledger.sqlite")
+    try:  # the report shows it (issue 42): an interruption, then a resume
+        assert led.db.execute("SELECT COUNT(*) FROM events WHERE kind='interrupted'").fetchone()[0] == 1
+    finally:
+        led.close()
 
     restart_resumes_and_trains_every_batch_once(cfg, state, batches=30 * 6, samples=24)
 
