@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from daemon.adapters_view import diff_lines, show_lines
 from daemon.tables import grid
 from jobs.contract import ExitCode
 from jobs.contract.redact import redact_text, redact_value
@@ -40,11 +41,12 @@ def add_commands(sub: Any) -> None:
     p = asub.add_parser("list", help="every version: outcome, metrics, which is in service, pinned")
     p.add_argument("--json", action="store_true", help="the same as JSON")
     p.set_defaults(func=cmd_list)
-    p = asub.add_parser("show", help="print a version's manifest")
+    p = asub.add_parser("show", help="a version's figures and lineage (the whole manifest with --json)")
     p.add_argument("version", help="3, v0003, <name>-v0003 or current")
     p.add_argument("--json", action="store_true", help="the manifest only")
     p.set_defaults(func=cmd_show)
-    p = asub.add_parser("diff", help="compare two versions' configs and figures (flattened key paths)")
+    p = asub.add_parser("diff", help="what differs between two versions (a list such as the loss curve: one line; "
+                          "every key with --json)")
     p.add_argument("a", help="the first version: 3, v0003, <name>-v0003 or current")
     p.add_argument("b", help="the second version")
     p.add_argument("--json", action="store_true", help="the differences as JSON")
@@ -72,9 +74,6 @@ def add_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_hotswap)
 
 
-READING = {"cmd_list", "cmd_show", "cmd_diff"}  # these change nothing: they open the state read-only
-
-
 class WithTargets(Adapters):
     """The store's versions with the [hotswap] targets that promote, rollback and hotswap tell."""
 
@@ -93,13 +92,14 @@ def open_adapters(s: Any, *, read_only: bool = False) -> WithTargets:
     )
 
 
-def _guarded(fn: Callable[[argparse.Namespace, WithTargets], int]) -> Callable[[argparse.Namespace, Any], int]:
+def _guarded(fn: Callable[[argparse.Namespace, WithTargets], int], *,
+             read_only: bool = False) -> Callable[[argparse.Namespace, Any], int]:
     """(args, Adapters) -> the CLI's (args, settings) handler. Operator errors become one clear
-    line on stderr and exit 1; the one in service stays."""
+    line on stderr and exit 1; the one in service stays. `read_only`: the command creates nothing."""
 
     @functools.wraps(fn)
     def run(args: argparse.Namespace, s: Any) -> int:
-        ad = open_adapters(s, read_only=fn.__name__ in READING)
+        ad = open_adapters(s, read_only=read_only)
         try:
             return int(fn(args, ad))
         except IntegrityError as e:
@@ -115,6 +115,10 @@ def _guarded(fn: Callable[[argparse.Namespace, WithTargets], int]) -> Callable[[
         return EXIT_REFUSED
 
     return run
+
+
+def _reading(fn: Callable[[argparse.Namespace, WithTargets], int]) -> Callable[[argparse.Namespace, Any], int]:
+    return _guarded(fn, read_only=True)
 
 
 # ---- reading ------------------------------------------------------------------------------------
@@ -161,7 +165,7 @@ def _row(i: VersionInfo) -> dict[str, Any]:
     }
 
 
-@_guarded
+@_reading
 def cmd_list(args: argparse.Namespace, ad: Adapters) -> int:
     rows = [_row(i) for i in ad.versions()]
     if args.json:
@@ -182,38 +186,28 @@ def cmd_list(args: argparse.Namespace, ad: Adapters) -> int:
     return 0
 
 
-@_guarded
+@_reading
 def cmd_show(args: argparse.Namespace, ad: Adapters) -> int:
     i = ad.get(args.version)
-    if not args.json:
-        state = [i.status] + (["IN SERVICE"] if i.in_service else []) + (["pinned"] if i.pinned else [])
-        kind = "a LoRA adapter" if i.method != "full" else "a whole model"
-        print(f"# {i.name}: {', '.join(state)}; {i.method} ({kind}, {_size(i.size_bytes)}); "
-              f"{i.path if i.on_disk else 'files deleted (pruned)'}")
-    print(json.dumps(i.manifest, indent=2, sort_keys=True, default=str))
+    if args.json:
+        print(json.dumps(i.manifest, indent=2, sort_keys=True, default=str))
+        return 0
+    state = [i.status] + (["IN SERVICE"] if i.in_service else []) + (["pinned"] if i.pinned else [])
+    kind = "a LoRA adapter" if i.method != "full" else "a whole model"
+    where = str(i.path) if i.on_disk else "files deleted (pruned)"
+    print(show_lines(i.name, f"{', '.join(state)}; {i.method} ({kind}, {_size(i.size_bytes)}); {where}", i.manifest))
     return 0
 
 
-@_guarded
+@_reading
 def cmd_diff(args: argparse.Namespace, ad: Adapters) -> int:
     a, b = ad.get(args.a), ad.get(args.b)
     rows = diff(a.manifest, b.manifest)
     if args.json:
         print(json.dumps([{"key": k, a.name: va, b.name: vb} for k, va, vb in rows], indent=2, default=str))
         return 0
-    print(f"# {a.name} -> {b.name}: {len(rows)} difference(s) (file hashes left out)")
-    width = max((len(k) for k, _, _ in rows), default=0)
-    for k, va, vb in rows:
-        delta = ""
-        if isinstance(va, int | float) and isinstance(vb, int | float) and not isinstance(va, bool) and va:
-            delta = f"  ({vb - va:+.4g}, {(vb - va) / abs(va) * 100:+.1f}%)"
-        print(f"  {k.ljust(width)}  {_short(va)} -> {_short(vb)}{delta}")
+    print(diff_lines(a.name, b.name, rows))
     return 0
-
-
-def _short(v: Any) -> str:
-    text = json.dumps(v, default=str) if not isinstance(v, str) else v
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # ---- changing what is in service ----------------------------------------------------------------

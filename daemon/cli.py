@@ -14,7 +14,7 @@ from typing import Any
 
 import structlog
 
-from daemon import config_cli, report, report_cli, validate_cli
+from daemon import config_cli, report, report_cli, terminal, validate_cli
 from daemon.adapters_cli import add_commands as add_adapter_commands
 from daemon.cli_help import DESCRIPTION, exit_codes_help
 from daemon.doctor import add_command as add_doctor_command
@@ -27,12 +27,13 @@ from daemon.window import Window
 from jobs.contract import (
     ChildEvent,
     Outcome,
+    Phase,
+    PhaseEvent,
     PlanEvent,
     RunSummary,
     nightshift_version,
     outcome_exit_code,
 )
-from jobs.runtime import logs
 from jobs.store.ledger import Ledger
 from jobs.store.outcomes import NightOutcomes
 from jobs.store.paths import StatePaths
@@ -69,7 +70,7 @@ def run_child(s: Settings, *, night: str, deadline: float, plan_only: bool,
         child = NightChild(s.night_config().model_dump_json(), night=night, deadline=deadline,
                            plan_only=plan_only, on_event=on_event, lock_fd=lock_fd, run_id=run_id,
                            world=None if plan_only else night_world(s.train), train=s.train,
-                           grace=s.daemon.stop_grace_seconds)
+                           grace=s.daemon.stop_grace_seconds, log_stream=terminal.child_log_stream())
         child.start()
         return wait_interruptibly(child, stop, grace=s.daemon.stop_grace_seconds, stop_at=stop_at)
     finally:
@@ -127,12 +128,13 @@ def _once(args: argparse.Namespace, s: Settings, lock_fd: int | None) -> int:
     try:
         run_id = run_id_for(ledger, window.night)
         with structlog.contextvars.bound_contextvars(run_id=run_id, night=window.night):
-            return _run_once(s, window, ledger, run_id, lock_fd)
+            return _run_once(args, s, window, ledger, run_id, lock_fd)
     finally:
         ledger.close()
 
 
-def _run_once(s: Settings, window: Window, ledger: Ledger, run_id: str, lock_fd: int | None) -> int:
+def _run_once(args: argparse.Namespace, s: Settings, window: Window, ledger: Ledger, run_id: str,
+              lock_fd: int | None) -> int:
     night, deadline = window.night, window.end.timestamp()
     with NightProgress(choose_mode(log_format=s.log.format)) as progress:
         def show(ev: ChildEvent) -> None:
@@ -156,19 +158,32 @@ def _run_once(s: Settings, window: Window, ledger: Ledger, run_id: str, lock_fd:
         print("\n".join(out.tail[-15:]), file=sys.stderr)
         return 1
     print("night:\n" + report.summary_table(out.summary))
+    if getattr(args, "log_file", None):
+        print(f"\nthe night's log: {args.log_file}")
     if out.summary.outcome == Outcome.failed:
         print(f"nightshift once: failed: {out.summary.error}", file=sys.stderr)
     return outcome_exit_code(out.summary.outcome)
 
 
+def plan_events(progress: NightProgress) -> Any:
+    """A plan's progress without "pull: started / done": it reads the inboxes and pulls nothing."""
+    def show(ev: ChildEvent) -> None:
+        if not (isinstance(ev, PhaseEvent) and ev.phase == Phase.pull):
+            progress.on_event(ev)
+    return show
+
+
 def cmd_plan(args: argparse.Namespace, s: Settings) -> int:
-    now = dt.datetime.now().astimezone()
-    deadline = parse_until(args.until, window_seconds(s), now)
+    # the night `once` would run, with its name (the replay draw is seeded by it) and its training deadline
+    # (the window's end less the save margin): the plan shows the figures `once` will have (52 vs 45 replayed
+    # samples when the plan was seeded "plan" and timed to the window's very end)
+    window = manual_window(args, s)
+    night, deadline = window.night, window.deadline(s.window.save_margin).timestamp()
     problems = check_paths(s)  # no night lock: a plan only reads, so it also works while a night runs
     if problems:
         raise ConfigError(args.config, problems)
     with NightProgress(choose_mode(json_output=args.json, log_format=s.log.format)) as progress:
-        out = run_child(s, night="plan", deadline=deadline, plan_only=True, on_event=progress.on_event)
+        out = run_child(s, night=night, deadline=deadline, plan_only=True, on_event=plan_events(progress))
     if out.summary is None or out.summary.plan is None:
         print(f"nightshift plan: failed ({out.describe_exit()})", file=sys.stderr)
         print("\n".join(out.tail[-15:]), file=sys.stderr)
@@ -306,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
-    logs.configure(s.log.level, None if s.log.format == "auto" else s.log.format)
+    args.log_file = terminal.route_logs(args.cmd, s)  # at a TTY: one stream, the log to a file (daemon/terminal.py)
     return one_line(args.cmd, lambda: args.func(args, s))
 
 

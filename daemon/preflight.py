@@ -10,6 +10,7 @@ commands (`adapters ...`, `hotswap`) take the registry lock, held for seconds on
 
 from __future__ import annotations
 
+import os
 import shutil
 import sqlite3
 import sys
@@ -61,7 +62,12 @@ def before_a_night(s: Settings, config: Path | None, what: str) -> Iterator[Stat
 def one_line(command: str, fn: Callable[[], int]) -> int:
     """Run a command; a failure the user can cause ends in one clear line on stderr, not a traceback."""
     try:
-        return fn()
+        code = fn()
+        sys.stdout.flush()  # here, not at exit: a reader gone (`status | head -1`) is caught below
+        return code
+    except BrokenPipeError:  # the reader closed the pipe: nothing to say, and nothing more to write
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return ExitCode.OK
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return ExitCode.USAGE

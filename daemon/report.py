@@ -44,9 +44,16 @@ def plan_table(p: Plan) -> str:
     ])
 
 
+def split_unreadable(counts: dict[str, int]) -> tuple[dict[str, int], int]:
+    """(reasons a record or file was quarantined for, files not read this time): an unreadable file is left
+    where it is and tried again at the next pull, so it is not called quarantined."""
+    return {k: v for k, v in counts.items() if k != "unreadable"}, counts.get("unreadable", 0)
+
+
 def summary_table(s: RunSummary) -> str:
-    quarantined = sum(s.quarantined.values())
-    by_reason = ", ".join(f"{k} {v}" for k, v in sorted(s.quarantined.items()))
+    bad, unreadable = split_unreadable(dict(s.quarantined))
+    quarantined = sum(bad.values())
+    by_reason = ", ".join(f"{k} {v}" for k, v in sorted(bad.items()))
     losses = s.losses
     version = s.version_name or "—"
     if s.outcome in (Outcome.succeeded, Outcome.rejected):
@@ -63,6 +70,8 @@ def summary_table(s: RunSummary) -> str:
         ("files ingested", _num(s.files_ingested)),
         ("samples ingested", _num(sum(s.ingested.values())) + f" (duplicates skipped: {s.duplicates})"),
         ("quarantined", _num(quarantined) + (f" ({by_reason})" if by_reason else "")),
+        *([("not read this time", f"{unreadable:,} file(s) or inbox(es): left in place, tried again at the next "
+            "pull (the log says why)")] if unreadable else []),
         ("trained", f"{_num(s.trained_samples)} samples, {_num(s.trained_tokens)} tokens, {_num(s.steps)} steps"),
         ("replayed", _num(s.replay_samples)),
         ("held out", _num(s.heldout_samples)),
@@ -97,7 +106,7 @@ def inbox_preview(s: RunSummary) -> dict[str, Any]:
 
 
 def inbox_table(inbox: dict[str, Any]) -> str:
-    bad = inbox["would_quarantine"]
+    bad, unreadable = split_unreadable(inbox["would_quarantine"])
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(bad.items()))
     return "not ingested yet (a plan changes nothing):\n" + key_values([
         ("new files in the inboxes", _num(inbox["files"])),
@@ -105,6 +114,8 @@ def inbox_table(inbox: dict[str, Any]) -> str:
         ("duplicates (known or repeated)", _num(inbox["duplicates"])),
         ("would be quarantined", _num(sum(bad.values())) + (f" ({reasons}: see `nightshift validate FILE`)"
                                                              if reasons else "")),
+        *([("cannot be read now", f"{unreadable:,} file(s) or inbox(es): the night retries them, not quarantined")]
+          if unreadable else []),
     ])
 
 

@@ -31,6 +31,9 @@ class NightRow(BaseModel):
     night: str
     run_id: str
     outcome: str
+    attempts: int = 1  # processes that worked on this run: more than one after an interruption or a crash
+    interruptions: int = 0  # stopped (SIGTERM, the window) and resumed later from a checkpoint
+    failed_attempts: int = 0  # a process that died (and was retried)
     started_at: float | None = None
     ended_at: float | None = None
     error: str | None = None
@@ -140,7 +143,11 @@ def collect(state_dir: Path, nights: int = 14, *, ledger: Ledger | None = None) 
             summ = json.loads(r["summary"]) if r["summary"] else {}
             version = led.version(int(r["version"])) if r["version"] is not None else None
             manifest = json.loads(version["manifest"]) if version is not None and version["manifest"] else {}
-            rows.append(night_row(r, summ, manifest))
+            kinds = dict(led.db.execute("SELECT kind, COUNT(*) FROM events WHERE run_id=? AND kind IN "
+                                        "('interrupted', 'attempt_failed') GROUP BY kind", (r["id"],)).fetchall())
+            rows.append(night_row(r, summ, manifest).model_copy(update={
+                "attempts": int(r["attempt"] or 1), "interruptions": int(kinds.get("interrupted", 0)),
+                "failed_attempts": int(kinds.get("attempt_failed", 0))}))
             if manifest:
                 curve, curve_version = loss_curve(manifest), manifest.get("name")
         return Report(generated_at=time.time(), state_dir=str(state_dir), nights=rows, loss_curve=curve,

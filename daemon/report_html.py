@@ -116,9 +116,18 @@ def cards(r: Report) -> str:
                                            for k, v in items) + "</div>"
 
 
+def outcome_text(n: NightRow) -> str:
+    """The outcome, and how the night got there when it took more than one process (issue 42: an interrupted and
+    resumed night showed as one plain "succeeded")."""
+    if n.attempts <= 1 and not n.interruptions and not n.failed_attempts:
+        return n.outcome
+    how = [f"{k} {label}" for k, label in ((n.interruptions, "interrupted"), (n.failed_attempts, "crashed")) if k]
+    return f"{n.outcome} after {n.attempts} attempts ({', '.join([*how, 'resumed'])})"
+
+
 def table(nights: list[NightRow]) -> str:
     cols: list[tuple[str, Any]] = [
-        ("night", lambda n: n.night), ("outcome", lambda n: n.outcome), ("version", lambda n: n.version_name),
+        ("night", lambda n: n.night), ("outcome", outcome_text), ("version", lambda n: n.version_name),
         ("trained", lambda n: n.trained_samples), ("deferred", lambda n: n.deferred_samples),
         ("backlog", lambda n: n.backlog_samples), ("tok/s", lambda n: n.tokens_per_second),
         ("train s (pred / actual)", lambda n: f"{fmt(n.predicted_train_seconds or 0)} / "

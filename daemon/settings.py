@@ -12,6 +12,7 @@ import json
 import os
 import re
 import tomllib
+import typing
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from daemon.config_paths import config_base, rebase_paths
 from daemon.metrics import MetricsConfig
 from daemon.window import WindowConfig
 from jobs.contract.redact import redact_text
@@ -92,12 +94,19 @@ class Settings(BaseSettings):
         """Precedence: explicit arguments, then NIGHTSHIFT_* environment, then the TOML file."""
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         if settings_cls.model_config.get("toml_file"):
-            sources.append(TomlConfigSettingsSource(settings_cls))
+            sources.append(_RelativeToml(settings_cls))
         return tuple(sources)
 
     def night_config(self) -> NightConfig:
         return NightConfig.model_validate(
             {k: getattr(self, k) for k in NightConfig.model_fields}, from_attributes=True)
+
+
+class _RelativeToml(TomlConfigSettingsSource):
+    """The TOML file, its relative paths made relative to the file (daemon/config_paths.py)."""
+
+    def _read_file(self, file_path: Path) -> dict[str, Any]:
+        return rebase_paths(Settings, super()._read_file(file_path), config_base(file_path))
 
 
 class ConfigError(ValueError):
@@ -139,12 +148,38 @@ def merge_problems(problems: list[str]) -> list[str]:
     return [f"{n}: " + "; or: ".join(dict.fromkeys(r)) if any(r) else n for n, r in merged.items()]
 
 
+def known_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the table at `loc` accepts (for "did you mean"): the Settings model walked along it."""
+    model: Any = Settings
+    for part in loc:
+        if isinstance(part, int) or (isinstance(part, str) and part.isdigit()):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = _model_in(field.annotation)
+        if model is None:
+            return []
+    return sorted(getattr(model, "model_fields", {}))
+
+
+def _model_in(tp: Any) -> Any:
+    """The pydantic model inside an annotation (Model, Model | None, list[Model]), or None."""
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return tp
+    for arg in typing.get_args(tp):
+        if (found := _model_in(arg)) is not None:
+            return found
+    return None
+
+
 def format_error(err: dict[str, Any]) -> str:
     loc = tuple(x for x in err["loc"] if not _union_member(x))
     name, env = key_name(loc)
     in_list = any(isinstance(x, int) for x in loc)
     if err["type"] == "extra_forbidden":
-        return f"{name}: unknown key"
+        hint = difflib.get_close_matches(str(loc[-1]).lower(), known_keys(loc[:-1]), n=1) if loc else []
+        return f"{name}: unknown key" + (f" (did you mean '{hint[0]}'?)" if hint else "")
     if err["type"] == "missing":
         return f"{name}: required key is missing" + ("" if in_list else f" (or set {env})")
     msg = str(err["msg"]).removeprefix("Value error, ")
@@ -240,6 +275,7 @@ def raw_path_problems(path: Path | None, *, bad: set[str]) -> list[str]:
     `check-config` reports types and paths together. Keys with a type problem of their own are skipped."""
     try:
         raw: dict[str, Any] = tomllib.loads(path.read_text(encoding="utf-8")) if path is not None else {}
+        raw = rebase_paths(Settings, raw, config_base(path)) if path is not None else raw
     except (OSError, ValueError):
         raw = {}
     env = {k.upper(): v for k, v in os.environ.items()}

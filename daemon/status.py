@@ -20,7 +20,7 @@ def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:
     zone = s.window.zone()
     w = s.window.window_at(now)
     nxt = s.window.next_window(now)
-    ledger = open_read_only(StatePaths(s.state_dir).ledger)  # status changes nothing: read-only state works
+    ledger = open_read_only(StatePaths(s.state_dir).ledger)  # creates nothing, migrates nothing; read-only works
     try:
         runs = []
         for r in ledger.last_runs(10):

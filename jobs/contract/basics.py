@@ -48,6 +48,11 @@ class Method(StrEnum):
     def is_adapter(self) -> bool:
         return self is not Method.full
 
+    def on(self, cuda: bool) -> Method:
+        """What this method trains as on this machine: qlora's 4-bit base needs CUDA; without it the base stays
+        in full precision, which is lora (the honest label for a CPU night's adapter)."""
+        return Method.lora if self is Method.qlora and not cuda else self
+
 
 class Phase(StrEnum):
     pull = "pull"

@@ -41,11 +41,16 @@ class Normalised:
     hash: str
 
 
+ABSENT: Any = object()  # a key not in the record, told apart from one written as null
+
+
 def _text(value: Any, field: str, *, required: bool = True) -> str:
-    if value is None:
+    if value is ABSENT or (value is None and not required):
         if required:
             raise RecordError("missing_field", f"field '{field}' is missing")
         return ""
+    if value is None:
+        raise RecordError("wrong_type", f"field '{field}' is null (a string is needed)")
     if not isinstance(value, str):
         raise RecordError("wrong_type", f"field '{field}' must be a string, got {type(value).__name__}")
     try:
@@ -85,21 +90,21 @@ def normalise(record: Any, fmt: Format = "auto", field_map: dict[str, str] | Non
         record = {field_map.get(k, k): v for k, v in record.items()}
     kind = detect(record) if fmt == "auto" else fmt
     if kind == "alpaca":
-        instruction = _text(record.get("instruction"), "instruction")
-        extra = _text(record.get("input"), "input", required=False)
+        instruction = _text(record.get("instruction", ABSENT), "instruction")
+        extra = _text(record.get("input", ABSENT), "input", required=False)
         prompt = f"{instruction}\n\n{extra}" if extra else instruction
-        norm = {"messages": [_msg("user", prompt), _msg("assistant", _text(record.get("output"), "output"))]}
+        norm = {"messages": [_msg("user", prompt), _msg("assistant", _text(record.get("output", ABSENT), "output"))]}
     elif kind == "prompt_completion":
         norm = {
             "messages": [
-                _msg("user", _text(record.get("prompt"), "prompt")),
-                _msg("assistant", _text(record.get("completion"), "completion")),
+                _msg("user", _text(record.get("prompt", ABSENT), "prompt")),
+                _msg("assistant", _text(record.get("completion", ABSENT), "completion")),
             ]
         }
     elif kind == "chat":
-        norm = {"messages": _messages(record.get("messages"))}
+        norm = {"messages": _messages(record.get("messages", ABSENT))}
     else:
-        norm = {"text": _text(record.get("text"), "text")}
+        norm = {"text": _text(record.get("text", ABSENT), "text")}
     canonical = json.dumps(norm, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
     return Normalised(norm, hashlib.sha256(canonical.encode()).hexdigest())
 
@@ -109,8 +114,10 @@ def _msg(role: str, content: str) -> dict[str, str]:
 
 
 def _messages(value: Any) -> list[dict[str, str]]:
-    if value is None:
+    if value is ABSENT:
         raise RecordError("missing_field", "field 'messages' is missing")
+    if value is None:
+        raise RecordError("wrong_type", "field 'messages' is null (a list of turns is needed)")
     if not isinstance(value, list):
         raise RecordError("wrong_type", f"field 'messages' must be a list, got {type(value).__name__}")
     if not value:
@@ -122,10 +129,10 @@ def _messages(value: Any) -> list[dict[str, str]]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise RecordError("wrong_type", f"{where} must be an object with 'role' and 'content'")
-        role = _text(m.get("role"), f"{where}.role")
+        role = _text(m.get("role", ABSENT), f"{where}.role")
         if role not in ROLES:
             raise RecordError("wrong_type", f"{where}.role must be one of {sorted(ROLES)}, got '{role}'")
-        out.append(_msg(role, _text(m.get("content"), f"{where}.content")))
+        out.append(_msg(role, _text(m.get("content", ABSENT), f"{where}.content")))
     if not any(m["role"] == "assistant" for m in out):
         raise RecordError("missing_field", "field 'messages' has no assistant turn to train on")
     return out

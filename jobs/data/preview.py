@@ -18,6 +18,7 @@ from jobs.data.sources import SourceConfig
 from jobs.store.ledger import Ledger, SampleRow
 
 log = structlog.get_logger("nightshift.pull")
+UNREADABLE = "unreadable"  # a file or inbox not read this time: retried at the next pull, never quarantined
 
 
 def preview(sources: list[SourceConfig], ledger: Ledger, tokenizer: Any, *, max_seq_length: int,
@@ -31,7 +32,10 @@ def preview(sources: list[SourceConfig], ledger: Ledger, tokenizer: Any, *, max_
             listing = list_inbox(src, now=ledger.clock())
         except OSError as e:
             log.warning("inbox_unreadable", source=src.name, error=e.strerror or str(e))
+            result.quarantined[UNREADABLE] += 1  # shown by the plan as not readable now (the pull retries it)
             continue
+        for _file, reason, _detail in listing.refused:  # as the pull counts them
+            result.quarantined[reason] += 1
         result.unmatched += len(listing.unmatched)
         allowed = roots(src)
         for f in listing.files:
@@ -57,6 +61,7 @@ def preview(sources: list[SourceConfig], ledger: Ledger, tokenizer: Any, *, max_
                             result.incoming.append(SampleRow(-len(result.incoming) - 1, c.norm.hash, {},
                                                              c.tokens.n_tokens, src.name))
                             result.ingested[src.name] += 1
-            except OSError as e:  # vanished or unreadable: the pull will say so
+            except OSError as e:  # vanished or unreadable: shown in the plan; the pull retries it
                 log.warning("file_not_previewed", source=src.name, file=f.display, error=e.strerror or str(e))
+                result.quarantined[UNREADABLE] += 1
     return result

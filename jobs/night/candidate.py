@@ -56,9 +56,12 @@ def load_model_and_data(ctx: RunContext, planned: PlannedRun, tokenizer: Any) ->
     # a checkpoint continues only where the attempt before it kept what it is judged against: else start over
     resume = latest_checkpoint(ctx.checkpoints) if kept_before(ctx) is not None else None
     shape = planned.shape  # chosen at plan time from the memory free then (jobs/night/intake.py)
-    ctx.summary.method = cfg.train.method
-    lineage.check_parent(ledger, cfg.train, planned.parent)  # refused before anything is loaded
-    lineage.check_checkpoint(ctx.checkpoints, cfg.train.method, resuming=resume is not None)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    ctx.summary.method = cfg.train.method.on(cuda)  # a CPU night's "qlora" quantises nothing: it is lora
+    lineage.check_parent(ledger, cfg.train, planned.parent, cuda=cuda)  # refused before anything is loaded
+    lineage.check_checkpoint(ctx.checkpoints, ctx.summary.method, resuming=resume is not None)
     train_ids = [sid for sid, role in planned.roles if role in ("train", "replay")]
     heldout_ids = [sid for sid, role in planned.roles if role == "heldout"]
     new_ids = {sid for sid, role in planned.roles if role == "train"}

@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         start_pull_workers(raw)
     bind_device()  # [distributed] this rank's card, before Unsloth's import looks at CUDA
     _import_unsloth_first(early)
+    from jobs.training.ranks.topology import set_cpu_threads
+
+    threads = set_cpu_threads()  # a CPU night: the free cores, not torch's one thread per core
     from jobs.night.config import NightConfig
     from jobs.night.run import failure_text, run_night
     from jobs.runtime.bytecode import warn_if_compiled, without_bytecode
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     # a wake's first leg, prewarmed or not (an 8B's night: 12-33 s, RESULTS.md: 2026-11-26, wake bytecode)
     missing = without_bytecode()  # each such module was compiled from source, and will be every night
     structlog.get_logger("nightshift.night").info("imported", seconds=round(time.time() - PROCESS_STARTED, 1),
-                                                  without_bytecode=sum(missing.values()),
+                                                  without_bytecode=sum(missing.values()), cpu_threads=threads,
                                                   **({"run_id": args.run_id} if args.run_id else {}))
     warn_if_compiled(missing)
     woke = PROCESS_STARTED

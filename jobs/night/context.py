@@ -117,7 +117,9 @@ def open_context(cfg: NightConfig, *, model_path: Path, fingerprint: str, night:
     open_run = None if plan_only else ledger.open_run(night)
     if open_run is not None:
         run_id = str(open_run["id"])
-        log.info("resuming_run", run_id=run_id, attempt=ledger.resume_run(run_id, deadline))
+        attempt = ledger.resume_run(run_id, deadline)
+        ledger.add_event("resumed", run_id=run_id, detail={"attempt": attempt, "deadline": deadline})
+        log.info("resuming_run", run_id=run_id, attempt=attempt)
     else:
         run_id = run_id or new_run_id("plan" if plan_only else night)
         if not plan_only:

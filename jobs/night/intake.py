@@ -129,7 +129,11 @@ def plan_night(ctx: RunContext, *, key: str, backend: str, device: str,
         shape, cal = choose_shape(ctx, key)
         run = ledger.run(ctx.run_id) if ctx.resumed else None
         stored = ledger.plan_of(run) if run is not None else None
-        if stored is not None:
+        if stored is not None:  # the same samples and version; the time is this attempt's (a new --until)
+            left = max(0.0, ctx.deadline - ctx.clock() - stored.overhead_seconds)
+            stored = stored.model_copy(update={
+                "available_seconds": left, "basis": f"{stored.basis}; resumed: the samples planned at the night's "
+                f"first start, the time left now ({left:,.0f} s for {stored.predicted_train_seconds:,.0f} s planned)"})
             planned = PlannedRun(stored, ledger.run_samples(ctx.run_id), key, shape)
         else:
             pending = ledger.pending(order=cfg.plan.order)

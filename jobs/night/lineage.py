@@ -32,9 +32,10 @@ def method_of(manifest: dict[str, Any]) -> Method:
     return Method(found) if found else Method.qlora
 
 
-def check_continuation(cfg: TrainConfig, name: str, trained_as: Method) -> None:
-    """Raise MethodChangeError with what to do when `cfg.method` cannot continue version `name`."""
-    want = cfg.method
+def check_continuation(cfg: TrainConfig, name: str, trained_as: Method, *, cuda: bool = True) -> None:
+    """Raise MethodChangeError with what to do when `cfg.method` cannot continue version `name`. `cuda`: where
+    there is none, qlora trains as lora (older CPU versions were labelled qlora: the same base precision)."""
+    want, trained_as = cfg.method.on(cuda), trained_as.on(cuda)
     if trained_as is want or (trained_as.is_adapter and want.is_adapter and cfg.allow_method_change):
         return
     what = "a LoRA adapter" if trained_as.is_adapter else "a whole model (full fine-tuning)"
@@ -66,8 +67,8 @@ def check_checkpoint(ckpt_root: Path, method: Method, resuming: bool) -> None:
     os.chmod(marker, PRIVATE_FILE)
 
 
-def check_parent(ledger: Any, cfg: TrainConfig, parent: int | None) -> None:
+def check_parent(ledger: Any, cfg: TrainConfig, parent: int | None, *, cuda: bool = True) -> None:
     """The version a night continues (from the ledger) was trained with a method `cfg` can continue."""
     row = ledger.version(parent) if parent is not None else None
     if row is not None:
-        check_continuation(cfg, row["name"], method_of(json.loads(row["manifest"] or "{}")))
+        check_continuation(cfg, row["name"], method_of(json.loads(row["manifest"] or "{}")), cuda=cuda)

@@ -174,7 +174,7 @@ def _manifest(ctx: RunContext, prep: Prepared, planned: PlannedRun, result: Trai
     p = planned.plan
     return {
         "version": planned.version, "name": version_name(cfg.model.name, planned.version),
-        "method": cfg.train.method.value, "kind": "adapter" if cfg.train.method.is_adapter else "model",
+        "method": (s.method or cfg.train.method).value, "kind": "adapter" if cfg.train.method.is_adapter else "model",
         "parent_version": planned.parent, "run_id": ctx.run_id, "night": ctx.night, "created_at": time.time(),
         "code_version": nightshift_version(),
         "base_model": {"path": str(ctx.model_path), "fingerprint": ctx.fingerprint},

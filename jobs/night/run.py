@@ -117,6 +117,8 @@ def _steps(ctx: RunContext) -> None:
     result = train_candidate(ctx, prep, planned)
     if result.stopped == "signal":
         s.outcome = Outcome.interrupted  # the run stays open: the next start resumes from the checkpoint
+        ctx.ledger.add_event("interrupted", run_id=ctx.run_id,  # the report shows it (not one plain "succeeded")
+                             detail={"next_batch": result.detail.batches_done, "of": result.detail.batches})
         log.info("run_interrupted", next_batch=result.detail.batches_done, of=result.detail.batches)
         return
     if s.trained_samples == 0:

@@ -17,6 +17,7 @@ from jobs.store.integrity import ledger_in_service, unknown_versions
 from jobs.store.ledger import Ledger
 from jobs.store.locking import LockTimeout, StateLock, holder
 from jobs.store.paths import StatePaths
+from jobs.store.readonly import read_only_uri
 from jobs.store.registry import TMP_PREFIX, IntegrityError, Registry
 from jobs.store.schema import LATEST, published_dirs, schema_version
 from jobs.store.stale import fate, open_runs
@@ -35,7 +36,7 @@ class _ReadOnlyLedger(Ledger):
 
     def __init__(self, path: Path) -> None:  # no super().__init__: open_database would migrate
         self.path, self.clock = Path(path), None
-        self.db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+        self.db = sqlite3.connect(read_only_uri(Path(path)), uri=True, isolation_level=None)
         self.db.row_factory = sqlite3.Row
 
 
@@ -49,7 +50,9 @@ def diagnose(state_dir: Path, *, name: str | None = None, lock_timeout: float = 
     out.append(Finding("note", "night", f"a night is running ({who})") if who else
                Finding("ok", "night", "no night is running"))
     try:
-        with StateLock(StatePaths(state).lock, timeout=lock_timeout, what="doctor (reading)"):
+        if not StatePaths(state).lock.exists():  # nothing ever published or changed: no lock file to create
+            return out + _check(state, name, running)
+        with StateLock(StatePaths(state).lock, timeout=lock_timeout, what="doctor (reading)", shared=True):
             out += _check(state, name, running)
     except LockTimeout as e:
         out.append(Finding("problem", "lock", str(e), "run doctor again when the publish or command is done"))

@@ -59,22 +59,31 @@ class StateLock:
     else LockTimeout naming the holder. `fd` is the descriptor to pass to a child that must keep
     holding it (the lock is released when every process holding the descriptor has closed it)."""
 
-    def __init__(self, path: Path, *, timeout: float = 60.0, what: str = "", inode: Path | None = None) -> None:
+    def __init__(self, path: Path, *, timeout: float = 60.0, what: str = "", inode: Path | None = None,
+                 shared: bool = False) -> None:
+        """`inode`: lock this (a directory that stays) instead of `path`, which then only names the holder.
+        `shared`: a reader's lock (doctor) on an existing lock file: it keeps writers out, lets other readers
+        in, and writes nothing (a read-only command leaves the state directory as it was)."""
         self.path = Path(path)
         self.timeout = timeout
         self.what = what
-        self.inode = inode  # lock this (a directory that stays) instead of `path`, which then only names the holder
+        self.inode = inode
+        self.shared = shared
         self.fd: int | None = None
 
     def __enter__(self) -> StateLock:
-        if not self.path.parent.exists():
-            make_dir(self.path.parent, SHARED_DIR)  # the state directory: its group reads the versions in it
-        fd = (os.open(self.inode, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if self.inode is not None
-              else os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        if self.inode is not None:
+            fd = os.open(self.inode, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        elif self.shared:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        else:
+            if not self.path.parent.exists():
+                make_dir(self.path.parent, SHARED_DIR)  # the state directory: its group reads the versions in it
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         end = time.monotonic() + self.timeout
         while True:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 if time.monotonic() >= end:
@@ -87,7 +96,9 @@ class StateLock:
                 time.sleep(0.05)
         self.fd = fd
         note = f"{os.getpid()} {self.what}|{time.time():.0f}\n".encode()
-        if self.inode is None:
+        if self.shared:
+            pass  # a reader writes nothing
+        elif self.inode is None:
             os.ftruncate(fd, 0)
             os.pwrite(fd, note, 0)
         else:  # who holds it, for the message of the next one (best effort: the lock does not depend on it)

@@ -11,11 +11,19 @@ from jobs.store.ledger import Ledger
 from jobs.store.schema import LATEST, migrate, schema_version
 
 
+def read_only_uri(path: Path) -> str:
+    """The URI that reads a ledger without changing its directory. No -wal beside it: no writer has it open and
+    every commit is in the file itself; `immutable` then reads it without creating the -wal/-shm companions a plain
+    read-only open leaves behind (a status must not change the state directory). With a -wal (a night running),
+    read through it."""
+    wal = path.with_name(path.name + "-wal")
+    return f"{path.resolve().as_uri()}?mode=ro" + ("" if wal.exists() else "&immutable=1")
+
+
 def open_read_only(path: Path, *, clock=time.time) -> Ledger:
     """A Ledger whose every write raises sqlite3.OperationalError. A ledger that does not exist yet
     reads as an empty one and nothing is created; one of an older schema is read through a migrated
-    copy in memory (the file is migrated by the next night, never here). Next to an existing ledger,
-    SQLite may leave its -wal/-shm companions: they are not data."""
+    copy in memory (the file is migrated by the next night, never here). Nothing is created beside it."""
     ledger = Ledger.__new__(Ledger)
     ledger.path, ledger.clock = Path(path), clock
     if ledger.path.is_file():
@@ -49,9 +57,9 @@ def open_read_only(path: Path, *, clock=time.time) -> Ledger:
 
 
 def _connect(path: Path) -> sqlite3.Connection:
-    """mode=ro; where the directory cannot be written (a read-only state directory, another user's), SQLite
-    cannot make the WAL's shared-memory file, so the file is read as it is on disk (immutable)."""
-    uri = f"{path.resolve().as_uri()}?mode=ro"
+    """`read_only_uri`; where the directory cannot be written (a read-only state directory, another user's),
+    SQLite cannot make the WAL's shared-memory file, so the file is read as it is on disk (immutable)."""
+    uri = read_only_uri(path)
     db = sqlite3.connect(uri, uri=True, timeout=30, isolation_level=None, check_same_thread=False)
     try:
         db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
@@ -60,5 +68,5 @@ def _connect(path: Path) -> sqlite3.Connection:
         db.close()
         if writable(path.parent):
             raise
-    return sqlite3.connect(f"{uri}&immutable=1", uri=True, timeout=30, isolation_level=None,
+    return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True, timeout=30, isolation_level=None,
                            check_same_thread=False)

@@ -72,7 +72,7 @@ def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | Non
         loaded.info["fp8"] = enable_for_run(loaded.model, loaded.tokenizer, cfg, unsloth=loaded.backend == "unsloth",
                                             device=loaded.device, cap_gb=max_vram_gb)
     loaded.optim = choose_for_model(loaded.model, cfg, device=loaded.device, max_vram_gb=max_vram_gb)
-    loaded.info.update(method=cfg.method.value, **loaded.optim.as_info())
+    loaded.info.update(method=loaded.method.value, **loaded.optim.as_info())
     log.info("model_loaded", **{"backend": loaded.backend, "device": device_name(), **loaded.info})
     return loaded
 
@@ -136,4 +136,4 @@ def _load_hf(model_path: Path, cfg: TrainConfig, adapter: Path | None, shape: St
             "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False))}
     if full and adapter is not None:
         info["continued_from"] = str(adapter)
-    return Loaded(model, load_tokenizer(model_path), "hf", "cuda" if cuda else "cpu", info, cfg.method)
+    return Loaded(model, load_tokenizer(model_path), "hf", "cuda" if cuda else "cpu", info, cfg.method.on(cuda))

@@ -312,7 +312,9 @@ def _note_slow(state: LoopState, steady: deque[float], rate: float, *, dt: float
     recompile, a stall or a neighbour on the card shows where the night's time went."""
     if len(steady) >= 3 and rate > SLOW_STEP * statistics.median(steady):
         typical = statistics.median(steady) * tokens
-        log.warning("slow_step", step=step, seconds=round(dt, 3), tokens=tokens, typical_seconds=round(typical, 3))
+        # info, not a warning: one slow step (a recompile, a busy CPU) is nothing an operator can act on; the
+        # summary keeps them (slow_steps), and a night that misses its plan says so there
+        log.info("slow_step", step=step, seconds=round(dt, 3), tokens=tokens, typical_seconds=round(typical, 3))
         if len(state.slow_steps) < MAX_SLOW_NOTED:
             state.slow_steps.append((step, round(dt, 3), round(typical, 3)))
     steady.append(rate)

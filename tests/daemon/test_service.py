@@ -8,7 +8,7 @@ import time
 import pytest
 
 from jobs.store.ledger import Ledger
-from tests.conftest import alpaca, write_jsonl
+from tests.conftest import alpaca, hang_bound, write_jsonl
 from tests.fixtures.daemon_proc import Notify, child_pids, runs, start, wait_for, write_config
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ def restart_resumes_and_trains_every_batch_once(cfg, state, *, batches, samples)
     try:
         wait_for(lambda: runs(state)[0]["status"] == "succeeded", 240, "the resumed run to finish", proc)
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        proc.wait(timeout=hang_bound(60))
     finally:
         proc.kill()
     manifest = json.loads((state / "current" / "manifest.json").read_text())
@@ -57,7 +57,7 @@ def test_one_night_in_the_window_with_systemd_notify_and_no_rerun_after_restart(
         time.sleep(2)
         assert len(runs(state)) == 1  # exactly one run in the window
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=hang_bound(60)) == 0
         elapsed = time.monotonic() - started
     finally:
         proc.kill()
@@ -82,7 +82,7 @@ def test_one_night_in_the_window_with_systemd_notify_and_no_rerun_after_restart(
         wait_for(lambda: len(notify.having("READY=1")) == 2, 60, "second READY=1", proc)
         time.sleep(3)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=hang_bound(60)) == 0
     finally:
         proc.kill()
         notify.close()
@@ -98,13 +98,18 @@ def test_sigterm_mid_training_saves_a_checkpoint_and_the_restart_resumes(tmp_pat
         wait_for(lambda: list(state.glob("checkpoints/*/before.json")), 120, "training to start", proc)
         time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)  # as `systemctl stop` does
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=hang_bound(60)) == 0
     finally:
         proc.kill()
     [run] = runs(state)
     assert run["status"] == "running"  # open: the next start resumes it
     assert list(state.glob("checkpoints/*/latest/state.json")), "no checkpoint saved on SIGTERM"
     assert counts(state) == {"pending": 24}
+    led = Ledger(state / "ledger.sqlite")
+    try:  # the report shows it (issue 42): an interruption, then a resume
+        assert led.db.execute("SELECT COUNT(*) FROM events WHERE kind='interrupted'").fetchone()[0] == 1
+    finally:
+        led.close()
 
     restart_resumes_and_trains_every_batch_once(cfg, state, batches=30 * 6, samples=24)
 
@@ -142,7 +147,7 @@ def test_a_crashed_child_is_recorded_and_retried_in_the_window(tmp_path, tiny_mo
         wait_for(lambda: runs(state)[0]["status"] == "succeeded", 240, "the retried run to finish", proc)
         assert len(child_pids(proc)) == 2  # a second child, started by the daemon after the backoff
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=hang_bound(60)) == 0
     finally:
         proc.kill()
     led = Ledger(state / "ledger.sqlite")
@@ -171,7 +176,7 @@ def test_a_night_that_keeps_failing_is_closed_after_max_attempts_and_the_daemon_
         time.sleep(1)
         assert proc.poll() is None  # the daemon lives on
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=hang_bound(60)) == 0
     finally:
         proc.kill()
     [run] = runs(state)

@@ -52,3 +52,13 @@ def test_explicit_format_is_enforced():
     with pytest.raises(RecordError) as e:
         normalise({"text": "x"}, fmt="alpaca")
     assert e.value.reason == "missing_field" and "instruction" in e.value.detail
+
+
+@pytest.mark.parametrize("record", [{"prompt": "Q", "completion": None}, {"instruction": "Q", "output": None},
+                                    {"messages": None}, {"text": None}])
+def test_a_field_written_as_null_is_called_null_not_missing(record):
+    """`{"completion": null}` was reported as "missing" (issue 42): the operator looks for a key that is there."""
+    with pytest.raises(RecordError) as e:
+        normalise(record)
+    assert e.value.reason == "wrong_type" and "is null" in e.value.detail and "missing" not in e.value.detail
+    assert normalise({"instruction": "Q", "input": None, "output": "A"}).record["messages"][0]["content"] == "Q"

@@ -92,3 +92,18 @@ def test_with_no_usable_checkpoint_the_run_restarts_from_its_parent(night_env):
     training = json.loads((cfg.state_dir / "current" / "manifest.json").read_text())["training"]
     assert training["resumed_from_step"] == 0 and training["steps"] == training["batches"]
     assert Ledger(cfg.state_dir / "ledger.sqlite").sample_counts() == {"trained": 24}
+
+
+def test_a_resumed_night_shows_its_new_time_with_the_samples_it_planned(night_env):
+    """Resumed with a new --until, the night's plan keeps its samples and version but shows the time left now,
+    not the first start's (issue 42: "time available 17,067 s" printed for a 40-minute window)."""
+    cfg, first = interrupted_night(night_env, saves_before_stop=2)
+    events: list[dict] = []
+    s = run(cfg, night="n1", seconds=600, events=events)
+    [plan] = [e["plan"] for e in events if e["event"] == "plan"]
+    assert plan["train_ids"] == first["plan"]["train_ids"] and plan["version"] == first["plan"]["version"]
+    assert plan["available_seconds"] <= 600 < first["plan"]["available_seconds"] and "resumed" in plan["basis"]
+    assert s["outcome"] == "succeeded"
+    led = Ledger(cfg.state_dir / "ledger.sqlite")
+    kinds = [r[0] for r in led.db.execute("SELECT kind FROM events WHERE run_id=? ORDER BY id", (s["run_id"],))]
+    assert kinds[:2] == ["interrupted", "resumed"]

@@ -90,3 +90,14 @@ def test_a_checkpoint_resumes_only_under_the_method_that_wrote_it(tmp_path):
     check_checkpoint(tmp_path, Method.full, resuming=True)
     with pytest.raises(MethodChangeError, match='checkpointed as "full"'):
         check_checkpoint(tmp_path, Method.lora, resuming=True)
+
+
+def test_qlora_without_cuda_is_lora_and_continues_an_older_cpu_version_labelled_qlora():
+    """A CPU night quantises nothing: its label is lora (issue 42). Versions a CPU trained before were labelled
+    qlora; without CUDA both are the same base precision, so the lineage goes on."""
+    assert Method.qlora.on(False) is Method.lora and Method.qlora.on(True) is Method.qlora
+    assert Method.full.on(False) is Method.full
+    check_continuation(TrainConfig(method="qlora"), "tiny-v0003", Method.qlora, cuda=False)
+    check_continuation(TrainConfig(method="qlora"), "tiny-v0003", Method.lora, cuda=False)
+    with pytest.raises(MethodChangeError):
+        check_continuation(TrainConfig(method="qlora"), "tiny-v0003", Method.lora, cuda=True)

@@ -15,9 +15,12 @@ KEYS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "UNSLOT
 
 @pytest.fixture
 def clean_env(monkeypatch):
+    """torch's own patch, not monkeypatch.setattr: pytest >= 9.2 restores a module attribute missing from its
+    __dict__ by deleting it, which hides a torch config key for every later test ("job_id does not exist")."""
     for k in KEYS:
         monkeypatch.delenv(k, raising=False)
-    monkeypatch.setattr(torch.compiler.config, "job_id", None)
+    with torch.compiler.config.patch(job_id=None):
+        yield
 
 
 def test_one_state_directory_one_job_id_for_every_process(tmp_path, clean_env):

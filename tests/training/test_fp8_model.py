@@ -343,14 +343,15 @@ def test_nf4_emulation_gives_nf4s_known_error():
     assert rel_error(q.float() * s, w) < 0.035  # e4m3 per row: ~2.6 %
 
 
-def test_a_night_on_the_cpu_runs_bf16_and_says_why_and_fp8_there_is_a_clear_error(night_env):
+def test_a_night_on_the_cpu_says_cpu_and_fp8_there_is_a_clear_error(night_env):
     from tests.conftest import copy_samples, run
 
     inbox, make = night_env
     copy_samples(inbox)
     summary = run(make(plan={"max_samples": 24}))
     assert summary["outcome"] == "succeeded", summary["error"]
-    assert summary["step_shape"]["compute"] == "bf16" and "no CUDA device" in summary["step_shape"]["basis"]
+    assert summary["step_shape"]["compute"] == "bf16" and "compute: CPU" in summary["step_shape"]["basis"]
+    assert "FP8" not in summary["step_shape"]["basis"]
     failed = run(make(train={"compute": "fp8"}), night="2026-11-22")
     assert failed["outcome"] == "failed" and '[train] compute = "fp8": no CUDA device' in failed["error"]
 

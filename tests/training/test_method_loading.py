@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +23,13 @@ class Called(Exception):
 
 
 @pytest.fixture
-def fake_unsloth(monkeypatch: pytest.MonkeyPatch) -> None:
+def fake_unsloth(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """`unsloth` whose loaders stop at the call with its arguments (the environment setup_caches sets is restored)."""
     import torch
 
     for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "UNSLOTH_DISABLE_STATISTICS",
               "PYTORCH_CUDA_ALLOC_CONF", "TORCH_COMPILE_JOB_ID"):
         monkeypatch.setenv(k, "x")
-    monkeypatch.setattr(torch.compiler.config, "job_id", torch.compiler.config.job_id)
 
     def loader(who: str) -> Any:
         def from_pretrained(**kwargs: Any) -> Any:
@@ -45,6 +45,9 @@ def fake_unsloth(monkeypatch: pytest.MonkeyPatch) -> None:
     utils.attention_dispatch = dispatch  # type: ignore[attr-defined]
     for name, mod in (("unsloth", root), ("unsloth.utils", utils), ("unsloth.utils.attention_dispatch", dispatch)):
         monkeypatch.setitem(sys.modules, name, mod)
+    # torch's own patch restores job_id; monkeypatch.setattr (pytest >= 9.2) would delete it from torch's config
+    with torch.compiler.config.patch(job_id=torch.compiler.config.job_id):
+        yield
 
 
 def call(model: Path, method: str, **kw: Any) -> Called:

@@ -81,3 +81,25 @@ def test_bad_distributed_config_names_the_key(tmp_path):
         load_settings(cfg)
     text = str(e.value)
     assert "[train] gpus" in text and "[train.distributed] rdzv_endpoint: required" in text
+
+
+def test_a_cpu_night_takes_the_free_cores_and_keeps_an_operators_choice():
+    from jobs.training.ranks.topology import cpu_threads
+
+    assert cpu_threads(2, 14.2, {}) == 1  # a busy 2-core box: one thread, not two spinning against each other
+    assert cpu_threads(2, 0.3, {}) == 2 and cpu_threads(16, 3.9, {}) == 13
+    assert cpu_threads(2, 0.3, {"OMP_NUM_THREADS": "2"}) is None  # torch read it: kept
+
+
+def test_the_child_sets_its_threads_before_training(tmp_path):
+    """The night's child applies it itself (the README no longer asks for OMP_NUM_THREADS)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, torch; os.environ.pop('OMP_NUM_THREADS', None); from jobs.training.ranks.topology import "
+            "set_cpu_threads; n = set_cpu_threads(); print(n, torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, check=True)
+    n, got = out.stdout.split()
+    assert n == got and int(n) >= 1

@@ -90,6 +90,8 @@ def resolve_compute(configured: str, calibrated: CalibrationRecord | None, card:
     if configured == "bf16":
         return ComputeChoice("bf16", "compute bf16 from config")
     ok, why = assess_card(card)
+    if configured == "auto" and card.capability is None:  # a CPU: FP8 is no choice to explain (issue 42)
+        return ComputeChoice("bf16", "compute: CPU")
     if configured == "fp8":
         if not ok:
             raise ValueError(f'[train] compute = "fp8": {why}; use "auto" (bf16 where FP8 is not possible) or "bf16"')

@@ -158,3 +158,26 @@ def launch_env(world: World, *, grace_seconds: float | None = None, cpus: int | 
         if grace_seconds is not None:
             env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(max(5, int(grace_seconds) - 5))
     return env
+
+
+def cpu_threads(cpus: int, load: float, environ: Mapping[str, str]) -> int | None:
+    """Threads for a night trained on the CPU, or None to keep torch's choice: an operator's OMP_NUM_THREADS
+    (torch already read it). Otherwise the cores nobody else is using, at least one: on a 2-core box shared with
+    other jobs torch's two threads spin against each other (the demo night: 55 s wall at load ~14 with one
+    thread, 7.5 min with two; 2 min 32 s on a newcomer's busy box)."""
+    if "OMP_NUM_THREADS" in environ:
+        return None
+    return max(1, min(cpus, cpus - int(load)))
+
+
+def set_cpu_threads() -> int | None:
+    """Apply cpu_threads in this process (the night's child, after torch's import, on a machine without CUDA)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    n = cpu_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+                    os.getloadavg()[0], os.environ)
+    if n is not None:
+        torch.set_num_threads(n)
+    return n

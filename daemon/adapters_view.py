@@ -1,0 +1,76 @@
+"""What `adapters show` and `adapters diff` print at a terminal: a summary a person reads in one screen.
+
+A manifest holds ~1,000 lines (the config, every file's hash, the loss curve step by step); the full JSON
+stays behind `--json`. A diff of two versions collapses a list's entries (a loss curve: one line per step)
+into one line per list.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from daemon.tables import key_values
+
+# (label, key path in the manifest): what an operator asks of a version, in that order
+SHOWN = (
+    ("night", "night"), ("run", "run_id"), ("parent", "parent_version"), ("base model", "base_model.path"),
+    ("samples", "data.samples"), ("tokens", "data.tokens"), ("held-out samples", "data.heldout_samples"),
+    ("replayed samples", "data.replay_samples"), ("held-out loss before", "losses.heldout_before"),
+    ("held-out loss after", "losses.heldout_after"), ("regression loss before", "losses.regression_before"),
+    ("regression loss after", "losses.regression_after"), ("lora rank", "config.train.lora_rank"),
+    ("learning rate", "config.train.learning_rate"), ("code", "code_version"),
+)
+_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
+def _get(d: Any, path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(d, dict):
+            return None
+        d = d.get(part)
+    return d
+
+
+def _fig(v: Any) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) \
+        else str(v)
+
+
+def show_lines(name: str, state: str, manifest: dict[str, Any]) -> str:
+    """The head line, the figures an operator asks for, the gate's checks that failed, and where the rest is."""
+    pairs = [(label, _fig(v)) for label, path in SHOWN if (v := _get(manifest, path)) is not None]
+    gate = manifest.get("gate") or {}
+    if gate:
+        failed = [c.get("name", "?") for c in gate.get("checks") or [] if isinstance(c, dict) and not c.get("passed")]
+        pairs.append(("gate", "passed" if gate.get("passed") else "failed: " + (", ".join(failed) or "see --json")))
+    return (f"# {name}: {state}\n" + key_values(pairs) +
+            f"\n\n(the whole manifest: nightshift adapters show {name} --json)")
+
+
+def diff_lines(a: str, b: str, rows: list[tuple[str, Any, Any]]) -> str:
+    """One line per differing key; a list's entries (a loss curve) collapse into one line for the list."""
+    groups: dict[str, list[tuple[str, Any, Any]]] = {}
+    for k, va, vb in rows:
+        m = _INDEX.search(k)
+        groups.setdefault(k[:m.start()] if m else k, []).append((k, va, vb))
+    out = [f"# {a} -> {b}: {len(groups)} difference(s) (file hashes left out; every key: --json)"]
+    width = max((len(k) for k in groups), default=0)
+    for key, items in groups.items():
+        if len(items) > 1 or _INDEX.search(items[0][0]):
+            out.append(f"  {key.ljust(width)}  {len(items)} entries differ")
+            continue
+        _, va, vb = items[0]
+        delta = ""
+        if isinstance(va, int | float) and isinstance(vb, int | float) and not isinstance(va, bool) and va:
+            delta = f"  ({vb - va:+.4g}, {(vb - va) / abs(va) * 100:+.1f}%)"
+        out.append(f"  {key.ljust(width)}  {_short(va)} -> {_short(vb)}{delta}")
+    return "\n".join(out)
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, list) and len(v) > 4:
+        return f"[{len(v)} values]"
+    text = json.dumps(v, default=str) if not isinstance(v, str) else v
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,56 @@
+"""Relative paths in a config file are relative to that file, not to the working directory.
+
+`cd /elsewhere && nightshift --config /srv/ns/nightshift.toml status` must read /srv/ns's state, not create
+./state here. The rebasing walks the Settings model's field types, so every Path-typed key (state_dir, [model]
+path, [[sources]] inbox, [eval] regression_set, the hot-swap secret files...) is covered, including ones added
+later. Values from the environment or the command line keep the working directory (a shell's convention).
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+
+def rebase_paths(model: type[BaseModel], data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """`data` (a TOML table for `model`) with each relative path under `base`; everything else as it was."""
+    out = dict(data)
+    by_key = {(f.alias or n).lower(): f for n, f in model.model_fields.items()}
+    for key, value in data.items():
+        field = by_key.get(key.lower()) if isinstance(key, str) else None
+        if field is not None:
+            out[key] = _rebase(field.annotation, value, base)
+    return out
+
+
+def _rebase(tp: Any, value: Any, base: Path) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        return _rebase(args[0], value, base)
+    if tp is Path:
+        if isinstance(value, str) and value:
+            p = Path(value).expanduser()
+            return str(p if p.is_absolute() else base / p)
+        return value
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return rebase_paths(tp, value, base) if isinstance(value, dict) else value
+    if origin in (list, tuple, set, frozenset) and isinstance(value, list) and args:
+        return [_rebase(args[0], v, base) for v in value]
+    if origin in (typing.Union, types.UnionType):
+        for member in args:  # the member the value's shape fits (a str for a Path, a table for a model)
+            if member is Path and isinstance(value, str):
+                return _rebase(member, value, base)
+            if isinstance(member, type) and issubclass(member, BaseModel) and isinstance(value, dict):
+                return _rebase(member, value, base)
+            if typing.get_origin(member) in (list, tuple) and isinstance(value, list):
+                return _rebase(member, value, base)
+    return value
+
+
+def config_base(path: Path) -> Path:
+    """The folder a config file's relative paths start from (absolute: the process may change directory)."""
+    return Path(path).absolute().parent

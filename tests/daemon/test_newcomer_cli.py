@@ -1,0 +1,145 @@
+"""Small things a newcomer met (issue 42): "did you mean" for a misspelt key, quiet on a closed pipe."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from daemon.settings import ConfigError, load_settings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(("toml", "said"), [
+    ('[train]\nlora_rnak = 8\n', "[train] lora_rnak: unknown key (did you mean 'lora_rank'?)"),
+    ('stat_dir = "s"\n', "stat_dir: unknown key (did you mean 'state_dir'?)"),
+    ('[[sources]]\nname = "a"\ninbx = "i"\n', "[[sources]] #1 inbx: unknown key (did you mean 'inbox'?)"),
+])
+def test_a_misspelt_key_gets_a_did_you_mean(tmp_path, toml, said):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(toml + f'[model]\npath = "{tmp_path}"\n' if toml.startswith("stat") else
+                   f'[model]\npath = "{tmp_path}"\n' + toml)
+    with pytest.raises(ConfigError) as e:
+        load_settings(cfg)
+    assert said in e.value.problems
+
+
+def test_a_key_like_no_other_gets_no_guess(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[model]\npath = "{tmp_path}"\n[train]\nzzqx = 1\n')
+    with pytest.raises(ConfigError) as e:
+        load_settings(cfg)
+    assert "[train] zzqx: unknown key" in e.value.problems
+
+
+def test_status_into_a_closed_pipe_is_quiet(tmp_path):
+    """`nightshift status | head -1`: head exits after one line; nightshift must not print "Broken pipe"."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n[model]\npath = "{tmp_path}"\nbuild = "tiny-llama"\n')
+    r = subprocess.run(f"{sys.executable} -m daemon --config {cfg} status | head -1", shell=True, cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    assert r.stdout.startswith("config") and r.stderr == "", r.stderr
+
+
+def test_adapters_show_and_diff_summarise_and_keep_the_whole_json_behind_a_flag():
+    from daemon.adapters_view import diff_lines, show_lines
+
+    manifest = {"night": "2026-11-21", "data": {"samples": 342}, "losses": {"heldout_after": 3.1},
+                "gate": {"passed": False, "checks": [{"name": "heldout.loss", "passed": False}]},
+                "config": {"train": {"lora_rank": 8}}, "files": {f"f{i}": "h" for i in range(900)}}
+    text = show_lines("tiny-v0002", "kept", manifest)
+    assert len(text.splitlines()) < 15 and "342" in text and "failed: heldout.loss" in text and "--json" in text
+    rows = [(f"losses.curve.{i}.loss", 1.0 + i, 2.0 + i) for i in range(176)] + [("data.samples", 300, 342)]
+    text = diff_lines("tiny-v0001", "tiny-v0002", rows)
+    assert len(text.splitlines()) == 3 and "176 entries differ" in text and "300 -> 342" in text
+
+
+def test_plan_asks_the_child_for_the_night_and_deadline_once_will_use(tmp_path, monkeypatch):
+    """The replay draw is seeded by the night's name and the plan is sized by the training deadline: `plan` used
+    "plan" and the window's very end, so `once` a minute later replayed 45 where the plan said 52 (issue 42)."""
+    import datetime as dt
+
+    from daemon import cli
+    from tests.conftest import toml_config
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cfg, _ = toml_config(tmp_path, model, more="[window]\nsave_margin_minutes = 3\n")
+    asked: list[tuple[str, float]] = []
+
+    class Out:
+        summary, tail = None, []
+
+        def describe_exit(self) -> str:
+            return "stand-in"
+
+    def run_child(s, *, night, deadline, plan_only, **kw):
+        asked.append((night, deadline))
+        return Out()
+
+    monkeypatch.setattr(cli, "run_child", run_child)
+    until = (dt.datetime.now() + dt.timedelta(minutes=30)).replace(microsecond=0)
+    for cmd in ("plan", "once"):
+        cli.main(["--config", str(cfg), cmd, "--until", until.strftime("%H:%M:%S")])
+    (plan_night, plan_deadline), (once_night, once_deadline) = asked
+    assert plan_night == once_night and plan_night.startswith("manual-")
+    assert plan_deadline == once_deadline == until.timestamp() - 180
+
+
+def test_an_unreadable_inbox_file_is_shown_by_the_plan_and_not_called_quarantined(tmp_path, tokenizer,
+                                                                                   monkeypatch):
+    """The pull leaves an unreadable file in place and retries it; the plan did not show it and `once` called
+    it quarantined (issue 42)."""
+    from daemon import report
+    from jobs.contract import Outcome, RunSummary
+    from jobs.data import preview as preview_mod
+    from jobs.data.sources import SourceConfig
+    from jobs.store.readonly import open_read_only
+    from tests.conftest import alpaca, write_jsonl
+
+    inbox = tmp_path / "inbox"
+    write_jsonl(inbox / "a.jsonl", [alpaca(1)])
+    write_jsonl(inbox / "b.jsonl", [alpaca(2), "{broken"])
+
+    def refuse(f, allowed):
+        if f.display.endswith("a.jsonl"):
+            raise PermissionError(13, "Permission denied")
+        return real(f, allowed)
+
+    real = preview_mod.open_inbox_file
+    monkeypatch.setattr(preview_mod, "open_inbox_file", refuse)
+    led = open_read_only(tmp_path / "state" / "ledger.sqlite")
+    res = preview_mod.preview([SourceConfig(name="in", inbox=inbox, settle_seconds=0)], led, tokenizer,
+                              max_seq_length=128, overlong="reject")
+    assert res.quarantined == {"unreadable": 1, "invalid_json": 1} and res.ingested == {"in": 1}
+    table = report.inbox_table({"files": 1, "new_samples": 1, "duplicates": 0, "would_quarantine": res.quarantined})
+    [would] = [x for x in table.splitlines() if x.startswith("would be quarantined")]
+    assert "invalid_json 1" in would and "unreadable" not in would and "cannot be read now" in table
+    s = RunSummary(night="n", outcome=Outcome.succeeded, quarantined={"unreadable": 1, "invalid_json": 1})
+    text = report.summary_table(s)
+    [line] = [x for x in text.splitlines() if x.startswith("quarantined")]
+    assert "unreadable" not in line and "invalid_json 1" in line and "tried again at the next pull" in text
+
+
+def test_the_report_shows_a_night_interrupted_and_resumed(tmp_path):
+    """Not one plain "succeeded" row (issue 42): the attempts, the interruptions and the crashes."""
+    from daemon.report_data import collect
+    from daemon.report_html import outcome_text
+    from jobs.store.ledger import Ledger
+
+    led = Ledger(tmp_path / "ledger.sqlite")
+    led.start_run("r1", "2026-11-21", 2e9)
+    led.add_event("interrupted", run_id="r1", detail={"next_batch": 3, "of": 9})
+    led.resume_run("r1", 2e9)
+    led.finish_run("r1", "succeeded")
+    led.start_run("r2", "2026-11-22", 2e9)
+    led.finish_run("r2", "succeeded")
+    night1, night2 = collect(tmp_path, 14, ledger=led).nights
+    led.close()
+    assert (night1.attempts, night1.interruptions, night1.failed_attempts) == (2, 1, 0)
+    assert outcome_text(night1) == "succeeded after 2 attempts (1 interrupted, resumed)"
+    assert outcome_text(night2) == "succeeded"
