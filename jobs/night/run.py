@@ -24,6 +24,7 @@ from jobs.night.context import RunContext, open_context
 from jobs.night.intake import plan_night, pull_new_data
 from jobs.night.measure import keep_candidate_scores
 from jobs.night.model import ensure_model, model_fingerprint, model_to_read, throughput_key
+from jobs.night.preference import judge_preferences
 from jobs.night.publish import announce_version, close_run, finish_published, judge, publish_candidate
 from jobs.night.ranks import share_prepared
 from jobs.store.files import DamagedState
@@ -117,7 +118,7 @@ def _steps(ctx: RunContext) -> None:
         ctx.finish("skipped", "the deadline left no time for a single step")
         return
     evaluate_candidate(ctx, prep, "after")
-    published = publish_candidate(ctx, prep, planned, result, judge(ctx, prep))
+    published = publish_candidate(ctx, prep, planned, result, judge_preferences(judge(ctx, prep), result))
     if published.promoted:
         keep_candidate_scores(ctx, prep.sets, published.version)
         announce_version(ctx, published.version, published.path)
