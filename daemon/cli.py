@@ -14,7 +14,7 @@ from typing import Any
 
 import structlog
 
-from daemon import config_cli, report, report_cli, validate_cli
+from daemon import capture_cli, config_cli, report, report_cli, validate_cli
 from daemon.adapters_cli import add_commands as add_adapter_commands
 from daemon.cli_help import DESCRIPTION, exit_codes_help
 from daemon.doctor import add_command as add_doctor_command
@@ -289,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "(its own options follow: `nightshift bench --help`)", add_help=False)
     p.set_defaults(func=cmd_bench)
     add_adapter_commands(sub)
+    capture_cli.add_command(sub)
     add_doctor_command(sub)
     accept_config_after_the_command(ap)
     return ap
