@@ -108,6 +108,8 @@ class CaptureStore:
         cfg.state.mkdir(parents=True, exist_ok=True)
         cfg.inbox.mkdir(parents=True, exist_ok=True)
         self.journal = cfg.state / JOURNAL
+        for tmp in cfg.inbox.glob(f".{FILE_PREFIX}*.tmp"):  # a kill before the rename: never acknowledged
+            tmp.unlink(missing_ok=True)
         self.held: OrderedDict[str, Capture] = OrderedDict()
         self.good: dict[str, str] = {}  # prompt key -> id of a reply rated good (pairs a later bad rating)
         self.lock = threading.Lock()
