@@ -116,6 +116,8 @@ def train_pairs(ctx: Any, prep: Any, relay: Callable[[Any], None]) -> TrainResul
     s.deferred_samples = (s.deferred_samples or 0) + s.cut_samples
     s.trained_tokens, s.steps, s.actual_train_seconds, s.stopped = tokens, res.steps, res.seconds, result.stopped
     s.losses.train = res.mean_loss
+    if res.stopped != "signal":  # an interrupted run trains its pairs again when it resumes: counted then
+        s.preference_pairs = s.trained_samples
     if res.seconds > 0:
         s.tokens_per_second = tokens / res.seconds
         s.samples_per_hour = len(res.trained_ids) * 3600 / res.seconds

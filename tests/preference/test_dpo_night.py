@@ -29,6 +29,7 @@ def test_a_dpo_night_trains_pairs_and_promotes_on_held_out_pairs(night_env):
     assert s["gate"]["passed"] and s["promoted"]
     assert any(k.startswith("regression.") for k in checks)  # the regression rules judged it too
     assert s["trained_samples"] >= 30 and s["cut_samples"] == 1  # the supervised record stays pending
+    assert s["preference_pairs"] == s["trained_samples"]
 
 
 def test_a_night_that_moves_held_out_pairs_toward_rejected_is_not_promoted():
@@ -46,3 +47,17 @@ def test_a_night_that_moves_held_out_pairs_toward_rejected_is_not_promoted():
     assert not judge_preferences(GateResult(passed=False), result).passed
     sft = TrainResult(trained_ids=[1], tokens=1, seconds=1, steps=1, mean_loss=0.1, stopped=None)
     assert judge_preferences(GateResult(passed=True), sft).checks == []
+
+
+def test_preference_pairs_trained_are_counted():
+    from prometheus_client import CollectorRegistry
+
+    from daemon.metrics import NightshiftMetrics
+    from jobs.contract import ResultEvent
+    from tests.fixtures.metrics_samples import summary
+
+    reg = CollectorRegistry()
+    m = NightshiftMetrics(reg)
+    m.on_event(ResultEvent(summary=summary(trained_samples=7, preference_pairs=7)))
+    m.on_event(ResultEvent(summary=summary(run_id="2026-11-22-a1b2c4", version=4, trained_samples=5)))
+    assert reg.get_sample_value("nightshift_preference_pairs_trained_total") == 7
