@@ -239,11 +239,15 @@ class CaptureServer:
                 finally:
                     conn.close()
                 self.close_connection = True
-                with contextlib.suppress(OSError):
-                    self.connection.shutdown(socket.SHUT_WR)  # the client has all of it: capture after
-                server.captured(self.path, body if len(body) <= server.cfg.max_body_bytes else b"", bytes(kept),
-                                resp.status, resp.getheader("Content-Type") or "",
-                                complete and len(body) <= server.cfg.max_body_bytes)
+                server.store.begin()
+                try:
+                    with contextlib.suppress(OSError):
+                        self.connection.shutdown(socket.SHUT_WR)  # the client has all of it: capture after
+                    server.captured(self.path, body if len(body) <= server.cfg.max_body_bytes else b"",
+                                    bytes(kept), resp.status, resp.getheader("Content-Type") or "",
+                                    complete and len(body) <= server.cfg.max_body_bytes)
+                finally:
+                    server.store.end()
 
         return Handler
 

@@ -113,6 +113,8 @@ class CaptureStore:
         self.held: OrderedDict[str, Capture] = OrderedDict()
         self.good: dict[str, str] = {}  # prompt key -> id of a reply rated good (pairs a later bad rating)
         self.lock = threading.Lock()
+        self.settled = threading.Condition(self.lock)
+        self.in_flight = 0  # replies sent whose capture is not held yet (feedback on them waits a moment)
         self.seq = itertools.count()
         self._load()
         self.q: queue.Queue[Capture | None] = queue.Queue(cfg.queue)
@@ -132,6 +134,17 @@ class CaptureStore:
         self._hold(capture)
         return True
 
+    def begin(self) -> None:
+        """A reply is about to be captured: feedback naming an unknown id waits for it (the client may have the
+        reply, and send feedback on it, before the capture is parsed)."""
+        with self.lock:
+            self.in_flight += 1
+
+    def end(self) -> None:
+        with self.lock:
+            self.in_flight -= 1
+            self.settled.notify_all()
+
     def _hold(self, capture: Capture) -> None:
         with self.lock:
             self.held[capture.id] = capture
@@ -141,6 +154,7 @@ class CaptureStore:
 
     def get(self, cid: str) -> Capture:
         with self.lock:
+            self.settled.wait_for(lambda: cid in self.held or self.in_flight == 0, timeout=5.0)
             c = self.held.get(cid)
         if c is None:
             raise FeedbackError(404, f"no captured reply with id {cid!r} (unknown, or older than the "

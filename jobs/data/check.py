@@ -12,7 +12,8 @@ from typing import Any, NamedTuple
 from jobs.data.batching import TokenizedSample
 from jobs.data.formats import Normalised, RecordError
 from jobs.data.inbox import printable
-from jobs.data.preference import check_rejected, is_pair, normalise_record
+from jobs.data.preference import check_rejected, is_pair
+from jobs.data.preference import normalise_record as normalise  # preference records, then formats.normalise
 from jobs.data.readers import RawRecord
 from jobs.data.render import OverlongPolicy, SpecialTokens, tokenize_record, tokenize_records
 from jobs.data.sources import SourceConfig, read_records
@@ -36,7 +37,7 @@ def check_record(raw: RawRecord, src: SourceConfig, tokenizer: Any, *, max_seq_l
     if raw.error is not None:
         return Checked(raw, error=raw.error)
     try:
-        norm = normalise_record(raw.record, src.format, src.field_map)
+        norm = normalise(raw.record, src.format, src.field_map)
         tokens = tokenize_record(tokenizer, 0, norm.record, max_seq_length=max_seq_length, overlong=overlong,
                                  special_tokens=special_tokens)
         check_rejected(tokenizer, norm.record, max_seq_length=max_seq_length, overlong=overlong,
@@ -59,7 +60,7 @@ def check_records(raws: Sequence[RawRecord], src: SourceConfig, tokenizer: Any, 
             out[k] = Checked(raw, error=raw.error)
             continue
         try:
-            normed.append((k, normalise_record(raw.record, src.format, src.field_map)))
+            normed.append((k, normalise(raw.record, src.format, src.field_map)))
         except RecordError as e:
             out[k] = Checked(raw, error=e)
         except Exception:
