@@ -102,6 +102,8 @@ class TrainConfig(BaseModel):
         if self.fp8_storage == "nf4" and self.fp8_keep_transposed:
             raise ValueError('[train] fp8_storage = "nf4" contradicts fp8_keep_transposed = true (the kept copy is '
                              'e4m3): choose one')
+        if self.objective == "dpo" and self.gpus != 1:
+            raise ValueError('[train] objective = "dpo" trains on one process for now: set gpus = 1')
         if self.method is Method.full and "learning_rate" not in self.model_fields_set:
             self.learning_rate = FULL_LEARNING_RATE
         return self

@@ -175,12 +175,13 @@ def train_preference(model: Any, pairs: Sequence[Pair], *, beta: float, lr: floa
     optimizer = torch.optim.AdamW(params, lr=lr)
     model.train()
     steps, tokens, losses, curve, right, margins = 0, 0, [], [], 0, []
-    done_rows, stopped = 0, None
+    done_rows, stopped, last = 0, None, 0.0
     for epoch in range(epochs):
         for k, row in enumerate(rows):
-            if stop.is_set() or clock() >= deadline:
+            if stop.is_set() or clock() + last >= deadline:  # a step that would end past the deadline: not begun
                 stopped = "signal" if stop.is_set() else "deadline"
                 break
+            began = clock()
             batch = packed_row(row)
             logps = sequence_logps(model, batch, device)
             ref = refs[k].to(logps.device)
@@ -191,6 +192,7 @@ def train_preference(model: Any, pairs: Sequence[Pair], *, beta: float, lr: floa
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             steps += 1
+            last = clock() - began
             tokens += batch.real_tokens
             losses.append(float(loss.detach()))
             curve.append((steps, losses[-1]))

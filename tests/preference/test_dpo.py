@@ -87,3 +87,24 @@ def test_a_stop_leaves_pairs_not_reached_untrained(lora_model, tokenizer):
     res = train_preference(lora_model, pairs, beta=0.1, lr=1e-3, tokens_per_step=pairs[0].n_tokens * 2,
                            deadline=float("inf"), stop=stop)
     assert res.stopped == "signal" and res.trained_ids == [] and res.steps == 0
+
+
+def test_a_step_that_would_end_past_the_deadline_is_not_begun(lora_model, tokenizer):
+    pairs = _pairs(tokenizer, 6)
+    now = [0.0]
+
+    def clock():  # every call advances: a step takes several seconds of this clock
+        now[0] += 1.0
+        return now[0]
+
+    res = train_preference(lora_model, pairs, beta=0.1, lr=1e-3, tokens_per_step=pairs[0].n_tokens * 2,
+                           deadline=12.0, stop=threading.Event(), clock=clock)
+    assert res.stopped == "deadline" and 0 < res.steps < 3
+    assert len(res.trained_ids) == 2 * res.steps  # whole rows only
+
+
+def test_dpo_on_several_processes_is_refused_by_name():
+    from jobs.training.config import TrainConfig
+
+    with pytest.raises(ValueError, match="gpus = 1"):
+        TrainConfig(objective="dpo", gpus=2)
