@@ -112,14 +112,15 @@ def sequence_logps(model: Any, batch: Batch, device: Any) -> Any:
 
     inputs = model_inputs(batch, device, unsloth=is_unsloth(model))
     labels = inputs.pop("labels")[0]
-    logits = model(**inputs).logits[0, :-1].float()
     target = labels[1:]
     keep = target != IGNORE_INDEX
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    logp = torch.where(keep, logp, torch.zeros_like(logp))
+    # only the replies' positions go to fp32 and through the softmax: the prompts' logits (most of a row, at
+    # a vocabulary of 128k) are never copied
+    logits = model(**inputs).logits[0, :-1][keep].float()
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, target[keep].unsqueeze(-1)).squeeze(-1)
     seq = torch.cumsum((torch.tensor(batch.position_ids[0], device=logp.device) == 0).long(), 0) - 1
     out = torch.zeros(len(batch.sample_ids), dtype=logp.dtype, device=logp.device)
-    return out.index_add(0, seq[1:], logp)
+    return out.index_add(0, seq[1:][keep], logp)
 
 
 def reference_logps(model: Any, rows: Sequence[list[Pair]], device: Any) -> list[Any]:
