@@ -61,3 +61,14 @@ def test_preference_pairs_trained_are_counted():
     m.on_event(ResultEvent(summary=summary(trained_samples=7, preference_pairs=7)))
     m.on_event(ResultEvent(summary=summary(run_id="2026-11-22-a1b2c4", version=4, trained_samples=5)))
     assert reg.get_sample_value("nightshift_preference_pairs_trained_total") == 7
+
+
+def test_calibrate_refuses_to_record_a_supervised_rate_for_a_preference_night(night_env, tmp_path, capsys):
+    from jobs.contract import ExitCode
+    from jobs.night.calibrate import main
+
+    _, make = night_env
+    cfg = tmp_path / "night.json"
+    cfg.write_text(make(train={"objective": "dpo"}).model_dump_json())
+    assert main(["--out", str(tmp_path / "out"), "--config", str(cfg)]) == ExitCode.USAGE
+    assert "objective" in capsys.readouterr().err and not (tmp_path / "state" / "ledger.sqlite").exists()
