@@ -154,3 +154,23 @@ def test_loopback_by_default_and_bad_rules_named():
     assert cfg.host == "127.0.0.1"
     with pytest.raises(ValueError, match=r"redact\[1\]"):
         CaptureConfig(upstream="http://x", inbox=Path("i"), state=Path("s"), redact=["ok", "(unclosed"])
+
+
+def test_the_journal_is_rotated_and_a_restart_holds_the_newest(tmp_path):
+    from jobs.capture.store import Capture, CaptureStore
+
+    cfg = CaptureConfig(upstream="http://127.0.0.1:1", inbox=tmp_path / "inbox", state=tmp_path / "capture",
+                        max_journal_bytes=4096, max_captures=5)
+    store = CaptureStore(cfg)
+    for i in range(100):
+        store.add(Capture(id=f"c{i}", at=0.0, model=None, version=None,
+                          messages=[{"role": "user", "content": f"q{i}"}], reply="r" * 100))
+    store.close()
+    files = sorted((tmp_path / "capture").iterdir())
+    assert [f.name for f in files] == ["captures.1.jsonl", "captures.jsonl"]
+    assert all(f.stat().st_size <= 4096 for f in files)  # at most two generations of the limit on disk
+    again = CaptureStore(cfg)
+    try:
+        assert list(again.held) == [f"c{i}" for i in range(95, 100)]
+    finally:
+        again.close()
