@@ -8,12 +8,15 @@ The reference is the version in service. The night starts from it (the adapter i
 when none is in service), so before the first update the policy *is* the reference: its log-probabilities
 are computed once, without grad, by the same model before it is stepped (TRL's precompute_ref_log_probs).
 Why not a second copy, or a second adapter switched in and out: no extra weights in memory and one
-reference forward per pair in all, instead of one per pair per epoch. A run that resumes from a checkpoint
-reads them back from the file they were written to at the start (the policy has moved since).
+reference forward per pair in all, instead of one per pair per epoch. They are written to the run's checkpoint
+directory, and a run killed and started again reads them back instead of computing them twice. (This loop
+writes no mid-run checkpoints yet: a killed preference run starts its training over from the version in
+service, with the same reference.)
 
 Pairs are packed: the chosen and the rejected conversation of several pairs share one row (positions reset,
-so no sequence attends to another: jobs/training/packing.py), cut to `tokens_per_step` real tokens; the
-plan's rate is this objective's tokens per second (both replies' tokens and the reference pass counted).
+so no sequence attends to another: jobs/training/packing.py), cut to `tokens_per_step` real tokens of both
+replies. The night reports its rate in the plan's units (each pair's chosen conversation, as the ledger counts
+it) per second of this objective (both replies, the reference pass): jobs/night/preference.py.
 
 Why DPO and not others: it needs pairs only, no reward model and no sampling during the night (which
 would need the inference stack inside the window); IPO/KTO are variants of the same loss shape that can
