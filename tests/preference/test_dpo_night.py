@@ -72,3 +72,18 @@ def test_calibrate_refuses_to_record_a_supervised_rate_for_a_preference_night(ni
     cfg.write_text(make(train={"objective": "dpo"}).model_dump_json())
     assert main(["--out", str(tmp_path / "out"), "--config", str(cfg)]) == ExitCode.USAGE
     assert "objective" in capsys.readouterr().err and not (tmp_path / "state" / "ledger.sqlite").exists()
+
+
+def test_a_dpo_night_that_breaks_the_regression_set_is_not_promoted(night_env):
+    inbox, make = night_env
+    write_jsonl(inbox / "sft.jsonl", [alpaca(i) for i in range(200, 260)])  # 12 held out: tomorrow's regression set
+    sft = run(make(train={"epochs": 3}, plan={"prior_tokens_per_second": 2000, "prior_overhead_seconds": 0,
+                                             "heldout_share": 0.2}))
+    assert sft["outcome"] == "succeeded" and sft["promoted"], sft["error"]
+    write_jsonl(inbox / "prefs.jsonl", [pair(i) for i in range(30)])
+    s = run(make(train={"objective": "dpo", "learning_rate": 0.5, "epochs": 2},  # a step far too large
+                 plan={"prior_tokens_per_second": 2000, "prior_overhead_seconds": 0, "heldout_share": 0.2}),
+            night="2026-11-22")
+    failed = [c["name"] for c in s["gate"]["checks"] if not c["passed"]]
+    assert any(n.startswith("regression.") for n in failed), s["gate"]
+    assert not s["gate"]["passed"] and not s["promoted"]
