@@ -14,7 +14,7 @@ from typing import Any
 
 import structlog
 
-from daemon import config_cli, report, report_cli, terminal, validate_cli
+from daemon import capture_cli, config_cli, report, report_cli, terminal, validate_cli
 from daemon.adapters_cli import add_commands as add_adapter_commands
 from daemon.cli_help import DESCRIPTION, exit_codes_help
 from daemon.doctor import add_command as add_doctor_command
@@ -293,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip reloading the model to measure the checkpointing line (the night estimates it)")
     p.set_defaults(func=cmd_calibrate)
     add_adapter_commands(sub)
+    capture_cli.add_command(sub)
     add_doctor_command(sub)
     accept_config_after_the_command(ap)
     return ap

@@ -36,6 +36,7 @@ NEXT_WINDOW_START_TIMESTAMP_SECONDS = "nightshift_next_window_start_timestamp_se
 # ---- training (last_run_*: the most recent run, updated live while it runs) -----------------------
 TRAINED_TOKENS_TOTAL = "nightshift_trained_tokens_total"
 TRAINED_SAMPLES_TOTAL = "nightshift_trained_samples_total"
+PREFERENCE_PAIRS_TRAINED_TOTAL = "nightshift_preference_pairs_trained_total"
 LAST_RUN_STEPS = "nightshift_last_run_steps"
 LAST_RUN_TOKENS_PER_SECOND = "nightshift_last_run_tokens_per_second"
 LAST_RUN_SAMPLES_PER_HOUR = "nightshift_last_run_samples_per_hour"
@@ -146,6 +147,7 @@ SPECS: tuple[Spec, ...] = (
     # training
     Spec(TRAINED_TOKENS_TOTAL, C, "Tokens trained on (real tokens, padding excluded)."),
     Spec(TRAINED_SAMPLES_TOTAL, C, "Samples trained on."),
+    Spec(PREFERENCE_PAIRS_TRAINED_TOTAL, C, "Preference pairs trained on ([train] objective = \"dpo\")."),
     Spec(LAST_RUN_STEPS, G, "Optimizer steps of the last run."),
     Spec(LAST_RUN_TOKENS_PER_SECOND, G, "Training throughput of the last run."),
     Spec(LAST_RUN_SAMPLES_PER_HOUR, G, "Samples per hour of training in the last run."),

@@ -233,6 +233,7 @@ class NightshiftMetrics:
         self._last_run(s, ended, end_limit)
         # counters: training and data
         self._count_trained(s.version, s.trained_tokens, s.trained_samples)
+        v.inc(m.PREFERENCE_PAIRS_TRAINED_TOTAL, s.preference_pairs)
         v.inc(m.SAMPLES_RETURNED_TOTAL, s.returned_samples)
         v.inc(m.SAMPLES_SET_ASIDE_TOTAL, s.set_aside_samples)
         # data

@@ -35,6 +35,7 @@ class QuarantineReason(StrEnum):
     outside_inbox = "outside_inbox"  # a symbolic link out of the inbox (not followed, not read)
     unreadable = "unreadable"  # the file vanished, changed while read, or cannot be opened; retried next pull
     internal_error = "internal_error"  # an unexpected error on this record or file: kept, the night goes on
+    unpaired = "unpaired"  # a preference record that names no better reply (one rating of 0 or below, a tie)
 
 
 class Method(StrEnum):

@@ -129,6 +129,7 @@ class RunSummary(BaseModel):
     plan: Plan | None = None
     plan_basis: str | None = None
     trained_samples: int = 0
+    preference_pairs: int = 0  # of trained_samples, pairs trained with the preference objective (a finished run)
     trained_tokens: int = 0
     planned_tokens: int | None = None  # what the plan meant to train (all epochs); None: no plan
     replay_samples: int = 0

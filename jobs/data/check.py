@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from jobs.data.batching import TokenizedSample
-from jobs.data.formats import Normalised, RecordError, normalise
+from jobs.data.formats import Normalised, RecordError
 from jobs.data.inbox import printable
+from jobs.data.preference import check_rejected, is_pair
+from jobs.data.preference import normalise_record as normalise  # preference records, then formats.normalise
 from jobs.data.readers import RawRecord
 from jobs.data.render import OverlongPolicy, SpecialTokens, tokenize_record, tokenize_records
 from jobs.data.sources import SourceConfig, read_records
@@ -38,6 +40,8 @@ def check_record(raw: RawRecord, src: SourceConfig, tokenizer: Any, *, max_seq_l
         norm = normalise(raw.record, src.format, src.field_map)
         tokens = tokenize_record(tokenizer, 0, norm.record, max_seq_length=max_seq_length, overlong=overlong,
                                  special_tokens=special_tokens)
+        check_rejected(tokenizer, norm.record, max_seq_length=max_seq_length, overlong=overlong,
+                       special_tokens=special_tokens)  # a pair: its rejected reply too
     except RecordError as e:
         return Checked(raw, error=e)
     except Exception as e:
@@ -73,6 +77,10 @@ def check_records(raws: Sequence[RawRecord], src: SourceConfig, tokenizer: Any, 
                                   special_tokens=special_tokens)
         else:
             t = toks[j]
+            if is_pair(norm.record) and not isinstance(t, RecordError):  # a pair: its rejected reply too
+                out[k] = check_record(raws[k], src, tokenizer, max_seq_length=max_seq_length, overlong=overlong,
+                                      special_tokens=special_tokens)
+                continue
             out[k] = Checked(raws[k], error=t) if isinstance(t, RecordError) else Checked(raws[k], norm, t)
     return [c for c in out if c is not None]
 

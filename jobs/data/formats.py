@@ -4,6 +4,8 @@ Every accepted record becomes one of two normal forms, which is what gets hashed
 (so the same sample from any file or format is kept once) and stored in the ledger:
   {"messages": [{"role": ..., "content": ...}, ...]}   (alpaca, chat, prompt/completion)
   {"text": "..."}                                        (raw text: every token is trained on)
+and a preference pair is the first with its rejected reply beside it (jobs/data/preference.py, which the
+inbox's check calls first: `normalise_record`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Literal
 
 from jobs.contract import QuarantineReason
 
-Format = Literal["auto", "alpaca", "chat", "prompt_completion", "text"]
+Format = Literal["auto", "alpaca", "chat", "prompt_completion", "text", "preference"]
 ROLES = {"system", "user", "assistant"}
 MAX_MESSAGES = 256  # per conversation: finding the trained spans renders every prefix (quadratic in turns)
 

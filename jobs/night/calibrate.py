@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="the night's config (JSON); default: stdin")
     args = ap.parse_args(argv)
     cfg = NightConfig.model_validate_json(Path(args.config).read_text() if args.config else sys.stdin.read())
+    if cfg.train.objective != "sft":  # its rate would be the supervised step's, recorded under the DPO key
+        print(f'calibrate measures the supervised step; [train] objective = "{cfg.train.objective}" is measured by '
+              "its own first night (under its own throughput key)", file=sys.stderr)
+        return ExitCode.USAGE
     from jobs.training.load import device_name, resolve_backend
     from jobs.training.ranks.collectives import bind_device, die_with_parent, init_group, launched
 

@@ -122,6 +122,10 @@ def train_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun) -> Tra
     def relay(ev: ChildEvent) -> None:  # progress belongs to this version
         ctx.emit(ev.model_copy(update={"version": planned.version}) if isinstance(ev, ProgressEvent) else ev)
 
+    if ctx.cfg.train.objective == "dpo":  # preference pairs against the version in service
+        from jobs.night.preference import train_pairs
+
+        return train_pairs(ctx, prep, relay)
     s = ctx.summary
     try:  # issue 15: every expert LoRA tensor of a MoE base must get a gradient and move, or the night fails
         watch = watch_experts(prep.loaded.model, ctx.cfg.train.target_modules)

@@ -98,6 +98,8 @@ def throughput_key(cfg: NightConfig, fingerprint: str, backend: str, device: str
         parts.update(fp8_storage=t.fp8_storage)
     if t.method is not Method.qlora:  # qlora's keys stay what they were: its measured history still counts
         parts.update(method=t.method.value, optimizer=t.optimizer, in_backward=t.optimizer_in_backward)
+    if t.objective != "sft":  # a preference step's rate is its own (two sequences, a reference pass)
+        parts["objective"] = t.objective
     if gpus > 1:  # [distributed] measured per count of cards
         parts["gpus"] = gpus
     return budget.throughput_key(parts)

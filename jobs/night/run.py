@@ -25,6 +25,7 @@ from jobs.night.intake import plan_night, pull_new_data
 from jobs.night.isolate import rescore_held
 from jobs.night.measure import keep_candidate_scores
 from jobs.night.model import ensure_model, model_fingerprint, model_to_read, throughput_key
+from jobs.night.preference import judge_preferences
 from jobs.night.publish import announce_version, close_run, finish_published, judge, publish_candidate
 from jobs.night.ranks import share_prepared
 from jobs.night.shadow import check_through_server
@@ -125,7 +126,7 @@ def _steps(ctx: RunContext) -> None:
         ctx.finish("skipped", "the deadline left no time for a single step")
         return
     evaluate_candidate(ctx, prep, "after")
-    verdict = judge(ctx, prep)
+    verdict = judge_preferences(judge(ctx, prep), result)
     if verdict.passed:  # [hotswap.shadow]: the server must answer as the candidate did in process
         check_through_server(ctx, prep, planned.version, verdict)
     published = publish_candidate(ctx, prep, planned, result, verdict)

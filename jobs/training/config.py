@@ -47,6 +47,11 @@ class TrainConfig(BaseModel):
         "escape", description="control-token text inside a record's content: escape (trained as text) or reject")
     gradient_checkpointing: bool | Literal["auto"] = Field(
         "auto", description="recompute activations to save memory; auto: calibrate's choice, else on")
+    objective: Literal["sft", "dpo"] = Field(
+        "sft", description="sft: next-token loss on the replies; dpo: preference pairs (chosen over rejected) "
+        "against the version in service (jobs/training/preference.py); records that are no pair stay pending")
+    dpo_beta: float = Field(0.1, gt=0, description="dpo: how far from the version in service the policy may move "
+                            "(larger: closer)")
     checkpoint_every_seconds: float = Field(600.0, gt=0)
     seed: int = 0
     compute: Literal["bf16", "fp8", "auto"] = Field(
@@ -97,6 +102,8 @@ class TrainConfig(BaseModel):
         if self.fp8_storage == "nf4" and self.fp8_keep_transposed:
             raise ValueError('[train] fp8_storage = "nf4" contradicts fp8_keep_transposed = true (the kept copy is '
                              'e4m3): choose one')
+        if self.objective == "dpo" and self.gpus != 1:
+            raise ValueError('[train] objective = "dpo" trains on one process for now: set gpus = 1')
         if self.method is Method.full and "learning_rate" not in self.model_fields_set:
             self.learning_rate = FULL_LEARNING_RATE
         return self

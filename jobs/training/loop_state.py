@@ -44,6 +44,18 @@ class LoopState(BaseModel):
     ramp_seconds: NonNegativeFloat = 0.0
 
 
+class PreferenceDetail(BaseModel):
+    """What a preference (DPO) night adds to the detail (jobs/night/preference.py fills it and reads it back)."""
+
+    pairs: NonNegativeInt = 0
+    not_pairs: NonNegativeInt = 0  # records of the plan that are not pairs: left pending
+    policy_tokens: NonNegativeInt = 0
+    reference_seconds: NonNegativeFloat = 0.0
+    train_reward_accuracy: float | None = None
+    train_margin: float | None = None
+    heldout_pairs: dict[str, Any] | None = None  # jobs.night.preference.PairScores, validated where it is read
+
+
 class TrainDetail(BaseModel):
     """The loop's figures that go into the manifest's "training" (besides steps, tokens and seconds), and the
     step shape as trained (a probe may have resized it). The defaults: a run that trained nothing."""
@@ -61,7 +73,10 @@ class TrainDetail(BaseModel):
     slow_steps: list[SlowStep] = []
     step_shape: StepShape | None = None
     expert_lora: ExpertLoraReport | None = None  # MoE bases: set by the night after training
+    objective: Literal["sft", "dpo"] = "sft"
+    preference: PreferenceDetail | None = None  # objective "dpo" only
 
     def manifest_fields(self) -> dict[str, Any]:
         """As the manifest's "training" keeps them (no expert_lora key where there are no experts)."""
-        return self.model_dump(mode="json", exclude={"expert_lora"} if self.expert_lora is None else set())
+        unset = {k for k in ("expert_lora", "preference") if getattr(self, k) is None}
+        return self.model_dump(mode="json", exclude=unset)

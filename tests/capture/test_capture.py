@@ -1,0 +1,176 @@
+"""The capture path in front of a local OpenAI-compatible upstream: replies relayed unchanged, captured and
+redacted, feedback acknowledged only once durable, records the pull reads, every bound enforced."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from jobs.capture.config import CaptureConfig
+from jobs.capture.server import CaptureServer
+from jobs.data.preference import is_pair
+from jobs.data.pull import Quarantine, pull
+from jobs.data.sources import SourceConfig
+from jobs.store.ledger import Ledger
+from tests.capture.upstream import upstream
+
+
+def call(addr: tuple[str, int], method: str, path: str, body: dict | None = None) -> tuple[int, bytes, dict]:
+    conn = http.client.HTTPConnection(*addr, timeout=60)
+    try:
+        conn.request(method, path, body=json.dumps(body).encode() if body is not None else None,
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read(), dict(r.getheaders())
+    finally:
+        conn.close()
+
+
+def chat(addr, content: str, stream: bool = False) -> tuple[int, bytes, dict]:
+    return call(addr, "POST", "/v1/chat/completions", {"model": "tiny-v0001", "stream": stream,
+                                                       "messages": [{"role": "user", "content": content}]})
+
+
+@contextmanager
+def proxy(tmp_path: Path, up: str, **over):
+    clock = over.pop("_clock", time.monotonic)
+    cfg = CaptureConfig(upstream=up, inbox=tmp_path / "inbox", state=tmp_path / "capture", port=0, **over)
+    srv = CaptureServer(cfg, registry=CollectorRegistry(), monotonic=clock)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield srv
+    finally:
+        srv.shutdown()
+
+
+def wait_held(srv: CaptureServer, n: int, last: str | None = None) -> None:
+    deadline = time.monotonic() + 60
+    while len(srv.store.held) < n or (last is not None and last not in srv.store.held):
+        assert time.monotonic() < deadline, "captures never arrived"
+        time.sleep(0.01)
+
+
+def metric(srv: CaptureServer, name: str, **labels) -> float:
+    return srv.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_replies_are_relayed_unchanged_and_captured_redacted(tmp_path, stream):
+    with upstream() as up:
+        host, port = up.removeprefix("http://").split(":")
+        direct = chat((host, int(port)), "my key is secret-1234, hi", stream)
+        with proxy(tmp_path, up, redact=[r"secret-\d+"]) as srv:
+            via = chat(srv.address, "my key is secret-1234, hi", stream)
+            second = via[1].replace(b"chatcmpl-2", b"chatcmpl-1").replace(b"reply 2", b"reply 1")
+            assert via[0] == 200 and second == direct[1]  # byte for byte (but the upstream's own counter)
+            wait_held(srv, 1)
+            [c] = srv.store.held.values()
+            assert c.id == "chatcmpl-2" and c.model == "tiny-v0001" and c.version == 1
+            assert c.messages == [{"role": "user", "content": "my key is [redacted], hi"}]
+            assert c.reply == "reply 2 to: my key is [redacted], hi"
+            assert call(srv.address, "GET", "/v1/models")[0] == 200  # other paths pass through
+            assert metric(srv, "nightshift_capture_requests_total", outcome="captured") == 1
+        journal = (tmp_path / "capture" / "captures.jsonl").read_text()
+        assert "secret-1234" not in journal and "[redacted]" in journal
+
+
+def test_feedback_becomes_records_the_pull_reads(tmp_path, tokenizer):
+    with upstream() as up, proxy(tmp_path, up, redact=[r"\d{4}-\d{4}"]) as srv:
+        for q in ("Add 1 and 2.", "Add 1 and 2.", "Add 2 and 2.", "Add 3 and 3.", "Add 3 and 3."):
+            assert chat(srv.address, q)[0] == 200
+        wait_held(srv, 5)
+        fb = srv.address, "POST", "/nightshift/feedback"
+        ok = [call(*fb, {"chosen": "chatcmpl-2", "rejected": "chatcmpl-1"}),
+              call(*fb, {"id": "chatcmpl-3", "edited": "4, card 1234-5678"}),
+              call(*fb, {"id": "chatcmpl-4", "rating": 1}),
+              call(*fb, {"id": "chatcmpl-5", "rating": -1})]  # meets chatcmpl-4's good rating: a pair too
+        assert [s for s, _, _ in ok] == [200] * 4, ok
+        kinds = [[r["kind"] for r in json.loads(b)["records"]] for _, b, _ in ok]
+        assert kinds == [["pair"], ["pair"], ["supervised"], ["rating", "pair"]]
+        assert metric(srv, "nightshift_capture_feedback_total", kind="choice") == 1
+        assert metric(srv, "nightshift_capture_records_total", kind="pair") == 3
+        # refused feedback is never acknowledged, and says why
+        assert call(*fb, {"id": "chatcmpl-99", "rating": 1})[0] == 404
+        s, body, _ = call(*fb, {"id": "chatcmpl-1"})
+        assert s == 422 and b"rating" in body
+        s, body, _ = call(*fb, {"chosen": "chatcmpl-1", "rejected": "chatcmpl-3"})
+        assert s == 409 and b"different conversations" in body
+    assert "1234-5678" not in "".join(p.read_text() for p in (tmp_path / "inbox").iterdir())
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    src = SourceConfig(name="capture", inbox=tmp_path / "inbox", settle_seconds=0)
+    res = pull([src], ledger, tokenizer, run_id="r1", quarantine=Quarantine(tmp_path / "q.jsonl"),
+               max_seq_length=128, overlong="reject", workers=0)
+    assert res.ingested["capture"] == 4 and dict(res.quarantined) == {"unpaired": 1}  # the lone bad rating: kept
+    records = [r.record for r in ledger.samples_by_id([r.id for r in ledger.pending()])]
+    assert sum(map(is_pair, records)) == 3
+    assert {"role": "assistant", "content": "4, card [redacted]"} in [m for r in records for m in r["messages"]]
+
+
+def test_bounds_rate_memory_and_disk(tmp_path):
+    now = [0.0]
+    with upstream() as up, proxy(tmp_path, up, feedback_per_second=1, captures_per_second=1, max_captures=2,
+                                 _clock=lambda: now[0]) as srv:
+        for i in range(4):
+            chat(srv.address, f"q{i}")
+        deadline = time.monotonic() + 60
+        while metric(srv, "nightshift_capture_requests_total", outcome="rate_limited") < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        now[0] += 10
+        for i in range(4, 7):
+            now[0] += 10
+            chat(srv.address, f"q{i}")
+        wait_held(srv, 2, "chatcmpl-7")
+        assert list(srv.store.held) == ["chatcmpl-6", "chatcmpl-7"]  # the newest two, no more
+        fb = srv.address, "POST", "/nightshift/feedback"
+        assert call(*fb, {"id": "chatcmpl-6", "rating": 1})[0] == 200
+        assert call(*fb, {"id": "chatcmpl-6", "rating": 1})[0] == 429  # same instant: over the rate
+        assert call(*fb, {"id": "chatcmpl-5", "rating": 1})[0] == 429
+        srv.cfg.max_inbox_bytes = 1  # (the config is read at each feedback)
+        now[0] += 10
+        assert call(*fb, {"id": "chatcmpl-5", "rating": 1})[0] == 404  # forgotten (memory bound)
+        now[0] += 10
+        s, body, _ = call(*fb, {"id": "chatcmpl-6", "edited": "better"})
+        assert s == 507 and b"max_inbox_bytes" in body
+        assert len(list((tmp_path / "inbox").glob("*.jsonl"))) == 1
+
+
+def test_an_unreachable_upstream_is_a_502_not_a_hang(tmp_path):
+    with proxy(tmp_path, "http://127.0.0.1:9") as srv:
+        assert chat(srv.address, "hi")[0] == 502
+        assert metric(srv, "nightshift_capture_requests_total", outcome="upstream_error") == 1
+
+
+def test_loopback_by_default_and_bad_rules_named():
+    cfg = CaptureConfig(upstream="http://127.0.0.1:8000", inbox=Path("i"), state=Path("s"))
+    assert cfg.host == "127.0.0.1"
+    with pytest.raises(ValueError, match=r"redact\[1\]"):
+        CaptureConfig(upstream="http://x", inbox=Path("i"), state=Path("s"), redact=["ok", "(unclosed"])
+
+
+def test_the_journal_is_rotated_and_a_restart_holds_the_newest(tmp_path):
+    from jobs.capture.store import Capture, CaptureStore
+
+    cfg = CaptureConfig(upstream="http://127.0.0.1:1", inbox=tmp_path / "inbox", state=tmp_path / "capture",
+                        max_journal_bytes=4096, max_captures=5)
+    store = CaptureStore(cfg)
+    for i in range(100):
+        store.add(Capture(id=f"c{i}", at=0.0, model=None, version=None,
+                          messages=[{"role": "user", "content": f"q{i}"}], reply="r" * 100))
+    store.close()
+    files = sorted((tmp_path / "capture").iterdir())
+    assert [f.name for f in files] == ["captures.1.jsonl", "captures.jsonl"]
+    assert all(f.stat().st_size <= 4096 for f in files)  # at most two generations of the limit on disk
+    again = CaptureStore(cfg)
+    try:
+        assert list(again.held) == [f"c{i}" for i in range(95, 100)]
+    finally:
+        again.close()
