@@ -219,7 +219,7 @@ def worker(a: argparse.Namespace) -> int:
     """In the worker process: one stack, its rows appended to --rows."""
     from benchmarks.stacks import worker as stack_worker
     from benchmarks.stacks.common import Job
-    from jobs.training.unsloth_backend import setup_caches
+    from jobs.training.backends.unsloth import setup_caches
 
     # a file under torchrun; stdin from the parent; by hand, from a terminal: the flags instead
     text = Path(a.settings).read_text() if a.settings else ("" if sys.stdin.isatty() else sys.stdin.read())
@@ -231,7 +231,7 @@ def worker(a: argparse.Namespace) -> int:
     # moe: our own MoE path; the plain HF stacks as shipped; scaling_ours: Unsloth where it is installed
     if a.stack not in ("baseline", "moe", "w_hf", "exxact") and (
             a.stack != "scaling_ours" or importlib.util.find_spec("unsloth")):
-        from jobs.training.unsloth_import import import_unsloth
+        from jobs.training.backends.unsloth_import import import_unsloth
 
         import_unsloth(trl_trainers=True)  # before the stack imports transformers; whole: TRL's recipes
     stack_worker(a.stack)(s, Job(a.stack, Path(a.model), Path(a.rows), a.t_launch))

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    from jobs.training.peft_env import hide_torchao_peft_refuses
+    from jobs.training.backends.peft_env import hide_torchao_peft_refuses
 
     hide_torchao_peft_refuses()  # an older torchao beside Unsloth makes PEFT refuse every LoRA load
 

@@ -20,7 +20,7 @@ from jobs.training.models.synthetic import make_samples
 def run(s: BenchSettings, job: Job) -> None:
     import torch
 
-    from jobs.training.peft_env import hide_torchao_peft_refuses
+    from jobs.training.backends.peft_env import hide_torchao_peft_refuses
 
     hide_torchao_peft_refuses()  # the torchao beside Unsloth is older than PEFT accepts; this stack uses none
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training

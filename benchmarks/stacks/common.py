@@ -27,7 +27,7 @@ def load_ours(
 ) -> tuple[Any, Any, dict[str, Any]]:
     """(model, tokenizer, info) through our Unsloth loader; varlen=False for the peer stacks (as shipped);
     method "lora": the base in bf16 (`[train] method = "lora"`)."""
-    from jobs.training.unsloth_backend import LoraSpec, load_unsloth
+    from jobs.training.backends.unsloth import LoraSpec, load_unsloth
 
     return load_unsloth(
         model_path,

@@ -20,7 +20,7 @@ SEQ, BATCH = 512, 2  # per GPU
 def run(s: BenchSettings, job: Job) -> None:
     import torch
 
-    from jobs.training.peft_env import hide_torchao_peft_refuses
+    from jobs.training.backends.peft_env import hide_torchao_peft_refuses
 
     hide_torchao_peft_refuses()  # the torchao beside Unsloth is older than PEFT accepts; this stack uses none
     from peft import LoraConfig, get_peft_model

@@ -24,7 +24,7 @@ def batch_of(arch: str | None) -> int:
 def run(s: BenchSettings, job: Job) -> None:
     import torch
 
-    from jobs.training.unsloth_backend import LoraSpec, load_unsloth
+    from jobs.training.backends.unsloth import LoraSpec, load_unsloth
 
     t0 = time.time()
     model, tok, info = load_unsloth(job.model, lora=LoraSpec(r=8, alpha=16), method="qlora", max_seq_length=2048,

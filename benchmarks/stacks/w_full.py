@@ -22,7 +22,7 @@ LABEL = "Unsloth full fine-tuning + TRL SFTTrainer (adamw_8bit, batch 4)"
 def run(s: BenchSettings, job: Job) -> None:
     import torch
 
-    from jobs.training.unsloth_backend import LoraSpec, load_unsloth
+    from jobs.training.backends.unsloth import LoraSpec, load_unsloth
 
     fraction = hard_cap(s.full_cap_gb)
     head = {"workload": "full", "side": "publication", "label": LABEL, "arch": s.arch, "flops": FULL_FLOPS,

@@ -21,9 +21,9 @@ LABEL = "nightshift, method full (optimizer from memory, packed, budget from mem
 def run(s: BenchSettings, job: Job) -> None:
     import torch
 
+    from jobs.training.backends.unsloth import LoraSpec, load_unsloth
     from jobs.training.config import TrainConfig
     from jobs.training.optim import build_optimizer, choose_for_model
-    from jobs.training.unsloth_backend import LoraSpec, load_unsloth
 
     fraction = hard_cap(s.full_cap_gb)
     gc = "unsloth" if s.full_ckpt == "on" else False

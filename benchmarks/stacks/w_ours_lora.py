@@ -30,7 +30,7 @@ LABEL = "nightshift, method lora (bf16 base, packed, budget from memory)"
 
 def load(s: BenchSettings, job: Job) -> tuple[Any, dict[str, Any], str]:
     """The model, its load info and its label (with `--compute fp8`: the frozen base on FP8, checked)."""
-    from jobs.training.unsloth_backend import LoraSpec, load_unsloth
+    from jobs.training.backends.unsloth import LoraSpec, load_unsloth
 
     model, tok, info = load_unsloth(job.model, lora=LoraSpec(r=16, alpha=32, target_modules=["q_proj", "v_proj"]),
                                     method="lora", max_seq_length=s.max_budget, gradient_checkpointing=False,

@@ -16,8 +16,8 @@ from jobs.training.models.synthetic import CAP, make_samples
 def run(s: BenchSettings, job: Job) -> None:
     import torch
 
+    from jobs.training.backends.unsloth import LoraSpec, load_unsloth
     from jobs.training.step import make_optimizer
-    from jobs.training.unsloth_backend import LoraSpec, load_unsloth
 
     t0 = time.time()
     gc = "unsloth" if s.ours_ckpt else False

@@ -169,8 +169,8 @@ def _import_unsloth_first(cfg: dict[str, Any]) -> None:
         import torch
 
         if torch.cuda.is_available():
-            from jobs.training.unsloth_backend import setup_caches
-            from jobs.training.unsloth_import import import_unsloth
+            from jobs.training.backends.unsloth import setup_caches
+            from jobs.training.backends.unsloth_import import import_unsloth
 
             setup_caches(StatePaths(cfg["state_dir"]).models)  # Unsloth reads its cache locations when imported
             import_unsloth()

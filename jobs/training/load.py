@@ -12,10 +12,10 @@ from typing import Any
 import structlog
 
 from jobs.contract import Method, StepShape
+from jobs.training.backends.peft_env import hide_torchao_peft_refuses
 from jobs.training.config import TrainConfig
 from jobs.training.loaded import Loaded, ensure_pad_token, load_tokenizer
 from jobs.training.moe import lora as moe
-from jobs.training.peft_env import hide_torchao_peft_refuses
 
 log = structlog.get_logger("nightshift.train")
 
@@ -79,7 +79,7 @@ def load_for_training(model_path: Path, cfg: TrainConfig, *, adapter: Path | Non
 
 def _load_unsloth(model_path: Path, cfg: TrainConfig, adapter: Path | None, shape: StepShape,
                   cache_dir: Path | None) -> Loaded:
-    from jobs.training.unsloth_backend import LoraSpec, load_unsloth  # GPU-only stack, imported only here
+    from jobs.training.backends.unsloth import LoraSpec, load_unsloth  # GPU-only stack, imported only here
 
     model, tok, info = load_unsloth(
         model_path, lora=LoraSpec.from_train_config(cfg), gradient_checkpointing=shape.gradient_checkpointing,

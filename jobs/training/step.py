@@ -23,7 +23,7 @@ from jobs.contract.crashpoints import declare, reached
 from jobs.data.batching import Batch
 from jobs.training.packing import is_packed, segment_lengths, split_in_two
 
-UNSLOTH_FLAG = "_nightshift_unsloth"  # set on models that jobs.training.unsloth_backend loaded
+UNSLOTH_FLAG = "_nightshift_unsloth"  # set on models that jobs.training.backends.unsloth loaded
 BACKWARD = declare("train.backward", "this rank's backward ran; the step's gradients are not applied (nor summed "
                                      "across ranks) yet")
 

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from jobs.training.unsloth_backend import compile_job_id, setup_caches
+from jobs.training.backends.unsloth import compile_job_id, setup_caches
 
 KEYS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "UNSLOTH_DISABLE_STATISTICS",
         "PYTORCH_CUDA_ALLOC_CONF", "UNSLOTH_MOE_BACKEND", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
@@ -46,7 +46,7 @@ COMPILED = """
 import sys
 from pathlib import Path
 
-from jobs.training.unsloth_backend import setup_caches
+from jobs.training.backends.unsloth import setup_caches
 
 if sys.argv[1] != "-":
     setup_caches(Path(sys.argv[1]))

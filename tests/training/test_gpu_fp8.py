@@ -89,13 +89,13 @@ def test_fp32_lora_weights_train_through_the_card_without_a_cast_in_the_backward
 
 
 def test_an_unsloth_model_runs_fp8_patched_checked_and_trains(small_model, tmp_path):
+    from jobs.training.backends.unsloth import LoraSpec, load_unsloth
     from jobs.training.fp8.enable import CAPTURE_TOKENS, Learnable, enable_fp8
     from jobs.training.fp8.matmul import STATS, FP8Base
     from jobs.training.fp8.numerics import bigram_samples
     from jobs.training.fp8.sample_data import data_files, sample_tokens
     from jobs.training.packing import packed_batches
     from jobs.training.step import make_optimizer, train_step
-    from jobs.training.unsloth_backend import LoraSpec, load_unsloth
 
     model, tok, _info = load_unsloth(small_model, lora=LoraSpec(r=16, alpha=16), max_seq_length=4096,
                                      gradient_checkpointing=False, cache_dir=tmp_path)
@@ -119,13 +119,13 @@ def test_an_unsloth_model_runs_fp8_patched_checked_and_trains(small_model, tmp_p
 def test_a_q_v_adapter_on_unsloth_runs_every_frozen_projection_on_fp8(small_model, tmp_path):
     """The Exxact recipe's adapter: Unsloth fuses nothing; q, k, v and the MLP run the fused FP8 Functions all the
     same (k and the MLP without LoRA), o alone as its own FP8 module."""
+    from jobs.training.backends.unsloth import LoraSpec, load_unsloth
     from jobs.training.fp8.enable import CAPTURE_TOKENS, enable_fp8
     from jobs.training.fp8.matmul import STATS, FP8Base
     from jobs.training.fp8.numerics import bigram_samples
     from jobs.training.fp8.sample_data import data_files, sample_tokens
     from jobs.training.packing import packed_batches
     from jobs.training.step import make_optimizer, train_step
-    from jobs.training.unsloth_backend import LoraSpec, load_unsloth
 
     model, tok, _info = load_unsloth(small_model, lora=LoraSpec(r=16, alpha=32, target_modules=["q_proj", "v_proj"]),
                                      max_seq_length=4096, gradient_checkpointing=False, cache_dir=tmp_path)

@@ -30,11 +30,11 @@ def test_full_packed_rows_equal_their_samples_and_every_weight_trains(small_mode
     attention across samples), the 8-bit optimizer stepped in backward moves every weight, and the
     saved version is a model transformers loads."""
     from jobs.data.batching import IGNORE_INDEX
+    from jobs.training.backends.unsloth import LoraSpec, load_unsloth
     from jobs.training.config import TrainConfig
     from jobs.training.optim import OptimizerChoice, build_optimizer
     from jobs.training.packing import pack, packed_batches
     from jobs.training.step import model_inputs, train_step
-    from jobs.training.unsloth_backend import LoraSpec, load_unsloth
 
     model, tok, info = load_unsloth(small_model, lora=LoraSpec(), method="full", max_seq_length=8192,
                                     gradient_checkpointing=False)

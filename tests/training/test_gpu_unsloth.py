@@ -23,7 +23,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def loaded(small_model, tmp_path_factory):
-    from jobs.training.unsloth_backend import LoraSpec, load_unsloth
+    from jobs.training.backends.unsloth import LoraSpec, load_unsloth
 
     state = tmp_path_factory.mktemp("state")
     model, tok, info = load_unsloth(
@@ -72,9 +72,9 @@ def test_packed_equals_alone_through_unsloth(loaded):
 
 
 def test_steps_and_parent_adapter_roundtrip(loaded, small_model, tmp_path):
+    from jobs.training.backends.unsloth import LoraSpec, load_unsloth
     from jobs.training.packing import packed_batches
     from jobs.training.step import make_optimizer, train_step
-    from jobs.training.unsloth_backend import LoraSpec, load_unsloth
 
     model, _, _, state = loaded
     opt = make_optimizer(model, lr=1e-3)

@@ -71,8 +71,8 @@ def test_base_and_reference_through_transformers_and_peft(tiny_model: Path, tmp_
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("unsloth") is None,
                     reason="needs CUDA and unsloth")
 def test_base_and_reference_through_unsloth(tmp_path: Path) -> None:
+    from jobs.training.backends.unsloth import LoraSpec, load_unsloth
     from jobs.training.models.architectures import build_random_model
-    from jobs.training.unsloth_backend import LoraSpec, load_unsloth
 
     path = build_random_model("small-llama", tmp_path / "small-llama")
     model, tok, _ = load_unsloth(path, lora=LoraSpec(r=16, alpha=16), max_seq_length=2048,

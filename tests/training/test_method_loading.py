@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from jobs.contract import Method
+from jobs.training.backends.unsloth import LoraSpec, load_unsloth
 from jobs.training.load import check_start
-from jobs.training.unsloth_backend import LoraSpec, load_unsloth
 
 
 class Called(Exception):
@@ -115,7 +115,7 @@ def test_a_torchao_peft_refuses_is_hidden_from_the_transformers_path(monkeypatch
 
     import peft.import_utils as pi
 
-    from jobs.training.peft_env import hide_torchao_peft_refuses
+    from jobs.training.backends.peft_env import hide_torchao_peft_refuses
 
     def refuses():
         if sys.modules.get("torchao", 0) is None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.training.unsloth_import import import_unsloth
+from jobs.training.backends.unsloth_import import import_unsloth
 
 CALLS: list[str] = []
 

@@ -22,12 +22,12 @@ from typing import Any
 
 import structlog
 
+from jobs.training.backends.unsloth import parameter_counts  # imports no GPU stack
 from jobs.training.loaded import Loaded, load_tokenizer
 from jobs.training.models.architectures import MARKER, matmul_params
 from jobs.training.moe import packed_attention
 from jobs.training.moe.experts_nf4 import route_lora
 from jobs.training.moe.lora import expected_lora_parameters, lora_targets
-from jobs.training.unsloth_backend import parameter_counts  # imports no GPU stack
 
 log = structlog.get_logger("nightshift.train")
 
@@ -40,7 +40,7 @@ def prepare_moe_for_training(model: Any, tokenizer: Any, *, r: int = 16, alpha: 
     in-memory model."""
     import torch
 
-    from jobs.training.peft_env import hide_torchao_peft_refuses
+    from jobs.training.backends.peft_env import hide_torchao_peft_refuses
 
     hide_torchao_peft_refuses()  # an older torchao beside Unsloth makes PEFT refuse every LoRA
     from peft import LoraConfig, PeftModel, get_peft_model

@@ -201,7 +201,7 @@ def load_unsloth(
     setup_caches(cache_dir)
     import torch
 
-    from jobs.training.unsloth_import import import_unsloth
+    from jobs.training.backends.unsloth_import import import_unsloth
 
     trl_skipped = import_unsloth()  # patches transformers/peft on import: must come first
     from unsloth import FastLanguageModel
