@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from daemon.settings import Settings
+from jobs.store.paths import StatePaths
 
 
 def add_command(sub: Any) -> None:
@@ -43,7 +44,7 @@ def cmd_capture(args: argparse.Namespace, s: Settings) -> int:
               file=sys.stderr)
         return 2
     try:
-        cfg = CaptureConfig(upstream=args.upstream, inbox=inbox, state=Path(s.state_dir) / "capture",
+        cfg = CaptureConfig(upstream=args.upstream, inbox=inbox, state=StatePaths(s.state_dir).capture,
                             host=args.host, port=args.port, redact=args.redact, max_captures=args.max_captures,
                             max_inbox_bytes=int(args.max_inbox_mb * 2**20),
                             captures_per_second=args.captures_per_second,

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from jobs.runtime import logs
+from jobs.store.paths import StatePaths
 
 INTERACTIVE = ("once", "plan")
 KEEP_LOGS = 20  # once-*.jsonl files kept in <state_dir>/logs
@@ -80,7 +81,7 @@ def route_logs(cmd: str, s: Any, *, stderr: TextIO | None = None, environ: Mappi
     path: Path | None = None
     sink: TextIO | None = None
     if cmd == "once":  # a night writes the state directory anyway
-        folder = Path(s.state_dir) / "logs"
+        folder = StatePaths(s.state_dir).once_logs
         try:
             folder.mkdir(parents=True, exist_ok=True, mode=0o700)
             path = folder / time.strftime("once-%Y%m%d-%H%M%S.jsonl", time.localtime(clock()))

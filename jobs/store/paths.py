@@ -20,6 +20,8 @@ the code asks `StatePaths(state_dir).ledger`, never joins a name itself (tests/t
       models/                  models built or converted here, and the compile caches
       calibrate/               `nightshift calibrate`'s measurement (default --out)
       report.html              `nightshift report`'s page (default --out)
+      logs/once-*.jsonl        the structured log of `nightshift once` at a terminal (the last few kept)
+      capture/                 `nightshift capture`'s journal of captured replies
 """
 
 from __future__ import annotations
@@ -103,3 +105,13 @@ class StatePaths:
     @property
     def report(self) -> Path:
         return self.root / "report.html"
+
+    @property
+    def once_logs(self) -> Path:
+        """The structured log of each `nightshift once` run at a terminal (the screen shows the plain stream)."""
+        return self.root / "logs"
+
+    @property
+    def capture(self) -> Path:
+        """`nightshift capture`'s journal of captured replies (feedback itself lands in the inbox)."""
+        return self.root / "capture"
