@@ -8,10 +8,11 @@ candidate lost (answered by the anchor, not by the candidate), over the adapter'
 A gradient step on the file changes that loss by about -lr * g_file . g_lost, so a negative cosine
 means the file pushes the model away from what it lost (a first-order influence estimate, as TracIn).
 Samples the model is known to learn safely (tonight's replay, from promoted nights) give the yardstick:
-a file blamed is one whose harm (-cosine) exceeds theirs, and zero, by MARGIN. Blamed files are held
-(jobs/store/file_strikes.py); the rest of the night goes back to pending uncounted. A later promoted
-night scores the held files again against what it knows, with its own new data as the yardstick:
-blamed twice, a file is quarantined with the reason; else it is released.
+a file blamed is one whose harm (-cosine) is positive and exceeds theirs by MARGIN (on the CPU chain of
+tests/night/test_learning_chain.py a night of wrong labels scored 0.09 against the replay's -0.30).
+Blamed files are held (jobs/store/file_strikes.py); the rest of the night goes back to pending
+uncounted. A later promoted night scores the held files again against what it knows, with its own new
+data as the yardstick: blamed twice, a file is quarantined with the reason; else it is released.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def blame(loaded: Any, target: list[TokenizedSample], groups: dict[int, list[Tok
     base = harm(g_yard, g_target) if g_yard is not None else 0.0
     scores = {fid: harm(g, g_target) for fid, ss in groups.items()
               if (g := gradient(loaded, ss[:PER_GROUP], max_tokens)) is not None}
-    return Blame(scores, base, sorted(f for f, h in scores.items() if h > max(base, 0.0) + MARGIN))
+    return Blame(scores, base, sorted(f for f, h in scores.items() if h > max(base + MARGIN, 0.0)))
 
 
 def on_rejection(ctx: RunContext, loaded: Any, sets: EvalSets, new: list[TokenizedSample],
@@ -153,9 +154,10 @@ def rescore_held(ctx: RunContext, loaded: Any, sets: EvalSets, new: list[Tokeniz
             if f.file_id in b.blamed:
                 row = file_strikes.strike(ctx.ledger, c, f.file_id, version=version,
                                           reason=f"scored against v{version}'s answers: harm {b.harm[f.file_id]:.2f} "
-                                                 f"> max(its new data's {b.yardstick:.2f}, 0) + {MARGIN}")
+                                                 f"> max(its new data's {b.yardstick:.2f} + {MARGIN}, 0)")
                 ctx.summary.isolated[row.path] = f"{row.status}: {row.reason}"
             elif f.file_id in b.harm:
                 file_strikes.release(ctx.ledger, c, f.file_id)
-                ctx.summary.isolated[f.path] = f"released: harm {b.harm[f.file_id]:.2f} <= {b.yardstick:.2f} + {MARGIN}"
+                ctx.summary.isolated[f.path] = (f"released: harm {b.harm[f.file_id]:.2f} <= "
+                                                f"max({b.yardstick:.2f} + {MARGIN}, 0)")
     log.info("held_files_scored", result=ctx.summary.isolated)

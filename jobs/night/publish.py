@@ -124,7 +124,7 @@ def publish_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun, resu
                     for fid in blamed.blamed:
                         row = file_strikes.strike(ledger, c, fid, version=planned.version,
                                                   reason=f"{verdict.failed()}; harm {blamed.harm[fid]:.2f} > "
-                                                         f"max(replay's {blamed.yardstick:.2f}, 0) + {isolate.MARGIN}")
+                                                         f"max(replay's {blamed.yardstick:.2f} + {isolate.MARGIN}, 0)")
                         s.isolated[row.path] = f"{row.status}: {row.reason}"
                     held = {i for f in blamed.blamed for i in file_strikes.files_of(ledger, back).get(f, [])}
                     back = [i for i in back if i not in held]

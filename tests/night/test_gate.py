@@ -139,6 +139,14 @@ def test_a_drop_within_the_noise_of_a_small_set_passes_and_the_same_share_of_a_b
     assert gate(losses(), cfg, metrics, per_sample=per).passed
     metrics, per = paired([True] * 8, [True] * 6 + [False] * 2)
     assert not gate(losses(), EvalConfig(alpha=None), metrics, per_sample=per).passed  # alpha None: points decide
+    # token accuracy on 7 samples: 4 lost a little, none won: the sign test's 1/16, not a normal bound's 0.02
+    per7 = {"regression_before": scores([True] * 7), "regression_after": scores([True] * 7)}
+    per7["regression_after"] = {i: SampleScore(0.1, 2, False, 4, 3 if i < 4 else 4) for i in range(7)}
+    per7["regression_before"] = {i: SampleScore(0.1, 2, False, 4, 4) for i in range(7)}
+    tok = EvalConfig(gate=[GateRule(data="regression", metric="token_accuracy", max_worse=0.03)])
+    m7 = {"regression_before": em(1.0, 7), "regression_after": em(0.86, 7)}
+    check = gate(losses(), tok, m7, per_sample=per7).checks[0]
+    assert check.passed and check.p_value == pytest.approx(1 / 16)
 
 
 def slow_drift(cfg: EvalConfig, nights: int, step: float = 0.02) -> list[tuple[float, bool]]:

@@ -126,11 +126,13 @@ def test_gate_rejects_a_worse_adapter_and_current_stays(night_env, tmp_path):
     assert run(make(eval={"regression_set": reg}))["promoted"]
     write_jsonl(inbox / "b.jsonl", [{"text": "zebra quantum " * 10} for _ in range(1)] +
                 [{"text": f"noise {i} " * 12} for i in range(30)])
-    bad = make(eval={"regression_set": reg, "max_regression_increase_pct": 0.0},
+    # the fixed file is the canary (issue 39): measured apart, and gating here by an operator's rule on it
+    bad = make(eval={"regression_set": reg, "gate": [{"data": "canary", "metric": "loss", "max_worse_pct": 0}],
+                     "alpha": None},  # the point figures decide
                train={"learning_rate": 0.5, "epochs": 3})
     s = run(bad, night="2026-11-22")
     assert s["outcome"] == "rejected" and not s["promoted"]
-    assert s["losses"]["regression_after"] > s["losses"]["regression_before"]
+    assert s["metrics"]["canary_after"]["loss"] > s["metrics"]["canary_before"]["loss"]
     assert (bad.state_dir / "current").resolve().name == "tiny-v0001"
     assert (bad.state_dir / "adapters" / "tiny-v0002" / "manifest.json").exists()  # kept, marked
     led = ledger_of(bad)
