@@ -72,14 +72,13 @@ class StateLock:
         self.fd: int | None = None
 
     def __enter__(self) -> StateLock:
-        if self.inode is not None:
-            fd = os.open(self.inode, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        elif self.shared:
+        if self.shared:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         else:
             if not self.path.parent.exists():
                 make_dir(self.path.parent, SHARED_DIR)  # the state directory: its group reads the versions in it
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = (os.open(self.inode, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if self.inode is not None
+                  else os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
         end = time.monotonic() + self.timeout
         while True:
             try:
