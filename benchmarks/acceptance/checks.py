@@ -125,6 +125,13 @@ def no_half_written(state: Path, ledger: Ledger) -> dict[str, Any]:
                   {"tmp_dirs": tmp, "bad": bad, "current": current.name if current else None, "file_modes": modes})
 
 
+def _version_of(served: str | None) -> str | None:
+    """`acc-v0002` for the served name `acc-v0002-1a2b3c4d` (the digest tells weights apart, the version is what
+    the ledger knows); a name without a digest as it is."""
+    m = re.fullmatch(r"(.+-v\d+)-[0-9a-f]{8}", served or "")
+    return m.group(1) if m else served
+
+
 def served_versions(client: Client, rows: list[dict[str, Any]], model: Path, state: Path, mode: str,
                     verify: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     answers = client.answers
@@ -138,15 +145,15 @@ def served_versions(client: Client, rows: list[dict[str, Any]], model: Path, sta
     digests: dict[str, set[str]] = {}
     for a in answers:
         if a.ok and a.adapter and a.digest:
-            digests.setdefault(a.adapter, set()).add(a.digest)
+            digests.setdefault(_version_of(a.adapter) or "", set()).add(a.digest)
     served = []
     previous = "base"
     for r in rows:
         name = r.get("version")
         if not r.get("promoted") or not name:
             continue
-        got = [a for a in answers if a.requested == name]
-        ok = bool(got) and all(a.ok and a.adapter == name for a in got)
+        got = [a for a in answers if _version_of(a.requested) == name]
+        ok = bool(got) and all(a.ok and a.adapter == a.requested for a in got)
         changed = digests.get(name, set()).isdisjoint(digests.get(previous, set())) and bool(digests.get(name))
         stable = len(digests.get(name, set())) == 1
         entry = {"night": r["night"], "version": name, "answers": len(got), "digest": sorted(digests.get(name, set())),
