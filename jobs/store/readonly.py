@@ -32,8 +32,9 @@ def open_read_only(path: Path, *, clock=time.time) -> Ledger:
                 pass
         except PermissionError as e:
             raise permission_problem(ledger.path, e, write=False) from None
-        db = _connect(ledger.path)
+        db = None
         try:
+            db = _connect(ledger.path)
             if schema_version(db) < LATEST:
                 copy = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
                 db.backup(copy)
@@ -42,7 +43,8 @@ def open_read_only(path: Path, *, clock=time.time) -> Ledger:
                 migrate(db, ledger.path)
                 db.execute("PRAGMA query_only=ON")
         except sqlite3.DatabaseError as e:
-            db.close()
+            if db is not None:
+                db.close()
             if isinstance(e, sqlite3.OperationalError) and not writable(ledger.path.parent):
                 raise permission_problem(ledger.path.parent, None, write=False) from None
             raise DamagedState(f"{ledger.path} is not a readable nightshift ledger ({e}): restore it from a "

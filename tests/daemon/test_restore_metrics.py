@@ -29,7 +29,7 @@ def full_summary(**over) -> RunSummary:
                  "heldout_after": {"loss": 1.8, "exact_match": 0.6, "token_accuracy": 0.7, "samples": 8.0},
                  "regression_before": {"loss": 2.2, "exact_match": 0.9, "token_accuracy": 0.95, "samples": 40.0},
                  "regression_after": {"loss": 2.1, "exact_match": 0.9, "token_accuracy": 0.95, "samples": 40.0}},
-        method="qlora", started_at=T - 100, ended_at=T, deadline=T - 30)
+        kl_from_service=0.012, method="qlora", started_at=T - 100, ended_at=T, deadline=T - 30)
     return RunSummary(**{**base, **over})
 
 
