@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -27,11 +28,8 @@ def open_read_only(path: Path, *, clock=time.time) -> Ledger:
     ledger = Ledger.__new__(Ledger)
     ledger.path, ledger.clock = Path(path), clock
     if ledger.path.is_file():
-        try:
-            with open(ledger.path, "rb"):
-                pass
-        except PermissionError as e:
-            raise permission_problem(ledger.path, e, write=False) from None
+        if not os.access(ledger.path, os.R_OK):  # asked, not opened: closing a descriptor drops SQLite's locks
+            raise permission_problem(ledger.path, None, write=False)
         db = None
         try:
             db = _connect(ledger.path)

@@ -139,9 +139,15 @@ def open_database(path: Path, *, timeout: float = 30.0) -> sqlite3.Connection:
             "Restore the ledger from a backup, or move the whole state directory aside to start over; "
             "`nightshift doctor` lists what it finds")
     try:
-        if size is None and not state.exists():
-            make_dir(state, SHARED_DIR)  # the inference server's group traverses it to the versions
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE))  # WAL and SHM inherit it
+        if size is None:
+            if not state.exists():
+                make_dir(state, SHARED_DIR)  # the inference server's group traverses it to the versions
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE))  # WAL and SHM inherit it
+        elif not os.access(path, os.R_OK | os.W_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        # An existing ledger is asked (access), never opened and closed here: closing any descriptor of the file
+        # drops every POSIX lock this process holds on it, SQLite's included (another connection of this process,
+        # e.g. the service's, would then read pages a night is rewriting: "database disk image is malformed").
     except PermissionError as e:
         raise permission_problem(path, e) from None
     except OSError as e:

@@ -85,14 +85,14 @@ def test_read_only_commands_work_on_a_read_only_state_directory_and_writes_name_
 
 def test_a_ledger_that_cannot_be_opened_for_writing_is_a_permission_not_damage(state, monkeypatch):
     state, _ = state
-    real_open = os.open
+    real_access = os.access
 
-    def refuse(path, flags, *a, **k):
-        if str(path).endswith("ledger.sqlite") and flags & (os.O_RDWR | os.O_WRONLY):
-            raise PermissionError(13, "Permission denied", str(path))
-        return real_open(path, flags, *a, **k)
+    def refuse(path, mode, *a, **k):  # what the kernel says of a file this user may not write
+        if str(path).endswith("ledger.sqlite") and mode & os.W_OK:
+            return False
+        return real_access(path, mode, *a, **k)
 
-    monkeypatch.setattr(os, "open", refuse)
+    monkeypatch.setattr(os, "access", refuse)
     with pytest.raises(StatePermission, match=r"permission denied.*left as they are") as e:
         Ledger(state / "ledger.sqlite")
     assert not isinstance(e.value, DamagedState)
