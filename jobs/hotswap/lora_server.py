@@ -44,7 +44,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from jobs.hotswap import preflight
+import jobs.hotswap.preflight as preflight
 from jobs.hotswap.config import LoraServerTarget, SecretError
 from jobs.hotswap.core import (
     AdapterRef,
