@@ -107,6 +107,11 @@ def normalise(record: Any, fmt: Format = "auto", field_map: dict[str, str] | Non
         norm = {"messages": _messages(record.get("messages", ABSENT))}
     else:
         norm = {"text": _text(record.get("text", ABSENT), "text")}
+    return hashed(norm)
+
+
+def hashed(norm: dict[str, Any]) -> Normalised:
+    """The normal form with its content hash (the ledger's identity of a sample, whatever file it came in)."""
     canonical = json.dumps(norm, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
     return Normalised(norm, hashlib.sha256(canonical.encode()).hexdigest())
 
@@ -115,26 +120,32 @@ def _msg(role: str, content: str) -> dict[str, str]:
     return {"role": role, "content": content}
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def turns(value: Any, field: str) -> list[dict[str, str]]:
+    """A field holding a list of {role, content} turns, each checked; errors name the field and the turn."""
     if value is ABSENT:
-        raise RecordError("missing_field", "field 'messages' is missing")
+        raise RecordError("missing_field", f"field '{field}' is missing")
     if value is None:
-        raise RecordError("wrong_type", "field 'messages' is null (a list of turns is needed)")
+        raise RecordError("wrong_type", f"field '{field}' is null (a list of turns is needed)")
     if not isinstance(value, list):
-        raise RecordError("wrong_type", f"field 'messages' must be a list, got {type(value).__name__}")
+        raise RecordError("wrong_type", f"field '{field}' must be a list, got {type(value).__name__}")
     if not value:
-        raise RecordError("empty_field", "field 'messages' is empty")
+        raise RecordError("empty_field", f"field '{field}' is empty")
     if len(value) > MAX_MESSAGES:
-        raise RecordError("too_large", f"field 'messages' has {len(value)} turns (at most {MAX_MESSAGES})")
+        raise RecordError("too_large", f"field '{field}' has {len(value)} turns (at most {MAX_MESSAGES})")
     out = []
     for i, m in enumerate(value):
-        where = f"messages[{i}]"
+        where = f"{field}[{i}]"
         if not isinstance(m, dict):
             raise RecordError("wrong_type", f"{where} must be an object with 'role' and 'content'")
         role = _text(m.get("role", ABSENT), f"{where}.role")
         if role not in ROLES:
             raise RecordError("wrong_type", f"{where}.role must be one of {sorted(ROLES)}, got '{role}'")
         out.append(_msg(role, _text(m.get("content", ABSENT), f"{where}.content")))
+    return out
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    out = turns(value, "messages")
     if not any(m["role"] == "assistant" for m in out):
         raise RecordError("missing_field", "field 'messages' has no assistant turn to train on")
     return out

@@ -20,11 +20,9 @@ An optional "system" adds a system turn. "prompt" is text; "messages" is the con
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
-from jobs.data.formats import MAX_MESSAGES, ROLES, Format, Normalised, RecordError, _text, normalise
+from jobs.data.formats import ABSENT, Format, Normalised, RecordError, _msg, _text, hashed, normalise, turns
 from jobs.data.render import OverlongPolicy, SpecialTokens, tokenize_record
 
 PREFERENCE_KEYS = ("chosen", "rejected", "edited", "replies", "rating")
@@ -58,23 +56,23 @@ def normalise_preference(record: dict[str, Any]) -> Normalised:
     elif "edited" in record:
         context = _context(record)
         orig_field = next((k for k in ("original", "completion", "reply") if k in record), "original")
-        rejected = _text(record.get(orig_field), orig_field)
-        chosen = _text(record.get("edited"), "edited")
+        rejected = _text(record.get(orig_field, ABSENT), orig_field)
+        chosen = _text(record.get("edited", ABSENT), "edited")
     elif "replies" in record:
         context = _context(record)
         chosen, rejected = _rated(record.get("replies"))
     else:
         context = _context(record)
         reply_field = next((k for k in ("completion", "reply", "output") if k in record), "completion")
-        reply = _text(record.get(reply_field), reply_field)
+        reply = _text(record.get(reply_field, ABSENT), reply_field)
         if not _good(record.get("rating")):
             raise RecordError("unpaired", f"field 'rating' ({record.get('rating')!r}) marks the reply as not good and "
                               "names no better one: give 'chosen' and 'rejected', an 'edited' reply, or rate two "
                               "'replies'")
-        return _normal({"messages": [*context, _msg("assistant", reply)]})
+        return hashed({"messages": [*context, _msg("assistant", reply)]})
     if chosen == rejected:
         raise RecordError("unpaired", "fields 'chosen' and 'rejected' hold the same reply: nothing to prefer")
-    return _normal({"messages": [*context, _msg("assistant", chosen)], "rejected": rejected})
+    return hashed({"messages": [*context, _msg("assistant", chosen)], "rejected": rejected})
 
 
 def pair_messages(record: dict[str, Any]) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
@@ -85,43 +83,19 @@ def pair_messages(record: dict[str, Any]) -> tuple[list[dict[str, str]], list[di
 
 def _messages_context(value: Any, field: str, *, last: str = "user") -> list[dict[str, str]]:
     """A list of turns whose last is `last`'s (the context before a reply, or a whole conversation)."""
-    if not isinstance(value, list):
-        raise RecordError("wrong_type" if value is not None else "missing_field",
-                          f"field '{field}' must be a list of turns, got {type(value).__name__}")
-    if not value:
-        raise RecordError("empty_field", f"field '{field}' is empty")
-    if len(value) > MAX_MESSAGES:
-        raise RecordError("too_large", f"field '{field}' has {len(value)} turns (at most {MAX_MESSAGES})")
-    out = []
-    for i, m in enumerate(value):
-        where = f"{field}[{i}]"
-        if not isinstance(m, dict):
-            raise RecordError("wrong_type", f"{where} must be an object with 'role' and 'content'")
-        role = _text(m.get("role"), f"{where}.role")
-        if role not in ROLES:
-            raise RecordError("wrong_type", f"{where}.role must be one of {sorted(ROLES)}, got '{role}'")
-        out.append(_msg(role, _text(m.get("content"), f"{where}.content")))
+    out = turns(value, field)
     if out[-1]["role"] != last:
         raise RecordError("wrong_type", f"the last turn of '{field}' must be the {last}'s, got '{out[-1]['role']}'")
     return out
 
 
-def _normal(norm: dict[str, Any]) -> Normalised:
-    canonical = json.dumps(norm, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
-    return Normalised(norm, hashlib.sha256(canonical.encode()).hexdigest())
-
-
-def _msg(role: str, content: str) -> dict[str, str]:
-    return {"role": role, "content": content}
-
-
 def _context(record: dict[str, Any]) -> list[dict[str, str]]:
-    system = _text(record.get("system"), "system", required=False)
+    system = _text(record.get("system", ABSENT), "system", required=False)
     head = [_msg("system", system)] if system else []
     if "messages" in record:
-        turns = _messages_context(record.get("messages"), "messages")
+        turns = _messages_context(record.get("messages", ABSENT), "messages")
     else:
-        turns = [_msg("user", _text(record.get("prompt"), "prompt"))]
+        turns = [_msg("user", _text(record.get("prompt", ABSENT), "prompt"))]
     return [*head, *turns]
 
 
@@ -129,7 +103,7 @@ def _reply(value: Any, field: str) -> str:
     if isinstance(value, dict):
         if value.get("role", "assistant") != "assistant":
             raise RecordError("wrong_type", f"field '{field}.role' must be 'assistant', got {value.get('role')!r}")
-        return _text(value.get("content"), f"{field}.content")
+        return _text(value.get("content", ABSENT), f"{field}.content")
     return _text(value, field)
 
 
