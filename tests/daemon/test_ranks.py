@@ -3,6 +3,7 @@ daemon's retry resumes the night from its checkpoint."""
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -46,7 +47,8 @@ def test_kill_9_of_one_rank_fails_the_attempt_and_the_retry_trains_every_global_
     if rank == "1":  # rank 0's collective failed at once: no hang, a clean failure
         rows = led.db.execute("SELECT detail FROM events WHERE kind='attempt_failed' ORDER BY id")
         [failure] = [json.loads(e["detail"]) for e in rows]
-        assert "Connection closed by peer" in failure["error"], failure
+        # gloo names the dead peer's socket "closed" or "reset", by when the kill lands
+        assert re.search(r"Connection (closed|reset) by peer", failure["error"]), failure
     manifest = json.loads((state / "current" / "manifest.json").read_text())
     t = manifest["training"]
     [resume] = resumed
