@@ -27,6 +27,8 @@ from typing import Any
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
+from jobs.contract.crashpoints import declare, reached
+from jobs.store.integrity import ledger_in_service
 from jobs.store.ledger import Ledger
 from jobs.store.locking import StateLock
 from jobs.store.paths import StatePaths
@@ -34,6 +36,15 @@ from jobs.store.readonly import open_read_only
 from jobs.store.registry import TMP_PREFIX, Registry, parse_version
 
 log = structlog.get_logger("nightshift.adapters")
+# Where a kill leaves an operator command (tests/store/test_operator_crash_points.py kills each one):
+PROMOTION_RECORDED = declare("adapters.promotion_recorded", "a promote/rollback is in the ledger, `current` not "
+                             "yet moved (re-running the command or the next night moves it)")
+PIN_RECORDED = declare("adapters.pin_recorded", "a pin or unpin and its event are in the ledger")
+PRUNED_RECORDED = declare("adapters.pruned_recorded", "the ledger marks a version pruned; its directory is still "
+                          "published (re-running prune removes it)")
+PRUNED_RENAMED = declare("adapters.pruned_renamed", "a pruned version is renamed to .tmp-pruned-*, not yet deleted "
+                         "(re-running prune or the next publish deletes it)")
+PRUNING = f"{TMP_PREFIX}pruned-"
 KEPT_STATUSES = ("promoted", "rejected")  # published and on disk
 
 
@@ -210,19 +221,28 @@ class Adapters:
         )
 
     def _promote(self, info: VersionInfo, action: str) -> tuple[VersionInfo, int | None]:
+        """The ledger first (status, the move, its event: one transaction), then `current`. A kill between
+        the two leaves the ledger ahead of `current`: re-running the command finishes the move without
+        recording it twice, and the next night moves `current` to what the ledger says (jobs/store/integrity)."""
         previous = self.registry.current_version()
         if info.status not in KEPT_STATUSES or not info.on_disk:
             raise AdapterError(
                 f"{info.name} cannot be promoted: it is {info.status}" + ("" if info.on_disk else " and not on disk")
             )
-        if previous == info.version:
+        recorded = ledger_in_service(self.ledger) == info.version
+        if previous == info.version and recorded:
             raise AdapterError(f"{info.name} is already in service (`nightshift hotswap` re-sends it)")
         self.registry.verify(info.path)
-        with self.ledger.tx() as c:
-            self.ledger.set_version(c, info.version, status="promoted", promoted=True)
-            self.ledger.record_promotion(c, info.version, action=action, from_version=previous)
-            self.registry.promote(info.path)  # inside the transaction: a failure records nothing
-        self.ledger.add_event(action, version=info.version, detail={"from_version": previous})
+        if recorded:  # a move a kill cut before `current`: finish it
+            log.warning(f"{action}.finished", version=info.name, current_was=previous,
+                        why="the ledger already records it; `current` had not moved yet")
+        else:
+            with self.ledger.tx() as c:
+                self.ledger.set_version(c, info.version, status="promoted", promoted=True)
+                self.ledger.record_promotion(c, info.version, action=action, from_version=previous)
+                self.ledger.add_event(action, version=info.version, detail={"from_version": previous})
+            reached(PROMOTION_RECORDED)
+        self.registry.promote(info.path)
         log.info(action, version=info.name, from_version=previous)
         return self.get(info.version), previous
 
@@ -231,8 +251,10 @@ class Adapters:
             info = self.get(ref)
             if pinned and info.status == "pruned":
                 raise AdapterError(f"{info.name} was pruned: its files are gone")
-            self.ledger.set_pinned(info.version, pinned)
-            self.ledger.add_event("pinned" if pinned else "unpinned", version=info.version)
+            with self.ledger.tx():  # the pin and its event together
+                self.ledger.set_pinned(info.version, pinned)
+                self.ledger.add_event("pinned" if pinned else "unpinned", version=info.version)
+            reached(PIN_RECORDED)
         return self.get(info.version)
 
     # ---- retention ------------------------------------------------------------------------------
@@ -248,6 +270,9 @@ class Adapters:
             current = self.registry.current_version()
             if current is not None:
                 keep[current] = "in service"
+            recorded = ledger_in_service(self.ledger)  # differs from `current` only after a kill
+            if recorded is not None:
+                keep.setdefault(recorded, "in service (the ledger)")
             for i in infos:
                 if i.status == "training":
                     keep.setdefault(i.version, "being trained")
@@ -265,13 +290,16 @@ class Adapters:
                 if i.version not in full:
                     keep.setdefault(i.version, f"among the last {self.cfg.keep_promoted} promoted")
             known = {i.name for i in infos}
+            if not dry_run:  # what a killed prune left: unpublished already, only the deletion is left to do
+                for p in self.registry.adapters.glob(f"{PRUNING}*"):
+                    shutil.rmtree(p, ignore_errors=True)
             res.left_alone = sorted(
                 p.name for p in self.registry.adapters.iterdir() if p.name.startswith(TMP_PREFIX) or p.name not in known
             )
             for i in infos:
                 if i.version in keep:
                     res.kept[i.name] = keep[i.version]
-                elif i.status in KEPT_STATUSES or (i.status == "failed" and i.on_disk):
+                elif i.status in KEPT_STATUSES or (i.status in ("failed", "pruned") and i.on_disk):
                     res.deleted.append(i.name)
                     res.freed_bytes += (i.size_bytes or 0) if i.on_disk else 0
                     if not dry_run:
@@ -281,15 +309,19 @@ class Adapters:
         return res
 
     def _delete(self, info: VersionInfo) -> None:
-        """Unpublish with one rename (to a .tmp- name nothing serves), record, then delete."""
-        gone = None
+        """Record (the ledger marks it pruned: its name is never reused), unpublish with one rename (to a
+        .tmp-pruned-* name nothing serves), then delete. A kill after the record leaves a pruned version
+        on disk, after the rename a .tmp-pruned-* directory: both `nightshift doctor` notes, removed by
+        the next prune (and the directory by the next publish)."""
+        if info.status != "pruned":
+            with self.ledger.tx() as c:
+                self.ledger.mark_pruned(c, info.version)
+                self.ledger.add_event("pruned", version=info.version, detail={"status_before": info.status})
+            reached(PRUNED_RECORDED)
         if info.on_disk:
-            gone = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}pruned-{info.name}-", dir=self.registry.adapters))
+            gone = Path(tempfile.mkdtemp(prefix=f"{PRUNING}{info.name}-", dir=self.registry.adapters))
             os.rename(info.path, gone / info.name)
-        with self.ledger.tx() as c:
-            self.ledger.mark_pruned(c, info.version)
-        self.ledger.add_event("pruned", version=info.version, detail={"status_before": info.status})
-        if gone is not None:
+            reached(PRUNED_RENAMED)
             shutil.rmtree(gone, ignore_errors=True)
 
 
