@@ -106,6 +106,11 @@ def _state_of(root: Path) -> dict[str, Any]:
             "doctor_problems": problems}
 
 
+NIGHT_POINTS = ("ledger.", "pull.", "quarantine.", "token_cache.", "registry.", "publish.", "files.")
+"""The families a night's own writes declare; the training loop's (`train.`), the operator commands' (`adapters.`)
+and the capture process's (`capture.`) are killed by their own tests (tests/test_crash_point_owners.py)."""
+
+
 def trial(prepared: Path, out: Path, crash_at: str | None) -> dict[str, Any]:
     root = out / (crash_at or "reference").replace("@", "-at-")
     shutil.copytree(prepared, root, symlinks=True)
@@ -134,7 +139,7 @@ def main(argv: list[str]) -> int:
     import jobs.night.run  # noqa: F401  (torch, transformers and every crash point: imported once, then forked)
     from jobs.contract import crashpoints
 
-    points = sorted(crashpoints.POINTS)
+    points = sorted(p for p in crashpoints.POINTS if p.startswith(NIGHT_POINTS))
     results = out / "results.jsonl"
     with results.open("w") as f:
         ref = trial(prepared, out, f"{points[0]}@{NEVER}")
@@ -145,7 +150,7 @@ def main(argv: list[str]) -> int:
             for nth in sorted({1, counts.get(name, 1)}):
                 f.write(json.dumps(trial(prepared, out, f"{name}@{nth}")) + "\n")
                 f.flush()
-    (out / "declared.json").write_text(json.dumps(crashpoints.POINTS))
+    (out / "declared.json").write_text(json.dumps({p: crashpoints.POINTS[p] for p in points}))
     return 0
 
 
