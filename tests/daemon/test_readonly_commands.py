@@ -4,7 +4,6 @@ directory (issue 42: `cd /elsewhere && nightshift --config /path/nightshift.toml
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,7 @@ def cli(cfg: Path, argv: list[str]) -> None:
 
 
 @pytest.fixture
-def relative_config(tmp_path: Path, tiny_model: Path) -> Path:
+def relative_config(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A config whose state dir and inbox are written relative to it, in a folder that is not the cwd."""
     home = tmp_path / "ns"
     (home / "inbox").mkdir(parents=True)
@@ -59,7 +58,7 @@ gradient_checkpointing = false
 """)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    os.chdir(elsewhere)
+    monkeypatch.chdir(elsewhere)  # restored after the test (later tests find ./config from the checkout)
     return cfg
 
 
