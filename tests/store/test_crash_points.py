@@ -19,6 +19,7 @@ import pytest
 
 from jobs.store.ledger import Ledger
 from tests.conftest import REPO, alpaca, write_jsonl
+from tests.store.crash_harness import NIGHT_POINTS
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +62,8 @@ def test_a_night_killed_at_every_crash_point_restarts_with_nothing_lost_or_train
     ref, trials = results[0], results[1:]
     assert ref["first"] == "exited" and ref["first_outcome"] == "succeeded", ref
     # every declared point is reached by the reference night (else it could never be covered)
-    assert set(ref["counts"]) == set(declared), set(declared) - set(ref["counts"])
+    reached = {p for p in ref["counts"] if p.startswith(NIGHT_POINTS)}  # the loop's own are killed elsewhere
+    assert reached == set(declared), set(declared) ^ reached
     covered = {t["point"].partition("@")[0] for t in trials}
     assert covered == set(declared), f"not covered: {sorted(set(declared) - covered)}"
     print(f"{len(declared)} crash points, {len(trials)} trials: {sorted(declared)}")
