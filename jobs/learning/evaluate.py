@@ -14,7 +14,7 @@ reads them is in jobs/learning/gate.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,27 +45,38 @@ def score_samples(model: Any, samples: Sequence[TokenizedSample], *, pad_id: int
     (1.02x, 1.04x) — 512 samples, 64 a batch, 8,192 padded tokens at most."""
     import torch
 
+    out: dict[int, SampleScore] = {}
+    by_id = {s.sample_id: s for s in samples}
+    for sid, logits, labels in shifted_logits(model, samples, pad_id=pad_id, device=device,
+                                              max_tokens_per_batch=max_tokens_per_batch, batch_size=64):
+        out[sid] = _score(logits, labels, by_id[sid], torch)
+    return out
+
+
+def shifted_logits(model: Any, samples: Sequence[TokenizedSample], *, pad_id: int, device: str,
+                   max_tokens_per_batch: int, batch_size: int) -> Iterator[tuple[int, Any, Any]]:
+    """(sample id, next-token logits, their labels) of each sample, batched shortest first, in eval mode without
+    gradients (the model's training mode restored after); the scores here and the KL (jobs/night/drift.py) read it."""
+    import torch
+
     from jobs.training.step import model_inputs
 
-    out: dict[int, SampleScore] = {}
     if not samples:
-        return out
-    by_id = {s.sample_id: s for s in samples}
+        return
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            for b in padded_batches(sorted(samples, key=lambda s: s.n_tokens), batch_size=64,
+            for b in padded_batches(sorted(samples, key=lambda s: s.n_tokens), batch_size=batch_size,
                                     max_tokens_per_batch=max_tokens_per_batch, pad_id=pad_id):
                 t = model_inputs(b, device)
                 labels = t.pop("labels")[:, 1:]  # HF shifts labels by one
                 logits = model(**t).logits[:, :-1]
                 for row, sid in enumerate(b.sample_ids):
-                    out[sid] = _score(logits[row], labels[row], by_id[sid], torch)
+                    yield sid, logits[row], labels[row]
     finally:
         if was_training:
             model.train()
-    return out
 
 
 def _score(logits: Any, labels: Any, sample: TokenizedSample, torch: Any) -> SampleScore:

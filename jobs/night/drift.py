@@ -15,7 +15,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.data.batching import IGNORE_INDEX, TokenizedSample, padded_batches
+from jobs.data.batching import IGNORE_INDEX, TokenizedSample
+from jobs.learning.evaluate import shifted_logits
 
 TOP_K = 256
 View = dict[int, tuple[Any, Any]]  # sample id -> (top token ids [P, k], their log-probabilities [P, k])
@@ -33,23 +34,10 @@ def _logprobs(model: Any, samples: Sequence[TokenizedSample], *, pad_id: int, de
     """(sample id, log-probabilities at its trained positions [P, V]) under `model`, in eval mode."""
     import torch
 
-    from jobs.training.step import model_inputs
-
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for b in padded_batches(sorted(samples, key=lambda s: s.n_tokens), batch_size=16,
-                                    max_tokens_per_batch=max_tokens_per_batch, pad_id=pad_id):
-                t = model_inputs(b, device)
-                labels = t.pop("labels")[:, 1:]
-                logits = model(**t).logits[:, :-1]
-                for row, sid in enumerate(b.sample_ids):
-                    keep = (labels[row] != IGNORE_INDEX).nonzero().squeeze(-1)
-                    yield sid, torch.log_softmax(logits[row][keep].float(), dim=-1)
-    finally:
-        if was_training:
-            model.train()
+    for sid, logits, labels in shifted_logits(model, samples, pad_id=pad_id, device=device,
+                                              max_tokens_per_batch=max_tokens_per_batch, batch_size=16):
+        keep = (labels != IGNORE_INDEX).nonzero().squeeze(-1)
+        yield sid, torch.log_softmax(logits[keep].float(), dim=-1)
 
 
 def candidate_view(model: Any, samples: Sequence[TokenizedSample], **kw: Any) -> View:
