@@ -18,6 +18,7 @@ from jobs.contract.summary import HotswapOutcome, RunSummary
 class _Event(BaseModel):
     model_config = ConfigDict(extra="forbid")
     ts: float = Field(default_factory=time.time)
+    adapter: str = ""  # whose step this is ([[adapters]]); "" in a config of one adapter
 
 
 class PhaseEvent(_Event):

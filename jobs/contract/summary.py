@@ -111,6 +111,7 @@ class RunSummary(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
     run_id: str = ""
     night: str = ""
+    adapter: str = ""  # the adapter this run trained ([[adapters]]); "" in a config of one adapter
     outcome: Outcome = Outcome.failed
     error: str | None = None
     version: int | None = None
