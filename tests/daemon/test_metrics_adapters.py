@@ -8,7 +8,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from daemon.metrics import NightshiftMetrics, catalog
+from daemon.service import Service
+from daemon.settings import load_settings
 from jobs.contract import Phase, PhaseEvent, ProgressEvent, ResultEvent
+from jobs.store.ledger import Ledger
+from jobs.store.paths import StatePaths
+from tests.conftest import toml_config
 from tests.fixtures.metrics_samples import T0, gpu_event, hotswap_event, night_events, summary
 
 
@@ -162,3 +167,18 @@ def test_restore_is_per_adapter() -> None:
     assert val(reg, catalog.LAST_RUN_BUDGET_RATIO, adapter="support") is None
     assert val(reg, catalog.BACKLOG_SAMPLES, adapter="support") == 3
     assert val(reg, catalog.BACKLOG_SAMPLES, adapter="legal") == 10  # from legal's summary
+
+
+def test_the_service_labels_its_adapters_and_no_other(tmp_path) -> None:
+    """The service hands the metrics the adapters of its state directory (daemon/report_data.adapter_states)."""
+    cfg, _ = toml_config(tmp_path, tmp_path / "model")
+    settings = load_settings(cfg)
+    assert Service(settings, registry=CollectorRegistry()).metrics.adapters == ()  # one adapter: no label
+    for name in ("support", "legal"):
+        root = StatePaths(settings.state_dir).adapters / name
+        root.mkdir(parents=True)
+        Ledger(StatePaths(root).ledger).close()
+    reg = CollectorRegistry()
+    assert Service(settings, registry=reg).metrics.adapters == ("legal", "support")
+    assert val(reg, catalog.RUNS_TOTAL, adapter="legal", outcome="rejected") == 0  # each adapter's counters at 0
+    assert val(reg, catalog.RUNS_TOTAL, outcome="rejected") is None

@@ -289,6 +289,8 @@ def test_prometheus_scrapes_the_exporter_and_evaluates_the_rules(tmp_path: Path)
         with prometheus_server([f"127.0.0.1:{srv.port}"], tmp_path / "prom", rule_files=[RULES]) as prom:
             prom.wait_for('nightshift_runs_total{outcome="succeeded"}')
             assert prom.value('nightshift_runs_total{outcome="succeeded"}') == 1.0
+            # the dashboard's adapter variable at All (.*) matches a config of one adapter (no adapter label)
+            assert prom.value('nightshift_runs_total{outcome="succeeded", adapter=~".*"}') == 1.0
             assert prom.value("nightshift_trained_tokens_total") == 54_000
             assert prom.value("nightshift_gpu_energy_joules_total") == 500.0
             assert prom.value("nightshift_last_run_budget_ratio") == pytest.approx(1.5)
