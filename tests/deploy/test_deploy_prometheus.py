@@ -148,6 +148,20 @@ def test_promtool_check_metrics_on_a_fresh_registry_and_without_a_gpu() -> None:
 
 
 @needs_promtool
+def test_promtool_check_metrics_with_two_adapters_and_a_failure_of_the_whole_night() -> None:
+    reg = CollectorRegistry()
+    m = NightshiftMetrics(reg, adapters=["support", "legal"], hotswap_kinds=["vllm"], sources={"support": ["inbox"]})
+    for ev in night_events(gpu=True)[:-1]:
+        m.on_event(ev.model_copy(update={"adapter": "support"}))
+    m.on_summary(summary(adapter="support"))
+    m.on_summary(summary(adapter="", run_id="crash", outcome="failed"))  # the child died: no adapter named
+    text = generate_latest(reg).decode()
+    assert 'adapter="support"' in text and 'adapter="legal"' in text
+    out = promtool("check", "metrics", stdin=text)
+    assert out.returncode == 0 and not (out.stdout + out.stderr).strip(), out.stdout + out.stderr
+
+
+@needs_promtool
 def test_dashboard_expressions_are_valid_promql(tmp_path: Path) -> None:
     """promtool parses each dashboard query, written as a recording rule with Grafana's variables filled in."""
     exprs = [e.replace("$instance", "127.0.0.1:9464").replace("$adapter", ".*") for e in dashboard_exprs(dashboard())]
