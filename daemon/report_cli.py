@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from daemon.report_data import collect
+from daemon.report_data import adapter_states, collect_adapters
 from daemon.report_html import render
 from daemon.settings import Settings
 from jobs.store.paths import StatePaths
@@ -19,8 +19,10 @@ def add_command(sub: Any) -> None:
     p = sub.add_parser("report", help="an HTML page of the last nights with plots (self-contained), or --json",
                        description="Write one self-contained HTML file (inline CSS and SVG plots, no scripts or "
                                    "fonts fetched) of the last nights: data, throughput, budget, losses and metrics "
-                                   "with the gate's decision, energy, GPU memory, the last loss curve.")
-    p.add_argument("--nights", type=int, default=14, metavar="N", help="how many of the last runs (default: 14)")
+                                   "with the gate's decision, energy, GPU memory, the last loss curve; one section "
+                                   "per adapter where the config has several.")
+    p.add_argument("--nights", type=int, default=14, metavar="N",
+                   help="how many of the last runs (of each adapter; default: 14)")
     p.add_argument("--out", type=Path, metavar="FILE",
                    help="where the HTML goes (default: <state_dir>/report.html; - for stdout)")
     p.add_argument("--json", action="store_true", help="print the same data as JSON instead of writing HTML")
@@ -44,7 +46,7 @@ def cmd_report(args: argparse.Namespace, s: Settings) -> int:
     if args.nights < 1:
         print("--nights: give at least 1", file=sys.stderr)
         return 2
-    report = collect(Path(s.state_dir), args.nights)
+    report = collect_adapters(adapter_states(s), Path(s.state_dir), args.nights)
     if args.json:
         print(report.model_dump_json(indent=2))
         return 0
@@ -54,5 +56,6 @@ def cmd_report(args: argparse.Namespace, s: Settings) -> int:
         return 0
     out = args.out or StatePaths(s.state_dir).report
     write_atomically(out, html)
-    print(f"{out}: {len(report.nights)} night(s)")
+    of = f" of {len(report.adapters)} adapters" if report.adapters else ""
+    print(f"{out}: {report.night_count()} night(s){of}")
     return 0

@@ -3,20 +3,28 @@ what `nightshift report` draws and what `nightshift report --json` prints.
 
 Summaries are read as JSON, not as the typed RunSummary: a ledger outlives code versions, and a
 field a later version adds (`planned_tokens`) or an older one lacks must not hide a night.
+
+Several adapters (issue 43): each named adapter keeps its own ledger in its own state directory
+(`<state_dir>/adapters/<name>/`); `adapter_states` says which ledgers a config has, and the report
+reads each one into its own `AdapterReport`.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
 from jobs.store.ledger import Ledger
 from jobs.store.paths import StatePaths
 from jobs.store.readonly import open_read_only
+
+if TYPE_CHECKING:
+    from daemon.settings import Settings
 
 
 class GateView(BaseModel):
@@ -31,6 +39,7 @@ class NightRow(BaseModel):
     night: str
     run_id: str
     outcome: str
+    adapter: str = ""  # whose run ([[adapters]]); "" in a config of one adapter
     attempts: int = 1  # processes that worked on this run: more than one after an interruption or a crash
     interruptions: int = 0  # stopped (SIGTERM, the window) and resumed later from a checkpoint
     failed_attempts: int = 0  # a process that died (and was retried)
@@ -75,12 +84,47 @@ class CurvePoint(BaseModel):
     loss: float
 
 
-class Report(BaseModel):
-    generated_at: float
+class AdapterReport(BaseModel):
+    """What one ledger holds: one adapter's last nights."""
+
+    adapter: str = ""  # "" in a config of one adapter
     state_dir: str
     nights: list[NightRow]  # oldest first
     loss_curve: list[CurvePoint] | None = None  # of the last night that published a version, if recorded
     loss_curve_version: str | None = None
+
+
+class Report(AdapterReport):
+    """A config of one adapter: its nights, as before. A config of several: `adapters` holds one report
+    each (their names in config order) and the fields above stay empty."""
+
+    generated_at: float
+    adapters: list[AdapterReport] = Field(default_factory=list)
+
+    def night_count(self) -> int:
+        return len(self.nights) + sum(len(a.nights) for a in self.adapters)
+
+
+def adapter_names(state_dir: Path) -> list[str]:
+    """The named adapters found in a state directory: `adapters/<name>/` folders that hold a ledger (the
+    registry's version folders `<name>-vNNNN` beside them hold none). Read-only: nothing is created."""
+    root = StatePaths(state_dir).adapters
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir()
+                  if p.is_dir() and not p.is_symlink() and StatePaths(p).ledger.is_file())
+
+
+def adapter_states(settings: Settings) -> list[tuple[str, StatePaths]]:
+    """(adapter name, its state directory) for every adapter of the config: [("", the state dir)] in a config
+    of one adapter. The one place the report learns the adapters: it discovers the named ones on disk
+    (`adapter_names`) until the config's [[adapters]] names them (then: one pair per configured adapter,
+    `StatePaths(<state_dir>/adapters/<name>)`, in config order)."""
+    root = Path(settings.state_dir)
+    names = adapter_names(root)
+    if not names:
+        return [("", StatePaths(root))]
+    return [(name, StatePaths(StatePaths(root).adapters / name)) for name in names]
 
 
 def _planned(summ: dict[str, Any]) -> tuple[int | None, str | None]:
@@ -92,14 +136,15 @@ def _planned(summ: dict[str, Any]) -> tuple[int | None, str | None]:
     return None, None
 
 
-def night_row(run: Any, summ: dict[str, Any], manifest: dict[str, Any]) -> NightRow:
+def night_row(run: Any, summ: dict[str, Any], manifest: dict[str, Any], adapter: str = "") -> NightRow:
     gpu = summ.get("gpu") or (manifest.get("energy") or {}).get("gpu") or {}
     energy = (manifest.get("energy") or {}).get("energy_joules") or gpu.get("energy_joules")
     tokens = int(summ.get("trained_tokens") or 0)
     planned, planned_from = _planned(summ)
     gate = summ.get("gate") or manifest.get("gate")
     return NightRow(
-        night=run["night"], run_id=run["id"], outcome=run["status"], started_at=run["started_at"],
+        night=run["night"], run_id=run["id"], outcome=run["status"], adapter=summ.get("adapter") or adapter,
+        started_at=run["started_at"],
         ended_at=run["ended_at"], error=run["error"], version_name=summ.get("version_name"),
         promoted=bool(summ.get("promoted")),
         ingested_samples=sum((summ.get("ingested") or {}).values()),
@@ -133,6 +178,22 @@ def loss_curve(manifest: dict[str, Any]) -> list[CurvePoint] | None:
 
 def collect(state_dir: Path, nights: int = 14, *, ledger: Ledger | None = None) -> Report:
     """The last `nights` finished runs (oldest first) and the last published version's loss curve."""
+    return Report(generated_at=time.time(), **collect_one(state_dir, nights, ledger=ledger).model_dump())
+
+
+def collect_adapters(states: Iterable[tuple[str, StatePaths]], root: Path, nights: int = 14) -> Report:
+    """Every adapter's last `nights` runs, each from its own ledger (`adapter_states`): a config of one adapter
+    ([("", root)]) gives the report it always did."""
+    states = list(states)
+    if [name for name, _ in states] == [""]:
+        return collect(states[0][1].root, nights)
+    return Report(generated_at=time.time(), state_dir=str(root), nights=[],
+                  adapters=[collect_one(paths.root, nights, adapter=name) for name, paths in states])
+
+
+def collect_one(state_dir: Path, nights: int = 14, *, ledger: Ledger | None = None,
+                adapter: str = "") -> AdapterReport:
+    """One ledger's last `nights` finished runs (oldest first) and its last published version's loss curve."""
     own = ledger is None
     led = ledger or open_read_only(StatePaths(state_dir).ledger)
     try:
@@ -145,13 +206,13 @@ def collect(state_dir: Path, nights: int = 14, *, ledger: Ledger | None = None) 
             manifest = json.loads(version["manifest"]) if version is not None and version["manifest"] else {}
             kinds = dict(led.db.execute("SELECT kind, COUNT(*) FROM events WHERE run_id=? AND kind IN "
                                         "('interrupted', 'attempt_failed') GROUP BY kind", (r["id"],)).fetchall())
-            rows.append(night_row(r, summ, manifest).model_copy(update={
+            rows.append(night_row(r, summ, manifest, adapter).model_copy(update={
                 "attempts": int(r["attempt"] or 1), "interruptions": int(kinds.get("interrupted", 0)),
                 "failed_attempts": int(kinds.get("attempt_failed", 0))}))
             if manifest:
                 curve, curve_version = loss_curve(manifest), manifest.get("name")
-        return Report(generated_at=time.time(), state_dir=str(state_dir), nights=rows, loss_curve=curve,
-                      loss_curve_version=curve_version)
+        return AdapterReport(adapter=adapter, state_dir=str(state_dir), nights=rows, loss_curve=curve,
+                             loss_curve_version=curve_version)
     finally:
         if own:
             led.close()

@@ -2,15 +2,20 @@
 
 No script, no external stylesheet, image or font: the CSS is inline and the plots are inline SVG
 (daemon/report_svg.py), so the file can be mailed, archived or opened offline.
+
+A config of several adapters (issue 43) gets an overview table and then one section per adapter, each
+with its own charts, loss curve and table of nights (chart ids carry the section's prefix, so they stay
+unique on the page); a config of one adapter gets the page it always did.
 """
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from html import escape
 from typing import Any
 
-from daemon.report_data import NightRow, Report
+from daemon.report_data import AdapterReport, NightRow, Report
 from daemon.report_svg import FAIL, PASS, Series, chart, curve, fmt
 
 CSS = """
@@ -43,6 +48,9 @@ td.l, th.l { text-align: left; }
 .rejected, .failed, .fail { color: #b91c1c; font-weight: 600; }
 .skipped, .interrupted { color: #a16207; }
 .scroll { overflow-x: auto; }
+section.adapter { margin-top: 30px; padding-top: 2px; border-top: 3px solid #0f172a; }
+section.adapter > h2 { border-bottom: none; font-size: 19px; }
+h3.section { font-size: 15px; margin: 20px 0 8px; color: #334155; }
 """
 
 
@@ -75,7 +83,7 @@ def _metric_names(nights: list[NightRow]) -> tuple[list[str], list[str]]:
     return data, names
 
 
-def quality_charts(nights: list[NightRow], labels: list[str]) -> list[str]:
+def quality_charts(nights: list[NightRow], labels: list[str], prefix: str = "") -> list[str]:
     data, names = _metric_names(nights)
     if not names:  # older summaries: the losses alone
         data, names = ["heldout", "regression"], ["loss"]
@@ -89,18 +97,20 @@ def quality_charts(nights: list[NightRow], labels: list[str]) -> list[str]:
                          else n.losses.get(f"{d}_{when}") if name == "loss" else None) for n in nights]
                 series.append(Series(f"{d} {when}", vals, color=["#2563eb", "#f59e0b", "#10b981", "#8b5cf6"][k % 4],
                                      dashed=when == "before", point_colors=gate if when == "after" else None))
-        out.append(chart(f"{name}: before and after each night", labels, series, ident=f"chart-quality-{name}",
+        out.append(chart(f"{name}: before and after each night", labels, series,
+                         ident=f"{prefix}chart-quality-{name}",
                          caption="dashed: the adapter in service before the night; solid: the candidate. "
                                  "Points after: green promoted, red rejected by the gate."))
     kl = [n.kl_from_service for n in nights]
     out.append(chart("forgetting: KL of the candidate from the adapter in service", labels,
                      [Series("KL on tonight's samples", kl, point_colors=gate)], unit="nats/token",
-                     ident="chart-forgetting-kl", caption="how far each night's candidate moved from the version "
+                     ident=f"{prefix}chart-forgetting-kl",
+                     caption="how far each night's candidate moved from the version "
                      "in service on tonight's data: it predicts forgetting (canary exact match: the quality charts)"))
     return out
 
 
-def cards(r: Report) -> str:
+def cards(r: AdapterReport) -> str:
     if not r.nights:
         return ""
     last = r.nights[-1]
@@ -125,6 +135,19 @@ def outcome_text(n: NightRow) -> str:
     return f"{n.outcome} after {n.attempts} attempts ({', '.join([*how, 'resumed'])})"
 
 
+def gate_text(n: NightRow) -> str | None:
+    """pass / fail, with the checks that failed (their figures and rule) or why a passed one was held back."""
+    if n.gate is None:
+        return None
+    if n.gate.passed:
+        return "pass" + (f": {n.gate.held_back}" if n.gate.held_back else "")
+    failed = [c for c in n.gate.checks if not c.get("passed", True)]
+    why = "; ".join(f"{c.get('name')} {fmt(c['before'])} -> {fmt(c['after'])} ({c.get('rule')})"
+                    if c.get("before") is not None and c.get("after") is not None
+                    else f"{c.get('name')}: {c.get('skipped') or c.get('rule')}" for c in failed)
+    return "fail" + (f": {why}" if why else "")
+
+
 def table(nights: list[NightRow]) -> str:
     cols: list[tuple[str, Any]] = [
         ("night", lambda n: n.night), ("outcome", outcome_text), ("version", lambda n: n.version_name),
@@ -132,8 +155,8 @@ def table(nights: list[NightRow]) -> str:
         ("backlog", lambda n: n.backlog_samples), ("tok/s", lambda n: n.tokens_per_second),
         ("train s (pred / actual)", lambda n: f"{fmt(n.predicted_train_seconds or 0)} / "
                                                 f"{fmt(n.actual_train_seconds or 0)}"),
-        ("gate", lambda n: None if n.gate is None else ("pass" if n.gate.passed else "fail")
-         + (f": {n.gate.held_back}" if n.gate.held_back else "")),
+        ("KL", lambda n: n.kl_from_service),
+        ("gate", gate_text),
         ("error", lambda n: n.error),
     ]
     head = "".join(f'<th class="l">{escape(c)}</th>' if i < 3 else f"<th>{escape(c)}</th>"
@@ -144,68 +167,112 @@ def table(nights: list[NightRow]) -> str:
         for i, (c, get) in enumerate(cols):
             v = get(n)
             text = "—" if v is None else fmt(v) if isinstance(v, int | float) and not isinstance(v, bool) else str(v)
-            cls = f' class="l {escape(n.outcome)}"' if c == "outcome" else ' class="l"' if i < 3 or c == "error" else ""
+            cls = f' class="l {escape(n.outcome)}"' if c == "outcome" else \
+                ' class="l"' if i < 3 or c in ("error", "gate") else ""
             cells.append(f"<td{cls}>{escape(text)}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     return f'<div class="scroll"><table><tr>{head}</tr>{"".join(body)}</table></div>'
 
 
-def render(r: Report) -> str:
+def sections(r: AdapterReport, prefix: str = "") -> list[tuple[str, list[str]]]:
+    """(title, charts) of one adapter's nights; `prefix` keeps chart ids unique where a page has several."""
     n, labs = r.nights, labels(r.nights)
     gb = 1 / 1e9
-    sections = [
+    return [
         ("Data", [
             chart("Samples per night", labs, [
                 Series("trained", [float(x.trained_samples) for x in n], kind="bar", color="#2563eb"),
                 Series("deferred", _col(n, "deferred_samples"), kind="bar", color="#f59e0b"),
-                Series("backlog after", _col(n, "backlog_samples"), color="#ef4444")], ident="chart-data",
+                Series("backlog after", _col(n, "backlog_samples"), color="#ef4444")], ident=f"{prefix}chart-data",
                 caption="deferred: pending samples that did not fit the night; backlog: pending after it"),
         ]),
         ("Throughput", [
-            chart("Tokens per second", labs, [Series("tok/s", _col(n, "tokens_per_second"))], ident="chart-tps"),
+            chart("Tokens per second", labs, [Series("tok/s", _col(n, "tokens_per_second"))],
+                  ident=f"{prefix}chart-tps"),
             chart("Samples per hour", labs, [Series("samples/h", _col(n, "samples_per_hour"), color="#10b981")],
-                  ident="chart-sph"),
+                  ident=f"{prefix}chart-sph"),
         ]),
         ("Budget", [
             chart("Training time: predicted vs actual", labs, [
                 Series("predicted", _col(n, "predicted_train_seconds"), kind="bar", color="#94a3b8"),
                 Series("actual", _col(n, "actual_train_seconds"), kind="bar", color="#2563eb")], unit="seconds",
-                ident="chart-seconds"),
+                ident=f"{prefix}chart-seconds"),
             chart("Tokens: planned vs trained", labs, [
                 Series("planned", _col(n, "planned_tokens"), kind="bar", color="#94a3b8"),
                 Series("trained", [float(x.trained_tokens) for x in n], kind="bar", color="#2563eb")],
-                unit="tokens", ident="chart-tokens",
+                unit="tokens", ident=f"{prefix}chart-tokens",
                 caption="planned: the night's recorded plan (tokens x epochs where it did not record the total)"),
         ]),
-        ("Quality and the gate", quality_charts(n, labs)),
+        ("Quality and the gate", quality_charts(n, labs, prefix)),
         ("Energy and memory", [
             chart("Energy per version", labs, [Series("kJ", _col(n, "energy_joules", 1e-3), kind="bar",
-                                                        color="#8b5cf6")], unit="kJ", ident="chart-energy",
+                                                        color="#8b5cf6")], unit="kJ", ident=f"{prefix}chart-energy",
                   empty="not measured (no NVIDIA GPU)"),
             chart("Joules per 1k tokens", labs, [Series("J / 1k tokens", _col(n, "joules_per_1k_tokens"),
-                                                          color="#8b5cf6")], ident="chart-jpt",
+                                                          color="#8b5cf6")], ident=f"{prefix}chart-jpt",
                   empty="not measured (no NVIDIA GPU)"),
             chart("Peak GPU memory (reserved)", labs, [
                 Series("peak", _col(n, "vram_peak_bytes", gb), kind="bar", color="#0ea5e9"),
                 Series("card", _col(n, "vram_total_bytes", gb), color="#64748b", dashed=True)], unit="GB",
-                ident="chart-vram", empty="not measured (no NVIDIA GPU)"),
+                ident=f"{prefix}chart-vram", empty="not measured (no NVIDIA GPU)"),
         ]),
         ("The last night's loss curve", [
             curve(f"Training loss per step{f' ({r.loss_curve_version})' if r.loss_curve_version else ''}",
-                  [(p.step, p.loss) for p in r.loss_curve or []], ident="chart-loss-curve",
+                  [(p.step, p.loss) for p in r.loss_curve or []], ident=f"{prefix}chart-loss-curve",
                   empty="not recorded"),
         ]),
     ]
+
+
+def adapter_body(r: AdapterReport, prefix: str = "", tag: str = "h2") -> str:
+    """Cards, the charts by section and the table of nights of one ledger."""
+    if not r.nights:
+        return "<p>No finished night yet: run <code>nightshift once</code> or start the service.</p>"
+    attr = ' class="section"' if tag != "h2" else ""
+    parts = [f"<{tag}{attr}>{escape(title)}</{tag}><div class=\"grid\">{''.join(figs)}</div>"
+             for title, figs in sections(r, prefix)]
+    return cards(r) + "".join(parts) + f"<{tag}{attr}>Nights</{tag}>" + table(r.nights)
+
+
+def anchor(i: int, name: str) -> str:
+    return f"a{i}-" + re.sub(r"[^A-Za-z0-9_-]", "-", name)
+
+
+def overview(adapters: list[AdapterReport]) -> str:
+    """One row per adapter: its last night at a glance, a link to its section."""
+    rows = []
+    for i, a in enumerate(adapters):
+        last = a.nights[-1] if a.nights else None
+        version = "—" if last is None or not last.version_name else \
+            last.version_name + ("" if last.promoted else " (not promoted)")
+        cells = [f'<td class="l"><a href="#{anchor(i, a.adapter)}">{escape(a.adapter)}</a></td>',
+                 f'<td class="l">{escape(last.night if last else "—")}</td>',
+                 f'<td class="l {escape(last.outcome) if last else ""}">{escape(outcome_text(last) if last else "—")}'
+                 "</td>", f'<td class="l">{escape(version)}</td>',
+                 f"<td>{fmt(last.trained_samples) if last else '—'}</td>",
+                 f"<td>{fmt(last.backlog_samples) if last and last.backlog_samples is not None else '—'}</td>",
+                 f"<td>{len(a.nights)}</td>"]
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    head = "".join(f'<th class="l">{c}</th>' for c in ("adapter", "last night", "outcome", "version")) + \
+        "<th>trained</th><th>backlog</th><th>nights</th>"
+    return f'<div class="scroll"><table class="adapters"><tr>{head}</tr>{"".join(rows)}</table></div>'
+
+
+def render(r: Report) -> str:
     generated = datetime.fromtimestamp(r.generated_at).astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    parts = [f"<h2>{escape(title)}</h2><div class=\"grid\">{''.join(figs)}</div>" for title, figs in sections]
-    body = (cards(r) + "".join(parts) + "<h2>Nights</h2>" + table(n)) if n else \
-        "<p>No finished night yet: run <code>nightshift once</code> or start the service.</p>"
+    if r.adapters:
+        title = f"nightshift: {len(r.adapters)} adapters, {r.night_count()} night(s)"
+        body = "<h2>Adapters</h2>" + overview(r.adapters) + "".join(
+            f'<section class="adapter" id="{anchor(i, a.adapter)}"><h2>Adapter {escape(a.adapter)}</h2>'
+            f"{adapter_body(a, anchor(i, a.adapter) + '-', 'h3')}</section>" for i, a in enumerate(r.adapters))
+    else:
+        title, body = f"nightshift: the last {len(r.nights)} night(s)", adapter_body(r)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>nightshift: the last {len(n)} nights</title>
+<title>{escape(title)}</title>
 <style>{CSS}</style></head>
-<body><header><h1>nightshift: the last {len(n)} night(s)</h1>
+<body><header><h1>{escape(title)}</h1>
 <p>state directory {escape(r.state_dir)} · generated {escape(generated)}</p></header>
 <main>{body}</main></body></html>
 """

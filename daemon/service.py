@@ -27,6 +27,7 @@ from daemon import sdnotify
 from daemon.metrics import NightshiftMetrics, serve
 from daemon.notify import Notifier
 from daemon.preflight import disk_problem
+from daemon.report_data import adapter_states
 from daemon.scheduler import WakeScheduler
 from daemon.settings import Settings
 from daemon.supervisor import ChildOutcome, NightChild, night_world, run_id_for, wait_interruptibly
@@ -66,7 +67,8 @@ class Service:
         self.wake = threading.Event()
         self.registry = registry or CollectorRegistry()
         self.metrics = NightshiftMetrics(self.registry, sources=[x.name for x in settings.sources],
-                                         hotswap_kinds=sorted({t.kind for t in settings.hotswap.targets}))
+                                         hotswap_kinds=sorted({t.kind for t in settings.hotswap.targets}),
+                                         adapters=[name for name, _ in adapter_states(settings)])  # label values
         self.state = Path(settings.state_dir)
         self.ledger = Ledger(StatePaths(self.state).ledger)
         self.notifier = Notifier(settings.hotswap, self.ledger, background=True)

@@ -5,12 +5,21 @@ dashboard and the alert rules) names a series through the constants here, never 
 
 Conventions: `nightshift_` prefix, base units (seconds, bytes, joules, watts, ratios 0..1),
 counters end in `_total`, `*_info` gauges are 1 and carry their facts as labels; label values
-are bounded by code (outcome, phase, reason, loss kind/stage) or by config (source, target kind).
+are bounded by code (outcome, phase, reason, loss kind/stage) or by config (source, target kind,
+adapter).
+
+The `adapter` label (issue 43): every series of a night's run or of a version carries the adapter it is
+about, so one night of several adapters (one RunSummary each) shows each adapter's figures side by side
+and one adapter's summary never overwrites another's. Its value is the summary's / the event's
+`adapter`: a configured adapter name, or "" in a config of one adapter, and Prometheus drops a label
+whose value is empty: a single-adapter daemon exposes exactly the series it did before the label
+existed (same identities, so history, `offset` comparisons and existing queries carry on). Series of
+the whole night or of the daemon (the window, the card, the process) have no adapter (`NIGHT_WIDE`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from jobs.contract import Method, Outcome, Phase, QuarantineReason
@@ -92,6 +101,16 @@ HOTSWAP_ATTEMPTS_TOTAL = "nightshift_hotswap_attempts_total"
 HOTSWAP_CONSECUTIVE_FAILURES = "nightshift_hotswap_consecutive_failures"
 BUILD_INFO = "nightshift_build_info"
 
+ADAPTER = "adapter"  # the label naming the adapter a series is about ("" in a config of one adapter)
+# the series of the night as a whole, the card and the daemon: whichever adapter trains, one value
+NIGHT_WIDE = frozenset({
+    RUN_IN_PROGRESS, WINDOW_OPEN, NEXT_WINDOW_START_TIMESTAMP_SECONDS,
+    GPU_INFO, GPU_POWER_WATTS, GPU_ENERGY_JOULES_TOTAL, GPU_MEMORY_USED_BYTES, GPU_MEMORY_TOTAL_BYTES,
+    GPU_UTILIZATION_RATIO, GPU_TEMPERATURE_CELSIUS,
+    GPU_CARD_POWER_WATTS, GPU_CARD_MEMORY_USED_BYTES, GPU_CARD_UTILIZATION_RATIO, GPU_CARD_TEMPERATURE_CELSIUS,
+    BUILD_INFO,
+})
+
 # ---- bounded label values --------------------------------------------------------------------------
 OUTCOMES = tuple(o.value for o in Outcome)
 PHASES = tuple(p.value for p in Phase)
@@ -130,7 +149,7 @@ class Spec:
 
 
 G, C, H = GAUGE, COUNTER, HISTOGRAM
-SPECS: tuple[Spec, ...] = (
+_SPECS: tuple[Spec, ...] = (
     # runs
     Spec(RUNS_TOTAL, C, "Finished night runs by outcome.", ("outcome",)),
     Spec(RUN_DURATION_SECONDS, H, "Wall time of finished night runs.", buckets=RUN_DURATION_BUCKETS),
@@ -224,5 +243,8 @@ SPECS: tuple[Spec, ...] = (
     Spec(HOTSWAP_CONSECUTIVE_FAILURES, G, "Failed hot-swaps since the last success, by target kind.", ("kind",)),
     Spec(BUILD_INFO, G, "Build of the running daemon.", ("version", "python_version")),
 )
+# every series but the night's own carries `adapter` first
+SPECS: tuple[Spec, ...] = tuple(s if s.name in NIGHT_WIDE else replace(s, labels=(ADAPTER, *s.labels))
+                                for s in _SPECS)
 BY_NAME: dict[str, Spec] = {s.name: s for s in SPECS}
 SERIES: frozenset[str] = frozenset(n for s in SPECS for n in s.series())  # every name PromQL may see

@@ -5,6 +5,8 @@ unknown is absent, not zero. A family is yielded only while it holds samples, so
 exists only once a GPU reported and a last-run figure only once a run gave it (a 0 W card or a
 0 s success would be a lie that alerts believe). Samples are keyed by catalogued name and
 checked against the catalogue's labels, so a typo is an error at the call, not a new series.
+An empty `adapter` (a config of one adapter) is left out of the exposed sample, as Prometheus would
+drop it anyway: a single-adapter daemon's exposition is what it was before the label existed.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from daemon.metrics.catalog import COUNTER, GAUGE, Spec
+from daemon.metrics.catalog import ADAPTER, COUNTER, GAUGE, Spec
 
 log = structlog.get_logger("nightshift.metrics")
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -92,9 +94,20 @@ class _Values(Collector):
         with self._lock:
             self._data[metric].setdefault(key, float(value))
 
-    def clear(self, metric: str) -> None:
+    def clear(self, metric: str, /, **match: Any) -> None:
+        """Remove every sample of `metric`, or only those whose labels include `match` (one adapter's)."""
+        spec = self.specs[metric]
+        if not set(match) <= set(spec.labels):
+            raise ValueError(f"{metric} takes labels {spec.labels}, got {tuple(match)}")
+        where = [(spec.labels.index(k), str(v)) for k, v in match.items()]
         with self._lock:
-            self._data[metric].clear()
+            data = self._data[metric]
+            for key in [k for k in data if all(k[i] == v for i, v in where)]:
+                del data[key]
+
+    def scoped(self, adapter: str) -> _Scoped:
+        """The same values seen from one adapter: its name goes into every series that takes `adapter`."""
+        return _Scoped(self, adapter)
 
     def get(self, metric: str, /, **labels: Any) -> float | None:
         key = self._key(metric, labels)
@@ -109,14 +122,43 @@ class _Values(Collector):
         with self._lock:
             snapshot = {n: dict(v) for n, v in self._data.items() if v}
         for name, values in snapshot.items():
-            fam = self._family(self.specs[name])
+            spec = self.specs[name]
+            fam = self._family(spec)
+            sample = fam.name + ("_total" if spec.kind == COUNTER else "")
             for key, value in sorted(values.items()):
-                fam.add_metric(list(key), value)  # type: ignore[attr-defined]
+                labels = {k: v for k, v in zip(spec.labels, key, strict=True) if v or k != ADAPTER}
+                fam.add_sample(sample, labels, value)
             yield fam
 
     def describe(self) -> Iterator[Metric]:
         for spec in self.specs.values():
             yield self._family(spec)
+
+
+class _Scoped:
+    """One adapter's view of the values: `adapter=<name>` is added where the series takes it (the
+    night's own series, `catalog.NIGHT_WIDE`, take none), and `clear` clears only this adapter's."""
+
+    def __init__(self, values: _Values, adapter: str) -> None:
+        self.values, self.adapter = values, adapter
+
+    def _with(self, metric: str, labels: dict[str, Any]) -> dict[str, Any]:
+        return {ADAPTER: self.adapter, **labels} if ADAPTER in self.values.specs[metric].labels else labels
+
+    def set(self, metric: str, value: float | None, /, **labels: Any) -> None:
+        self.values.set(metric, value, **self._with(metric, labels))
+
+    def inc(self, metric: str, amount: float = 1.0, /, **labels: Any) -> None:
+        self.values.inc(metric, amount, **self._with(metric, labels))
+
+    def setdefault(self, metric: str, value: float, /, **labels: Any) -> None:
+        self.values.setdefault(metric, value, **self._with(metric, labels))
+
+    def get(self, metric: str, /, **labels: Any) -> float | None:
+        return self.values.get(metric, **self._with(metric, labels))
+
+    def clear(self, metric: str) -> None:
+        self.values.clear(metric, **self._with(metric, {}))
 
 
 class MetricsServer(NamedTuple):

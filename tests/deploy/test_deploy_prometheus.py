@@ -96,7 +96,7 @@ def promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProces
 def test_promtool_check_rules() -> None:
     out = promtool("check", "rules", str(RULES))
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "SUCCESS: 9 rules found" in out.stdout
+    assert "SUCCESS: 10 rules found" in out.stdout
 
 
 @needs_promtool
@@ -148,9 +148,23 @@ def test_promtool_check_metrics_on_a_fresh_registry_and_without_a_gpu() -> None:
 
 
 @needs_promtool
+def test_promtool_check_metrics_with_two_adapters_and_a_failure_of_the_whole_night() -> None:
+    reg = CollectorRegistry()
+    m = NightshiftMetrics(reg, adapters=["support", "legal"], hotswap_kinds=["vllm"], sources={"support": ["inbox"]})
+    for ev in night_events(gpu=True)[:-1]:
+        m.on_event(ev.model_copy(update={"adapter": "support"}))
+    m.on_summary(summary(adapter="support"))
+    m.on_summary(summary(adapter="", run_id="crash", outcome="failed"))  # the child died: no adapter named
+    text = generate_latest(reg).decode()
+    assert 'adapter="support"' in text and 'adapter="legal"' in text
+    out = promtool("check", "metrics", stdin=text)
+    assert out.returncode == 0 and not (out.stdout + out.stderr).strip(), out.stdout + out.stderr
+
+
+@needs_promtool
 def test_dashboard_expressions_are_valid_promql(tmp_path: Path) -> None:
     """promtool parses each dashboard query, written as a recording rule with Grafana's variables filled in."""
-    exprs = [e.replace("$instance", "127.0.0.1:9464") for e in dashboard_exprs(dashboard())]
+    exprs = [e.replace("$instance", "127.0.0.1:9464").replace("$adapter", ".*") for e in dashboard_exprs(dashboard())]
     exprs = [e for e in exprs if not e.startswith("label_values(")]  # Grafana's own function
     rules = {
         "groups": [
@@ -209,7 +223,7 @@ def test_dashboard_provisions_from_file() -> None:
         assert p["datasource"] == ds, p["title"]
         assert p["targets"], p["title"]
         for t in p["targets"]:
-            assert t["datasource"] == ds and t["expr"] and '{instance="$instance"}' in t["expr"], p["title"]
+            assert t["datasource"] == ds and t["expr"] and '{instance="$instance"' in t["expr"], p["title"]
     titles = " ".join(p["title"].lower() for p in panels(d))
     for wanted in (
         "outcome",
@@ -224,6 +238,32 @@ def test_dashboard_provisions_from_file() -> None:
         "losses",
     ):
         assert wanted in titles, wanted
+
+
+SELECTOR = re.compile(r"\b(nightshift_[a-z0-9_]+)(\{[^}]*\})?")
+
+
+def test_the_dashboard_filters_every_adapters_series_by_the_adapter_variable() -> None:
+    """Issue 43: a multi-select `adapter` variable (All matches a config of one adapter, which has no label);
+    every series of a run or a version is filtered by it and split by it in its legend, the night's are not."""
+    d = dashboard()
+    var = {v["name"]: v for v in d["templating"]["list"]}["adapter"]
+    assert var["type"] == "query" and var["multi"] and var["includeAll"] and var["allValue"] == ".*"
+    query = var["query"]["query"]
+    assert re.fullmatch(r"label_values\(nightshift_[a-z_]+\{instance=\"\$instance\"\}, adapter\)", query)
+    per_adapter = 0
+    for p in panels(d):
+        for t in p.get("targets", []):
+            for name, matchers in SELECTOR.findall(t["expr"]):
+                base = next(n for n in (name, *(name.removesuffix(s) for s in ("_bucket", "_sum", "_count")))
+                            if n in catalog.BY_NAME)
+                filtered = 'adapter=~"$adapter"' in (matchers or "")
+                assert filtered == (base not in catalog.NIGHT_WIDE), (p["title"], t["expr"])
+                per_adapter += filtered
+            if "adapter=~" in t["expr"]:
+                assert "by (" not in t["expr"] or "by (adapter," in t["expr"], t["expr"]
+                assert "{{adapter}}" in t["legendFormat"] or "{{name}}" in t["legendFormat"], t
+    assert per_adapter > 30
 
 
 def test_grafana_provisioning_yaml() -> None:
@@ -263,6 +303,8 @@ def test_prometheus_scrapes_the_exporter_and_evaluates_the_rules(tmp_path: Path)
         with prometheus_server([f"127.0.0.1:{srv.port}"], tmp_path / "prom", rule_files=[RULES]) as prom:
             prom.wait_for('nightshift_runs_total{outcome="succeeded"}')
             assert prom.value('nightshift_runs_total{outcome="succeeded"}') == 1.0
+            # the dashboard's adapter variable at All (.*) matches a config of one adapter (no adapter label)
+            assert prom.value('nightshift_runs_total{outcome="succeeded", adapter=~".*"}') == 1.0
             assert prom.value("nightshift_trained_tokens_total") == 54_000
             assert prom.value("nightshift_gpu_energy_joules_total") == 500.0
             assert prom.value("nightshift_last_run_budget_ratio") == pytest.approx(1.5)
@@ -277,5 +319,28 @@ def test_prometheus_scrapes_the_exporter_and_evaluates_the_rules(tmp_path: Path)
             firing = {a["metric"]["alertname"] for a in alerts}
             assert expected <= firing
             assert "NightshiftVramPeakHigh" not in firing and "NightshiftLastRunFailed" not in firing
+    finally:
+        srv.close()
+
+
+@needs_prometheus
+def test_prometheus_alerts_for_the_adapter_at_fault_only(tmp_path: Path) -> None:
+    """Two adapters in one daemon: the one whose prediction missed alerts, with its name; the other does not."""
+    reg = CollectorRegistry()
+    m = NightshiftMetrics(reg, adapters=["support", "legal"], hotswap_kinds=["vllm"])
+    m.on_summary(summary(adapter="support", actual_train_seconds=45.0))  # 1.5x the predicted 30 s
+    m.on_summary(summary(adapter="legal", version_name="legal-v0003", actual_train_seconds=30.0))
+    m.on_hotswap("vllm", False, adapter="legal")
+    srv = serve(MetricsConfig(port=0), reg)
+    assert srv is not None
+    try:
+        with prometheus_server([f"127.0.0.1:{srv.port}"], tmp_path / "prom", rule_files=[RULES]) as prom:
+            prom.wait_for('nightshift_last_run_budget_ratio{adapter="legal"}')
+            assert prom.value('nightshift_last_run_budget_ratio{adapter="support"}') == pytest.approx(1.5)
+            alerts = prom.wait_for('ALERTS{alertstate="firing"}', lambda r: {"NightshiftBudgetError",
+                                   "NightshiftHotswapFailing"} <= {a["metric"]["alertname"] for a in r})
+            fired = sorted((a["metric"]["alertname"], a["metric"].get("adapter")) for a in alerts
+                           if a["metric"]["alertname"] in ("NightshiftBudgetError", "NightshiftHotswapFailing"))
+            assert fired == [("NightshiftBudgetError", "support"), ("NightshiftHotswapFailing", "legal")]
     finally:
         srv.close()
