@@ -19,7 +19,7 @@ fi
 cd "$(dirname "$0")/../.." || exit 1
 exec > $R/driver.log 2>&1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1
-{ date -u +%F; git rev-parse --short HEAD 2>/dev/null; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+{ date -u +%F; cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
   nproc; pip list 2>/dev/null | grep -i -E "^(liger|trl|transformers|peft|bitsandbytes|unsloth) "; } > $R/meta.txt 2>&1
 nvidia-smi --query-gpu=timestamp,power.draw,clocks.sm,utilization.gpu,memory.used --format=csv -l 2 > $R/smi.csv 2>&1 &
