@@ -12,6 +12,7 @@ The shape is the Unsloth + TRL `packing` row's: rows of --trl-pack-length tokens
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -55,18 +56,20 @@ def run(s: BenchSettings, job: Job) -> None:
     import liger_kernel  # noqa: F401  (missing: the worker's error says so before any model is built)
     import torch
 
-    t0 = time.time()
-    model, tok = load(job)
-    from peft import LoraConfig  # after load(): PEFT imported only once the torchao check is hidden
-
-    load_s = round(time.time() - t0, 1)
     big = torch.cuda.get_device_properties(0).total_memory > 100e9
-    lora = LoraConfig(r=s.lora_r, lora_alpha=s.lora_r, lora_dropout=0.0, task_type="CAUSAL_LM",
-                      target_modules=list(DEFAULT_TARGETS))
     rows = 4 if big else 2
     for prof in s.profiles:
         samples = make_samples(prof, s.data_tokens * 2, vocab=vocab_size(job.model), seed=s.seed)
         while True:
+            # a fresh base a window: the trainer patches the model it gets (the LoRA, TRL's fused LM head), and a
+            # second trainer on the unloaded base failed ('LlamaModel' has no 'prepare_inputs_for_generation')
+            t0 = time.time()
+            model, tok = load(job)
+            load_s = round(time.time() - t0, 1)
+            from peft import LoraConfig  # after load(): PEFT imported only once the torchao check is hidden
+
+            lora = LoraConfig(r=s.lora_r, lora_alpha=s.lora_r, lora_dropout=0.0, task_type="CAUSAL_LM",
+                              target_modules=list(DEFAULT_TARGETS))
             win = Window(warmup=s.warmup, max_steps=s.max_steps, seconds=s.seconds)
             try:
                 torch.cuda.reset_peak_memory_stats()
@@ -76,7 +79,8 @@ def run(s: BenchSettings, job: Job) -> None:
                 row = {**win.result(samples), **peak_gb(), "trainer": used}
             except Exception as e:  # an OOM or API change in a peer stack is a result, not a crash
                 row = {"error": f"{type(e).__name__}: {e}"[:400], **peak_gb()}
-            model = _unwrapped(model)
+            del model
+            gc.collect()
             torch.cuda.empty_cache()
             oom = "OutOfMemory" in str(row.get("error", ""))
             append_row(job.rows, {"stack": "trl_liger", "label": LABEL, "profile": prof,
@@ -85,10 +89,3 @@ def run(s: BenchSettings, job: Job) -> None:
             if not (oom and rows > 1):
                 break
             rows //= 2
-
-
-def _unwrapped(model: Any) -> Any:
-    """The base again after a trainer put a LoRA on it (the next profile's trainer puts a fresh one on)."""
-    if hasattr(model, "unload"):
-        return model.unload()
-    return getattr(model, "base_model", model)
