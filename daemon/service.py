@@ -66,7 +66,8 @@ class Service:
         self.wake = threading.Event()
         self.registry = registry or CollectorRegistry()
         self.metrics = NightshiftMetrics(self.registry, sources=[x.name for x in settings.sources],
-                                         hotswap_kinds=sorted({t.kind for t in settings.hotswap.targets}))
+                                         hotswap_kinds=sorted({t.kind for t in settings.hotswap.targets}),
+                                         price_per_gpu_hour=settings.gpu.price_per_gpu_hour)
         self.state = Path(settings.state_dir)
         self.ledger = Ledger(StatePaths(self.state).ledger)
         self.notifier = Notifier(settings.hotswap, self.ledger, background=True)

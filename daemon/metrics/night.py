@@ -36,6 +36,7 @@ from jobs.contract import (
     RunSummary,
     nightshift_version,
 )
+from jobs.gpu.cost import summary_cost
 
 # series that describe the running child: absent once it is gone
 LIVE_GPU = (m.GPU_POWER_WATTS, m.GPU_MEMORY_USED_BYTES, m.GPU_UTILIZATION_RATIO, m.GPU_TEMPERATURE_CELSIUS)
@@ -94,8 +95,10 @@ class NightshiftMetrics:
         hotswap_kinds: Iterable[str] = (),
         energy_gap_seconds: float = 120.0,
         version: str | None = None,
+        price_per_gpu_hour: float | None = None,
     ) -> None:
         self.clock = clock
+        self.price_per_gpu_hour = price_per_gpu_hour  # [gpu]: the last run's dollars per million tokens
         self.energy_gap_seconds = energy_gap_seconds
         self.values = _Values(s for s in m.SPECS if s.kind != m.HISTOGRAM)
         registry.register(self.values)
@@ -307,6 +310,9 @@ class NightshiftMetrics:
         if s.backlog_samples is not None:
             self.set_backlog(s.backlog_samples, s.backlog_tokens)
         self._summary_gpu(s.gpu, s.trained_tokens)
+        cost = summary_cost(s, self.price_per_gpu_hour)
+        v.set(m.LAST_RUN_COST_PER_MILLION_TOKENS, cost.joules_per_million_tokens, unit="joules")
+        v.set(m.LAST_RUN_COST_PER_MILLION_TOKENS, cost.dollars_per_million_tokens, unit="dollars")
 
     def restore_last_run(self, s: RunSummary, *, window_end: float | None = None) -> None:
         """The last run's gauges from its summary in the ledger at daemon start (no counter moves):
