@@ -3,7 +3,7 @@
 # (1) `python -m benchmarks bench` of the 8B: ours FP8 (measured through calibrate's own time_profiles now) beside
 #     TRL + Liger Kernel, both profiles, with a torch.profiler capture of ours' steps;
 # (2) `nightshift calibrate` of the default config (compute auto -> FP8 on this card, max_vram_gb = 40);
-# (3) one night of that config, `nightshift once --until +3.5 min`, 60,000 new records; its report.
+# (3) one night of that config, `nightshift once --until +210 s`, 60,000 new records; its report.
 set -u
 R=/tmp/i44
 if [ "${1:-}" = "--wait" ]; then
@@ -60,7 +60,7 @@ timeout 300 python3 -m daemon --config $W/n.toml calibrate --seconds 10 --no-che
   > $R/calibrate.log 2>&1
 echo "calibrate exit $? in $(( $(date +%s) - s )) s"
 stamp night; s=$(date +%s)
-timeout 330 python3 -m daemon --config $W/n.toml once --until "$(date -d '+3.5 min' +%H:%M:%S)" > $R/once.log 2>&1
+timeout 330 python3 -m daemon --config $W/n.toml once --until "$(date -d '+210 seconds' +%H:%M:%S)" > $R/once.log 2>&1
 echo "once exit $? in $(( $(date +%s) - s )) s"
 python3 -m daemon --config $W/n.toml report --json > $R/report.json 2> $R/report.err
 python3 -m daemon --config $W/n.toml adapters show current > $R/adapters.txt 2>&1
