@@ -37,7 +37,8 @@ def test_joules_and_dollars_per_million_tokens_from_the_summary() -> None:
     assert c.joules_per_1k_tokens == pytest.approx(31.13, abs=0.01)
     assert c.dollars_per_million_tokens == pytest.approx(DOLLARS)
     two = summary_cost(night(ranks=2), PRICE)  # two cards held for the night: twice the GPU-hours
-    assert two.dollars_per_million_tokens == pytest.approx(2 * DOLLARS) and two.gpu_hours == pytest.approx(2 * SECONDS / 3600)
+    assert two.dollars_per_million_tokens == pytest.approx(2 * DOLLARS)
+    assert two.gpu_hours == pytest.approx(2 * SECONDS / 3600)
 
 
 def test_no_price_no_dollars_and_nothing_where_the_night_does_not_say() -> None:
