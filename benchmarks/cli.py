@@ -228,8 +228,9 @@ def worker(a: argparse.Namespace) -> int:
     from jobs.training.ranks.collectives import bind_device
 
     bind_device()  # a torchrun worker (scaling): its own card before Unsloth's import looks at CUDA
-    # moe: our own MoE path; the plain HF stacks as shipped; scaling_ours: Unsloth where it is installed
-    if a.stack not in ("baseline", "moe", "w_hf", "exxact") and (
+    # moe: our own MoE path; the plain HF stacks as shipped (trl_liger: TRL + Liger, no Unsloth);
+    # scaling_ours: Unsloth where it is installed
+    if a.stack not in ("baseline", "moe", "w_hf", "exxact", "trl_liger") and (
             a.stack != "scaling_ours" or importlib.util.find_spec("unsloth")):
         from jobs.training.backends.unsloth_import import import_unsloth
 

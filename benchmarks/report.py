@@ -30,12 +30,14 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def summarise(rows: list[dict[str, Any]], *, matmul: int, peak_flops: float) -> list[dict[str, Any]]:
-    """Adds mfu, x_baseline and (ours) x_unsloth_best to the rows, in place; returns them."""
+    """Adds mfu (against `peak_flops`), mfu_989 (the bf16 datasheet's dense peak), x_baseline and (ours)
+    x_unsloth_best to the rows, in place; returns them."""
     base = {r["profile"]: r.get("real_tok_s") for r in rows if r.get("stack") == "baseline"}
     for r in rows:
         tps = r.get("real_tok_s")
         if tps:
             r["mfu"] = tps * 4 * matmul / peak_flops
+            r["mfu_989"] = tps * 4 * matmul / PEAKS["bf16"]["datasheet"]
             b = base.get(r.get("profile"))
             r["x_baseline"] = tps / b if b else None
     best_peer: dict[str, float] = {}

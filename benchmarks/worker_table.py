@@ -9,6 +9,7 @@ WORKERS = {  # name -> what it measures
     "baseline": "HF transformers + PEFT + bitsandbytes NF4, gradient checkpointing on, batch 4 padded",
     "unsloth": "Unsloth defaults (its offloaded checkpointing), batch 4 padded",
     "trl": "Unsloth + TRL SFTTrainer: padding_free with a large batch, and packing=True",
+    "trl_liger": "TRL SFTTrainer + Liger Kernel (use_liger_kernel) on HF + PEFT + bitsandbytes NF4, packing=True",
     "first_step": "faststart: a night's load and first step, timed from launch",
     "moe": "MoE (--in-memory): NF4 model built in GPU memory, LoRA on attention + experts, packed; expert check",
     "budget": "calibrate on one profile, then plan and train other sizes: predicted vs actual time",

@@ -20,10 +20,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import ValidationError
+
 from daemon.adapters_view import diff_lines, show_lines
 from daemon.tables import grid
-from jobs.contract import ExitCode
+from jobs.contract import ExitCode, RunSummary
 from jobs.contract.redact import redact_text, redact_value
+from jobs.gpu.cost import summary_cost
 from jobs.hotswap import HotswapConfig, HotswapOutcome, versions
 from jobs.store.adapters import AdapterError, Adapters, RegistryConfig, VersionInfo, diff
 from jobs.store.locking import LockTimeout
@@ -77,9 +80,11 @@ def add_commands(sub: Any) -> None:
 class WithTargets(Adapters):
     """The store's versions with the [hotswap] targets that promote, rollback and hotswap tell."""
 
-    def __init__(self, state_dir: Any, *, hotswap: HotswapConfig, cfg: RegistryConfig, read_only: bool = False) -> None:
+    def __init__(self, state_dir: Any, *, hotswap: HotswapConfig, cfg: RegistryConfig, read_only: bool = False,
+                 price_per_gpu_hour: float | None = None) -> None:
         super().__init__(state_dir, cfg=cfg, read_only=read_only)
         self.hotswap_cfg = hotswap
+        self.price_per_gpu_hour = price_per_gpu_hour  # [gpu]: `show`'s dollars per million tokens
 
 
 def open_adapters(s: Any, *, read_only: bool = False) -> WithTargets:
@@ -89,6 +94,7 @@ def open_adapters(s: Any, *, read_only: bool = False) -> WithTargets:
         hotswap=getattr(s, "hotswap", None) or HotswapConfig(),
         cfg=getattr(s, "registry", None) or RegistryConfig(),
         read_only=read_only,
+        price_per_gpu_hour=getattr(getattr(s, "gpu", None), "price_per_gpu_hour", None),
     )
 
 
@@ -195,8 +201,19 @@ def cmd_show(args: argparse.Namespace, ad: Adapters) -> int:
     state = [i.status] + (["IN SERVICE"] if i.in_service else []) + (["pinned"] if i.pinned else [])
     kind = "a LoRA adapter" if i.method != "full" else "a whole model"
     where = str(i.path) if i.on_disk else "files deleted (pruned)"
-    print(show_lines(i.name, f"{', '.join(state)}; {i.method} ({kind}, {_size(i.size_bytes)}); {where}", i.manifest))
+    print(show_lines(i.name, f"{', '.join(state)}; {i.method} ({kind}, {_size(i.size_bytes)}); {where}", i.manifest,
+                     extra=[("per million tokens", _cost(ad, i.manifest))]))
     return 0
+
+
+def _cost(ad: WithTargets, manifest: dict[str, Any]) -> str:
+    """What a million of the version's tokens cost, from its night's summary in the ledger (jobs/gpu/cost.py)."""
+    row = ad.ledger.run(str(manifest.get("run_id") or ""))
+    try:
+        summary = RunSummary.model_validate_json(row["summary"]) if row is not None and row["summary"] else None
+    except ValidationError:  # a summary an older version wrote: the figures stay in --json
+        summary = None
+    return (summary_cost(summary, ad.price_per_gpu_hour).line() if summary else None) or "—"
 
 
 @_reading

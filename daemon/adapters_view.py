@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from daemon.tables import key_values
@@ -38,9 +39,11 @@ def _fig(v: Any) -> str:
         else str(v)
 
 
-def show_lines(name: str, state: str, manifest: dict[str, Any]) -> str:
-    """The head line, the figures an operator asks for, the gate's checks that failed, and where the rest is."""
+def show_lines(name: str, state: str, manifest: dict[str, Any], extra: Sequence[tuple[str, str]] = ()) -> str:
+    """The head line, the figures an operator asks for (`extra`: derived ones, e.g. the cost per token), the gate's
+    checks that failed, and where the rest is."""
     pairs = [(label, _fig(v)) for label, path in SHOWN if (v := _get(manifest, path)) is not None]
+    pairs.extend(extra)
     gate = manifest.get("gate") or {}
     if gate:
         failed = [c.get("name", "?") for c in gate.get("checks") or [] if isinstance(c, dict) and not c.get("passed")]

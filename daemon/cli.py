@@ -157,7 +157,7 @@ def _run_once(args: argparse.Namespace, s: Settings, window: Window, ledger: Led
         print(f"nightshift once: the night's process failed ({out.describe_exit()}); last lines:", file=sys.stderr)
         print("\n".join(out.tail[-15:]), file=sys.stderr)
         return 1
-    print("night:\n" + report.summary_table(out.summary))
+    print("night:\n" + report.summary_table(out.summary, s.gpu.price_per_gpu_hour))
     if getattr(args, "log_file", None):
         print(f"\nthe night's log: {args.log_file}")
     if out.summary.outcome == Outcome.failed:

@@ -6,6 +6,7 @@ from typing import Any
 
 from daemon.tables import key_values
 from jobs.contract import Outcome, Plan, RunSummary
+from jobs.gpu.cost import summary_cost
 
 
 def _num(x: Any, fmt: str = ",.0f") -> str:
@@ -50,7 +51,7 @@ def split_unreadable(counts: dict[str, int]) -> tuple[dict[str, int], int]:
     return {k: v for k, v in counts.items() if k != "unreadable"}, counts.get("unreadable", 0)
 
 
-def summary_table(s: RunSummary) -> str:
+def summary_table(s: RunSummary, price_per_gpu_hour: float | None = None) -> str:
     bad, unreadable = split_unreadable(dict(s.quarantined))
     quarantined = sum(bad.values())
     by_reason = ", ".join(f"{k} {v}" for k, v in sorted(bad.items()))
@@ -95,6 +96,7 @@ def summary_table(s: RunSummary) -> str:
           if s.returned_samples else []),
         ("version", version),
         ("phases", ", ".join(f"{k} {v:.1f}s" for k, v in s.phase_seconds.items())),
+        ("per million tokens", summary_cost(s, price_per_gpu_hour).line() or "—"),  # jobs/gpu/cost.py
         *([("expert LoRA", expert_lora_line(s))] if s.expert_lora else []),
     ])
 

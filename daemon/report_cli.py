@@ -46,7 +46,8 @@ def cmd_report(args: argparse.Namespace, s: Settings) -> int:
     if args.nights < 1:
         print("--nights: give at least 1", file=sys.stderr)
         return 2
-    report = collect_adapters(adapter_states(s), Path(s.state_dir), args.nights)
+    report = collect_adapters(adapter_states(s), Path(s.state_dir), args.nights,
+                              price_per_gpu_hour=s.gpu.price_per_gpu_hour)
     if args.json:
         print(report.model_dump_json(indent=2))
         return 0

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
+from jobs.gpu.cost import token_cost
 from jobs.store.ledger import Ledger
 from jobs.store.paths import StatePaths
 from jobs.store.readonly import open_read_only
@@ -74,6 +75,7 @@ class NightRow(BaseModel):
     # the card
     energy_joules: float | None = None
     joules_per_1k_tokens: float | None = None
+    dollars_per_million_tokens: float | None = None  # with [gpu] price_per_gpu_hour (jobs/gpu/cost.py)
     mean_power_watts: float | None = None
     vram_peak_bytes: int | None = None
     vram_total_bytes: int | None = None
@@ -136,10 +138,14 @@ def _planned(summ: dict[str, Any]) -> tuple[int | None, str | None]:
     return None, None
 
 
-def night_row(run: Any, summ: dict[str, Any], manifest: dict[str, Any], adapter: str = "") -> NightRow:
+def night_row(run: Any, summ: dict[str, Any], manifest: dict[str, Any], adapter: str = "",
+              price_per_gpu_hour: float | None = None) -> NightRow:
     gpu = summ.get("gpu") or (manifest.get("energy") or {}).get("gpu") or {}
     energy = (manifest.get("energy") or {}).get("energy_joules") or gpu.get("energy_joules")
     tokens = int(summ.get("trained_tokens") or 0)
+    start, end = summ.get("started_at") or run["started_at"], summ.get("ended_at") or run["ended_at"]
+    cost = token_cost(tokens=tokens, energy_joules=energy, seconds=end - start if start and end else None,
+                      cards=int(summ.get("ranks") or 1), price_per_gpu_hour=price_per_gpu_hour)
     planned, planned_from = _planned(summ)
     gate = summ.get("gate") or manifest.get("gate")
     return NightRow(
@@ -161,7 +167,8 @@ def night_row(run: Any, summ: dict[str, Any], manifest: dict[str, Any], adapter:
         gate=GateView(passed=gate.get("passed"), held_back=gate.get("held_back"), checks=gate.get("checks") or [])
         if gate else None,
         kl_from_service=summ.get("kl_from_service"),
-        energy_joules=energy, joules_per_1k_tokens=energy * 1000 / tokens if energy and tokens else None,
+        energy_joules=energy, joules_per_1k_tokens=cost.joules_per_1k_tokens,
+        dollars_per_million_tokens=cost.dollars_per_million_tokens,
         mean_power_watts=gpu.get("mean_power_watts"), vram_peak_bytes=gpu.get("peak_reserved_bytes"),
         vram_total_bytes=gpu.get("total_memory_bytes"),
     )
@@ -176,23 +183,27 @@ def loss_curve(manifest: dict[str, Any]) -> list[CurvePoint] | None:
     return points or None
 
 
-def collect(state_dir: Path, nights: int = 14, *, ledger: Ledger | None = None) -> Report:
+def collect(state_dir: Path, nights: int = 14, *, ledger: Ledger | None = None,
+            price_per_gpu_hour: float | None = None) -> Report:
     """The last `nights` finished runs (oldest first) and the last published version's loss curve."""
-    return Report(generated_at=time.time(), **collect_one(state_dir, nights, ledger=ledger).model_dump())
+    return Report(generated_at=time.time(), **collect_one(state_dir, nights, ledger=ledger,
+                                                          price_per_gpu_hour=price_per_gpu_hour).model_dump())
 
 
-def collect_adapters(states: Iterable[tuple[str, StatePaths]], root: Path, nights: int = 14) -> Report:
+def collect_adapters(states: Iterable[tuple[str, StatePaths]], root: Path, nights: int = 14, *,
+                     price_per_gpu_hour: float | None = None) -> Report:
     """Every adapter's last `nights` runs, each from its own ledger (`adapter_states`): a config of one adapter
     ([("", root)]) gives the report it always did."""
     states = list(states)
     if [name for name, _ in states] == [""]:
-        return collect(states[0][1].root, nights)
+        return collect(states[0][1].root, nights, price_per_gpu_hour=price_per_gpu_hour)
     return Report(generated_at=time.time(), state_dir=str(root), nights=[],
-                  adapters=[collect_one(paths.root, nights, adapter=name) for name, paths in states])
+                  adapters=[collect_one(paths.root, nights, adapter=name, price_per_gpu_hour=price_per_gpu_hour)
+                            for name, paths in states])
 
 
 def collect_one(state_dir: Path, nights: int = 14, *, ledger: Ledger | None = None,
-                adapter: str = "") -> AdapterReport:
+                adapter: str = "", price_per_gpu_hour: float | None = None) -> AdapterReport:
     """One ledger's last `nights` finished runs (oldest first) and its last published version's loss curve."""
     own = ledger is None
     led = ledger or open_read_only(StatePaths(state_dir).ledger)
@@ -206,7 +217,7 @@ def collect_one(state_dir: Path, nights: int = 14, *, ledger: Ledger | None = No
             manifest = json.loads(version["manifest"]) if version is not None and version["manifest"] else {}
             kinds = dict(led.db.execute("SELECT kind, COUNT(*) FROM events WHERE run_id=? AND kind IN "
                                         "('interrupted', 'attempt_failed') GROUP BY kind", (r["id"],)).fetchall())
-            rows.append(night_row(r, summ, manifest, adapter).model_copy(update={
+            rows.append(night_row(r, summ, manifest, adapter, price_per_gpu_hour).model_copy(update={
                 "attempts": int(r["attempt"] or 1), "interruptions": int(kinds.get("interrupted", 0)),
                 "failed_attempts": int(kinds.get("attempt_failed", 0))}))
             if manifest:

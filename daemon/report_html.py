@@ -121,6 +121,10 @@ def cards(r: AdapterReport) -> str:
         ("trained", f"{last.trained_samples:,} samples"),
         ("backlog", f"{last.backlog_samples:,} samples" if last.backlog_samples is not None else "—"),
         ("throughput", f"{fmt(last.tokens_per_second)} tok/s" if last.tokens_per_second else "—"),
+        ("per million tokens", " · ".join(x for x in (
+            f"{last.joules_per_1k_tokens:,.1f} kJ" if last.joules_per_1k_tokens is not None else "",
+            f"${last.dollars_per_million_tokens:,.3f}" if last.dollars_per_million_tokens is not None else "") if x)
+         or "—"),
     ]
     return '<div class="cards">' + "".join(f'<div class="card"><b>{v}</b><span>{escape(k)}</span></div>'
                                            for k, v in items) + "</div>"

@@ -68,7 +68,8 @@ class Service:
         self.registry = registry or CollectorRegistry()
         self.metrics = NightshiftMetrics(self.registry, sources=[x.name for x in settings.sources],
                                          hotswap_kinds=sorted({t.kind for t in settings.hotswap.targets}),
-                                         adapters=[name for name, _ in adapter_states(settings)])  # label values
+                                         adapters=[name for name, _ in adapter_states(settings)],  # label values
+                                         price_per_gpu_hour=settings.gpu.price_per_gpu_hour)
         self.state = Path(settings.state_dir)
         self.ledger = Ledger(StatePaths(self.state).ledger)
         self.notifier = Notifier(settings.hotswap, self.ledger, background=True)

@@ -22,7 +22,7 @@ def run(s: BenchSettings, job: Job) -> None:
 
     vocab = vocab_size(job.model)
     model, _tok, info = load_ours(s, job.model, gc=False, cache=s.state_dir is not None, max_seq=s.max_budget)
-    cal = run_ours(model, s, "wiki", vocab, label="calibrate")
+    cal = run_ours(model, s, ["wiki"], vocab, label="calibrate")[0]
     if cal.get("error"):
         raise SystemExit(f"budget: calibration failed: {cal['error']}")
     tps, budget = cal["real_tok_s"], cal["token_budget"]

@@ -174,7 +174,7 @@ def _ours(s: BenchSettings, job: Job, model: Any, prof: str, vocab: int, matmul:
     from jobs.training.packing import packed_batches
     from jobs.training.step import make_optimizer
 
-    row = run_ours(model, s, prof, vocab, label=LABEL)
+    row = run_ours(model, s, [prof], vocab, label=LABEL, first=prof == s.profiles[0])[0]
     row.pop("first_step_end", None)
     print(f"moe: {prof}: {row.get('real_tok_s') or 0:,.0f} tok/s, {row.get('samples_per_hour') or 0:,.0f} samples/h "
           f"at {row.get('token_budget')} tokens/step, peak reserved {row.get('peak_reserved_gb')} GB"

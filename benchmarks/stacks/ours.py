@@ -1,15 +1,17 @@
 """ours: nightshift's path — packed rows to a token budget chosen from measured memory under
 max_vram_gb, varlen attention (no cross-sample attention), checkpointing off unless --ours-ckpt.
 
-The budget comes from calibration's probe (jobs.training.probe): its probe steps count as the
-window's first warm-up steps, then timed packed steps at the budget.
+Measured as `nightshift calibrate` measures it, through the same functions (jobs.training.probe:
+probe_memory on probe_samples, then time_profiles): one step shape for every profile, the first
+window after 30 s of steps, one-off stalls left out of the rate. The bench only watches (energy,
+peaks, thirds); `wall_tok_s` keeps the window's plain wall-clock rate beside it.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from benchmarks.settings import FP8_VARIANTS, BenchSettings
 from benchmarks.stacks.common import Job, load_ours
 from jobs.contract import GpuEvent
 from jobs.training.models.synthetic import CAP, make_samples
+from jobs.training.probe import ProbeSettings
 
 LABEL = "nightshift (packed, varlen, budgeted)"
 LORA_LABEL = "nightshift, method lora: bf16 base (packed, varlen, budgeted)"
@@ -40,9 +43,9 @@ def run(s: BenchSettings, job: Job) -> None:
     label = base if fp8 is None else fp8_label(base, s, compute)
     events: list[GpuEvent] = []
     pool, tokens = token_pool(tok, s)
-    for prof in s.profiles:
-        row = run_ours(model, s, prof, vocab_size(job.model), label=label, pool=pool,
-                       on_gpu_event=events.append if s.gpu_events else None)
+    rows = run_ours(model, s, s.profiles, vocab_size(job.model), label=label, pool=pool,
+                    on_gpu_event=events.append if s.gpu_events else None)
+    for prof, row in zip(s.profiles, rows, strict=True):
         row["stack"] = job.stack
         first = row.pop("first_step_end", None)
         row.update(
@@ -109,65 +112,105 @@ def token_pool(tok: Any, s: BenchSettings) -> tuple[list[int] | None, str]:
     return ids, where
 
 
+def probe_settings(s: BenchSettings) -> ProbeSettings:
+    """The probe's settings from the bench's flags, field for field calibrate's from the night's config
+    (`[gpu] max_vram_gb`, `headroom_gb`, `[train] max_seq_length`): tests/benchmarks/test_bench_calibrate.py."""
+    return ProbeSettings(max_vram_gb=s.max_vram_gb, min_tokens=CAP, max_tokens=s.max_budget,
+                         probe_tokens=s.probe_tokens, headroom_gb=s.headroom_gb)
+
+
+class _ProfileWindow(Window):
+    """The bench's watch on one of calibrate's windows: NVML energy over exactly it, its thirds, and the peak
+    memory of the steps up to its end."""
+
+    def end(self) -> None:
+        super().end()
+        self.peaks = peak_gb()
+
+
 def run_ours(
     model: Any,
     s: BenchSettings,
-    prof: str,
+    profiles: Sequence[str],
     vocab: int,
     *,
     label: str,
     pool: list[int] | None = None,
     on_gpu_event: Callable[[GpuEvent], None] | None = None,
-) -> dict[str, Any]:
-    """Probe memory, choose the budget, then the timed window of packed steps: one result row."""
+    first: bool = True,
+) -> list[dict[str, Any]]:
+    """What `nightshift calibrate` measures, through its own functions (jobs.training.probe): one probe on the
+    long profile's rows, one step shape under `--max-vram-gb`, then time_profiles' windows (the first after
+    PROCESS_WARMUP_SECONDS of steps unless `first` is False, stalls left out of the rate, `--seconds` each);
+    the bench adds energy, peaks and thirds. One row per profile. `--warmup` and `--max-steps` are the
+    peers' window; ours is calibrate's (issue 44: the two read 18,620 and 22,567 tok/s on one H200)."""
     import torch
 
-    from jobs.training.packing import packed_batches
-    from jobs.training.probe import ProbeSettings, probe_memory
-    from jobs.training.step import make_optimizer, train_step
+    from jobs.training.probe import (
+        PROCESS_WARMUP_SECONDS,
+        PROFILE_SEED,
+        probe_memory,
+        probe_samples,
+        profile_samples,
+        time_profiles,
+    )
+    from jobs.training.step import make_optimizer
 
     opt = make_optimizer(model)
-    samples = make_samples(prof, s.data_tokens * 3, vocab=vocab, seed=s.seed, prompt_share=s.prompt_share, pool=pool)
-    win = Window(warmup=s.warmup + 3, max_steps=s.max_steps, seconds=s.seconds, on_gpu_event=on_gpu_event)
+    settings = probe_settings(s)
     torch.cuda.reset_peak_memory_stats()
-    settings = ProbeSettings(max_vram_gb=s.max_vram_gb, min_tokens=CAP, max_tokens=s.max_budget,
-                             probe_tokens=s.probe_tokens, headroom_gb=s.headroom_gb)
-    probe = probe_memory(model, samples, settings, opt,
-                         on_step=lambda st, b: win.step_done(st.seconds, st.tokens, len(b.sample_ids)))
+    first_end: list[float] = []
+    probe = probe_memory(model, probe_samples(settings, vocab=vocab, cap=CAP), settings, opt,
+                         on_step=lambda *_: first_end.append(time.time()))
     if probe.tokens_per_step is None:
-        return {"error": f"not even {CAP} tokens/step fit under {s.max_vram_gb} GB", "probes": probe.probes}
+        return [{"stack": "ours", "label": label, "profile": p, "probes": probe.probes,
+                 "error": f"not even {CAP} tokens/step fit under {s.max_vram_gb} GB"} for p in profiles]
     budget = s.budget or probe.tokens_per_step
-    torch.cuda.reset_peak_memory_stats()
-    used = sum(p["tokens"] for p in probe.probes)
-    rest, acc = [], 0
-    for x in samples:  # the samples after those the probe steps consumed
-        acc += x.n_tokens
-        if acc > used:
-            rest.append(x)
+    wins: dict[str, _ProfileWindow] = {}
+
+    def before(i: int, p: str, _rates: Any) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+    def window(p: str) -> _ProfileWindow:
+        wins[p] = _ProfileWindow(warmup=0, max_steps=1 << 30, seconds=float("inf"), on_gpu_event=on_gpu_event)
+        return wins[p]
+
+    data = {"seed": PROFILE_SEED + s.seed, "prompt_share": s.prompt_share, "pool": pool}
     t_loop = time.perf_counter()
-    for b in packed_batches(rest, tokens_per_step=budget):
-        st = train_step(model, b, opt)
-        if win.step_done(st.seconds, st.tokens, len(b.sample_ids)):
-            break
+    rates = time_profiles(model, opt, budget, profiles, vocab=vocab, cap=CAP, seconds=s.seconds, before=before,
+                          window=window, first_warmup_seconds=PROCESS_WARMUP_SECONDS if first else 0.0, **data)
     loop_s = time.perf_counter() - t_loop
     mem = probe.memory
-    return {
-        "stack": "ours",
-        "label": label,
-        "profile": prof,
-        "prompt_share": s.prompt_share,
-        "batch": f"packed {budget} tok",
-        "grad_ckpt": "unsloth" if s.ours_ckpt else "off",
-        **win.result(samples),
-        **peak_gb(),
-        "token_budget": budget,
-        "predicted_peak_gb": round(mem.peak_gb(budget), 2),
-        "memory_model": {"static_gb": round(mem.static_gb, 2), "mb_per_token": round(mem.mb_per_token, 3)},
-        "probes": probe.probes,
-        "loop_seconds": round(loop_s, 2),
-        "max_vram_gb": s.max_vram_gb,
-        "first_step_end": win.first_step_end,
-    }
+    rows = []
+    for p in profiles:
+        r, w = rates[p], wins[p]
+        samples = profile_samples(p, budget, vocab=vocab, cap=CAP, **data)
+        watched = w.result(samples)  # wall clock, stalls included
+        mean = sum(x.n_tokens for x in samples) / len(samples)
+        rows.append({
+            "stack": "ours",
+            "label": label,
+            "profile": p,
+            "prompt_share": s.prompt_share,
+            "batch": f"packed {budget} tok",
+            "grad_ckpt": "unsloth" if s.ours_ckpt else "off",
+            **watched,
+            "real_tok_s": r.tokens_per_second,  # calibrate's figure: the window less its one-off stalls
+            "samples_per_hour": r.tokens_per_second * 3600 / mean,
+            "wall_tok_s": watched["real_tok_s"],
+            "stalls": r.stalls,
+            "stall_seconds": r.stall_seconds,
+            "method": "calibrate (jobs.training.probe.time_profiles)",
+            **getattr(w, "peaks", {}),
+            "token_budget": budget,
+            "predicted_peak_gb": round(mem.peak_gb(budget), 2),
+            "memory_model": {"static_gb": round(mem.static_gb, 2), "mb_per_token": round(mem.mb_per_token, 3)},
+            "probes": probe.probes,
+            "loop_seconds": round(loop_s, 2),
+            "max_vram_gb": s.max_vram_gb,
+            "first_step_end": first_end[0] if first_end else None,
+        })
+    return rows
 
 
 def profile_steps(model: Any, s: BenchSettings, model_path: Path, prof: str, budget: int, path: Path) -> None:

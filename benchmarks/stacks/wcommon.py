@@ -161,9 +161,10 @@ def error_row(e: BaseException) -> dict[str, Any]:
 
 
 def sft_window(model: Any, tok: Any, samples: Sequence[TokenizedSample], win: Window, *, batch: int, seed: int,
-               **config: Any) -> dict[str, Any]:
-    """TRL's SFTTrainer (with Unsloth's patches, as the publications ran it) over pre-tokenised
-    samples until `win` is complete; returns what the trainer really used (padding_free, optim)."""
+               peft_config: Any = None, **config: Any) -> dict[str, Any]:
+    """TRL's SFTTrainer (with Unsloth's patches where Unsloth is imported, as the publications ran it) over
+    pre-tokenised samples until `win` is complete; `peft_config`: the trainer puts the LoRA on (trl_liger);
+    returns what the trainer really used (padding_free, optim)."""
     import tempfile
 
     from datasets import Dataset
@@ -177,7 +178,7 @@ def sft_window(model: Any, tok: Any, samples: Sequence[TokenizedSample], win: Wi
         dataset_num_proc=1, completion_only_loss=False, gradient_checkpointing=False)
     cfg = SFTConfig(**{**base, **config})  # `config` overrides (bf16, optim, max_length, packing, ...)
     trainer = SFTTrainer(model=model, args=cfg, train_dataset=Dataset.from_dict(
-        {"input_ids": [x.input_ids for x in samples]}), processing_class=tok)
+        {"input_ids": [x.input_ids for x in samples]}), processing_class=tok, peft_config=peft_config)
     inner = trainer.data_collator
 
     def counting(features: Any) -> Any:

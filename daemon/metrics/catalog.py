@@ -85,6 +85,7 @@ GPU_TEMPERATURE_CELSIUS = "nightshift_gpu_temperature_celsius"
 LAST_RUN_GPU_MEAN_POWER_WATTS = "nightshift_last_run_gpu_mean_power_watts"
 LAST_RUN_GPU_ENERGY_JOULES = "nightshift_last_run_gpu_energy_joules"
 LAST_RUN_TOKENS_PER_JOULE = "nightshift_last_run_tokens_per_joule"
+LAST_RUN_COST_PER_MILLION_TOKENS = "nightshift_last_run_cost_per_million_tokens"  # issue 44: unit joules / dollars
 LAST_RUN_GPU_PEAK_ALLOCATED_BYTES = "nightshift_last_run_gpu_peak_allocated_bytes"
 LAST_RUN_GPU_PEAK_RESERVED_BYTES = "nightshift_last_run_gpu_peak_reserved_bytes"
 # each card of a night on several (label gpu: its CUDA index); the series above are their totals
@@ -117,6 +118,7 @@ PHASES = tuple(p.value for p in Phase)
 QUARANTINE_REASONS = tuple(r.value for r in QuarantineReason)  # jobs/data: RecordError reasons
 METHODS = tuple(x.value for x in Method)  # [train] method
 HOTSWAP_OUTCOMES = ("success", "failure")
+COST_UNITS = ("joules", "dollars")  # the `unit` of LAST_RUN_COST_PER_MILLION_TOKENS (jobs/gpu/cost.py)
 # RunSummary.losses field -> (kind, stage) labels of LAST_RUN_LOSS
 LOSS_LABELS = {
     "train": ("train", "after"),
@@ -222,6 +224,9 @@ _SPECS: tuple[Spec, ...] = (
     Spec(LAST_RUN_GPU_MEAN_POWER_WATTS, G, "Mean card power over the last run."),
     Spec(LAST_RUN_GPU_ENERGY_JOULES, G, "Card energy used by the last run."),
     Spec(LAST_RUN_TOKENS_PER_JOULE, G, "Tokens trained per joule in the last run."),
+    Spec(LAST_RUN_COST_PER_MILLION_TOKENS, G, "What a million trained tokens cost in the last run: card energy "
+         "(unit joules) and, with [gpu] price_per_gpu_hour, money (unit dollars) for the hours its cards were held.",
+         ("unit",)),
     Spec(LAST_RUN_GPU_PEAK_ALLOCATED_BYTES, G, "torch max memory allocated in the last run."),
     Spec(LAST_RUN_GPU_PEAK_RESERVED_BYTES, G, "torch max memory reserved in the last run."),
     Spec(GPU_CARD_POWER_WATTS, G, "Power draw now of each card a night uses (NVML).", ("gpu",)),

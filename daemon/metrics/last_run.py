@@ -8,6 +8,7 @@ from typing import Any
 from daemon.metrics import catalog as m  # every series is named as m.<CONSTANT>
 from daemon.metrics.exporter import _Scoped
 from jobs.contract import GpuSummary, Outcome, RunSummary
+from jobs.gpu.cost import summary_cost
 
 COMPLETED = (Outcome.succeeded, Outcome.rejected)  # an interrupted run's time says nothing of the plan
 # GpuSummary field -> series
@@ -23,7 +24,8 @@ def as_float(x: Any) -> float | None:
     return None if x is None else float(x)
 
 
-def last_run(v: _Scoped, s: RunSummary, ended: float, window_end: float | None) -> None:
+def last_run(v: _Scoped, s: RunSummary, ended: float, window_end: float | None,
+             price_per_gpu_hour: float | None = None) -> None:
     """Every last-run gauge of the summary's adapter: at a run's end, and from the ledger at a restart."""
     outcome = s.outcome.value
     for o in {*m.OUTCOMES, outcome}:
@@ -61,6 +63,9 @@ def last_run(v: _Scoped, s: RunSummary, ended: float, window_end: float | None) 
         v.set(m.BACKLOG_SAMPLES, s.backlog_samples)
         v.set(m.BACKLOG_TOKENS, as_float(s.backlog_tokens))
     summary_gpu(v, s.gpu, s.trained_tokens)
+    cost = summary_cost(s, price_per_gpu_hour)
+    v.set(m.LAST_RUN_COST_PER_MILLION_TOKENS, cost.joules_per_million_tokens, unit="joules")
+    v.set(m.LAST_RUN_COST_PER_MILLION_TOKENS, cost.dollars_per_million_tokens, unit="dollars")
 
 
 def answers(v: _Scoped, s: RunSummary) -> None:

@@ -89,10 +89,12 @@ class NightshiftMetrics:
         energy_gap_seconds: float = 120.0,
         version: str | None = None,
         adapters: Iterable[str] = (),
+        price_per_gpu_hour: float | None = None,
     ) -> None:
         """`adapters`: the configured adapter names of a config of several ([[adapters]]); none (or
         [""]) in a config of one. `sources`: source names, or adapter -> its sources where several."""
         self.clock = clock
+        self.price_per_gpu_hour = price_per_gpu_hour  # [gpu]: the last run's dollars per million tokens
         self.energy_gap_seconds = energy_gap_seconds
         self.values = _Values(s for s in m.SPECS if s.kind != m.HISTOGRAM)
         registry.register(self.values)
@@ -254,7 +256,7 @@ class NightshiftMetrics:
         if s.started_at is not None and ended >= s.started_at:
             (self.run_duration.labels(v.adapter) if self.adapters else self.run_duration).observe(ended - s.started_at)
         end_limit = self._run_window_end or self._window_end or s.deadline
-        last_run(v, s, ended, end_limit)
+        last_run(v, s, ended, end_limit, self.price_per_gpu_hour)
         # counters: training and data
         self._count_trained(v, s.version, s.trained_tokens, s.trained_samples)
         v.inc(m.PREFERENCE_PAIRS_TRAINED_TOTAL, s.preference_pairs)
@@ -284,7 +286,7 @@ class NightshiftMetrics:
         with self._lock:
             v = self._scope(s.adapter if adapter is None else adapter)
             if v is not None:
-                last_run(v, s, s.ended_at or float(self.clock()), window_end)
+                last_run(v, s, s.ended_at or float(self.clock()), window_end, self.price_per_gpu_hour)
 
     # ---- the daemon's own facts ---------------------------------------------------------
     def set_window(self, open: bool, next_start: float | None, end: float | None = None) -> None:

@@ -50,6 +50,10 @@ class GpuConfig(BaseModel):
     min_free_vram_gb: float = Field(
         0.0, ge=0, description="pre-flight: wait (until the latest start) for this much free memory")
     preflight_retry_seconds: float = Field(60.0, gt=0, description="how often to re-check free memory")
+    price_per_gpu_hour: float | None = Field(
+        None, gt=0, description="what an hour of one card costs (any currency, shown as $): the summary, `adapters "
+        "show`, the report and the metrics then say what a million trained tokens cost (jobs/gpu/cost.py); unset: "
+        "no dollars, only joules")
 
 
 def load_nvml() -> Any | None:

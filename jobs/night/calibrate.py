@@ -123,6 +123,8 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
         ProbeSettings,
         calibration_record,
         probe_memory,
+        probe_samples,
+        time_profiles,
         timed_steps,
     )
     from jobs.training.ranks.collectives import SOLO
@@ -153,8 +155,7 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     emit(PhaseEvent(phase=Phase.train, state="start"))
     vocab, cap_len = len(loaded.tokenizer), min(t.max_seq_length, 2048)
     optimizer = build_optimizer(loaded.model, t, loaded.optim, device=loaded.device)  # the night's, by method
-    probe = probe_memory(loaded.model, make_samples("wiki", 8 * settings.probe_tokens, vocab=vocab, cap=cap_len),
-                         settings, optimizer)
+    probe = probe_memory(loaded.model, probe_samples(settings, vocab=vocab, cap=cap_len), settings, optimizer)
     group = group or SOLO
     together = group if group.world > 1 else None  # timed steps: one row per rank, the end decided together
     agreed = group.smallest(probe.tokens_per_step or 0)  # [distributed] the step every card holds
@@ -162,21 +163,20 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
         raise ValueError(nothing_fits(max_vram, t, decision, None if fp8 is None else fp8.conversion.get("storage")))
     probe = dataclasses.replace(probe, tokens_per_step=agreed)
     budget = agreed
-    rates, profiles = {}, list(PROFILES)
-    for i, p in enumerate(profiles):  # progress: a profile at a time, each about `seconds` long
+    profiles = list(PROFILES)
+
+    def progress(i: int, p: str, rates: dict) -> None:  # a profile at a time, each about `seconds` long
         emit(ProgressEvent(fraction=i / len(profiles), eta=time.time() + (len(profiles) - i) * seconds
                            + (0.0 if i else PROCESS_WARMUP_SECONDS),
                            tokens_per_second=rates[profiles[i - 1]].tokens_per_second if i else 0.0))
-        data = make_samples(p, 40 * budget * group.world, vocab=vocab, cap=cap_len, seed=1)
-        # the first profile's window waits out the process's warm-up: on an H200 (8B) a 10-s window right
-        # after two steps in a row agreed read 15,203 tok/s and the night planned from it ran 9.0 % under
-        # its plan; after 30 s of warm-up 15,839 and 4.6 % (the next run, another H200 machine;
-        # RESULTS.md: 2026-11-26, calibrate warm-up)
-        rates[p] = timed_steps(loaded.model, data, budget, optimizer, seconds=seconds, group=together,
-                               warmup_seconds=0.0 if i else PROCESS_WARMUP_SECONDS)
-        if rates[p].stalls:  # a one-off (compile, autotune) inside the window: said, not counted in the rate
-            print(f"calibrate: {p}: {rates[p].stalls} of {rates[p].steps} timed steps stalled, "
-                  f"{rates[p].stall_seconds:.2f} s beyond the median rate, left out", file=sys.stderr, flush=True)
+
+    # the benchmark's `ours` rows measure through the same time_profiles (issue 44: one way to measure)
+    rates = time_profiles(loaded.model, optimizer, budget, profiles, vocab=vocab, cap=cap_len, seconds=seconds,
+                          group=together, before=progress)
+    for p, r in rates.items():
+        if r.stalls:  # a one-off (compile, autotune) inside the window: said, not counted in the rate
+            print(f"calibrate: {p}: {r.stalls} of {r.steps} timed steps stalled, "
+                  f"{r.stall_seconds:.2f} s beyond the median rate, left out", file=sys.stderr, flush=True)
     emit(ProgressEvent(fraction=1.0, tokens_per_second=min(r.tokens_per_second for r in rates.values())))
     slow = min(rates, key=lambda p: rates[p].tokens_per_second)
     extra: list[ShapeRate] = []

@@ -13,10 +13,11 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from jobs.contract import CalibrationRecord, MemoryModel
 from jobs.data.batching import Batch, TokenizedSample
+from jobs.training.models.synthetic import make_samples
 from jobs.training.packing import (
     MemoryProbe,
     choose_token_budget,
@@ -117,6 +118,7 @@ class Throughput:
     steps: int
     stalls: int = 0  # timed steps that took more than STALL x the median time per token
     stall_seconds: float = 0.0  # what those took beyond the median rate (left out of `seconds`)
+    wall_seconds: float = 0.0  # the window's whole wall time, stalls included
 
     @property
     def tokens_per_second(self) -> float:
@@ -128,9 +130,19 @@ STALL = 2.0  # a step this many times slower per token than the window's median:
 SETTLED = 0.05  # two warm-up steps this close in seconds per token: compiled, tuned, allocator grown
 
 
+class StepWindow(Protocol):
+    """What watches the timed window from outside (the benchmark: NVML energy over exactly it, its thirds)."""
+
+    def begin(self) -> None: ...
+
+    def record(self, seconds: float, tokens: int, samples: int) -> None: ...
+
+    def end(self) -> None: ...
+
+
 def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step: int, optimizer: Any, *,
                 warmup: int = 3, max_steps: int | None = None, seconds: float = 30.0, group: Any = None,
-                max_warmup: int = 12, warmup_seconds: float = 0.0) -> Throughput:
+                max_warmup: int = 12, warmup_seconds: float = 0.0, window: StepWindow | None = None) -> Throughput:
     """Packed steps at the budget: at least `warmup` untimed and `warmup_seconds` of them, more (up to
     `max_warmup`) until two steps in a row take the same time per token within SETTLED, then `seconds`
     timed (or `max_steps`, if given, first), the samples' rows reused as often as that takes: a cap of 30
@@ -169,16 +181,65 @@ def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step:
                 time.perf_counter() - warm_from >= warmup_seconds
             if group.agree(done)[0] if group is not None else done:
                 _synchronize(torch)
+                if window is not None:
+                    window.begin()
                 started = time.perf_counter()
             continue
         timed.append((st.tokens, st.seconds))
+        if window is not None:
+            window.record(st.seconds, st.tokens, sum(len(b.sample_ids) for b in step))
         done = (max_steps is not None and len(timed) >= max_steps) or time.perf_counter() - started >= seconds
         if (group.agree(done)[0] if group is not None else done):  # every rank ends at the same step
             break
     wall = time.perf_counter() - started if started else 0.0
+    if window is not None:
+        window.end()
     excess = _stall_excess(timed)
     return Throughput(sum(n for n, _ in timed), max(wall - sum(excess), 0.0), len(timed), stalls=len(excess),
-                      stall_seconds=round(sum(excess), 3))
+                      stall_seconds=round(sum(excess), 3), wall_seconds=wall)
+
+
+PROBE_PROFILE = "wiki"  # the probe's rows: the long profile's (its memory line is the one the budget must hold)
+PROFILE_SEED = 1
+
+
+def probe_samples(settings: ProbeSettings, *, vocab: int, cap: int) -> list[TokenizedSample]:
+    """The probe steps' data, calibrate's and the benchmark's alike: one probe, one step shape for every profile."""
+    return make_samples(PROBE_PROFILE, 8 * settings.probe_tokens, vocab=vocab, cap=cap)
+
+
+def profile_samples(profile: str, tokens_per_step: int, *, vocab: int, cap: int, world: int = 1,
+                    seed: int = PROFILE_SEED, prompt_share: float = 0.0,
+                    pool: Sequence[int] | None = None) -> list[TokenizedSample]:
+    """A profile's timed data: 40 steps' worth of samples, cycled by timed_steps for as long as its window lasts."""
+    return make_samples(profile, 40 * tokens_per_step * world, vocab=vocab, cap=cap, seed=seed,
+                        prompt_share=prompt_share, pool=pool)
+
+
+def time_profiles(model: Any, optimizer: Any, tokens_per_step: int, profiles: Sequence[str], *, vocab: int, cap: int,
+                  seconds: float, group: Any = None, before: Callable[[int, str, dict[str, Throughput]], None] =
+                  lambda *_: None, window: Callable[[str], StepWindow | None] = lambda _: None,
+                  seed: int = PROFILE_SEED, prompt_share: float = 0.0, pool: Sequence[int] | None = None,
+                  first_warmup_seconds: float = PROCESS_WARMUP_SECONDS) -> dict[str, Throughput]:
+    """The timed windows of a calibration, one per length profile at one step shape: `nightshift calibrate` and
+    the benchmark's `ours` rows both measure through here, so the two cannot disagree by method. The first
+    profile's window waits out the process's warm-up: on an H200 (8B) a 10-s window right after two steps in a
+    row agreed read 15,203 tok/s and the night planned from it ran 9.0 % under its plan; after 30 s of warm-up
+    15,839 and 4.6 % (RESULTS.md: 2026-11-26, calibrate warm-up). The benchmark's own window, 3 steps after its
+    probe and 30 steps long, read the FP8 8B at 18,620 against calibrate's 22,567 on the same machine (issue 44):
+    its first third ran at ~15k while kernels were still being tuned.
+    `before(i, profile, rates so far)` runs ahead of each window (progress, peak-memory resets); `window(profile)`
+    watches one (energy). `first_warmup_seconds`: 0 where the process already ran (the benchmark's MoE rows,
+    one call a profile). [distributed] `group`: global steps, one row per rank."""
+    world = group.world if group is not None else 1
+    rates: dict[str, Throughput] = {}
+    for i, p in enumerate(profiles):
+        before(i, p, rates)
+        data = profile_samples(p, tokens_per_step, vocab=vocab, cap=cap, world=world, seed=seed,
+                               prompt_share=prompt_share, pool=pool)
+        rates[p] = timed_steps(model, data, tokens_per_step, optimizer, seconds=seconds, group=group,
+                               warmup_seconds=0.0 if i else first_warmup_seconds, window=window(p))
+    return rates
 
 
 def _stall_excess(timed: Sequence[tuple[int, float]]) -> list[float]:

@@ -56,6 +56,7 @@ def test_summary_ratios_and_table():
     assert ours["x_baseline"] == pytest.approx(10.0)
     assert ours["x_unsloth_best"] == pytest.approx(2.0)
     assert ours["mfu"] == pytest.approx(15000 * 4 * 7.5e9 / 790e12)
+    assert ours["mfu_989"] == pytest.approx(15000 * 4 * 7.5e9 / 989.4e12)  # both peaks in the JSON (issue 44)
     text = table(out)
     assert "15,000" in text and "error: OutOfMemoryError" in text
 
