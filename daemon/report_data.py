@@ -138,7 +138,7 @@ def _planned(summ: dict[str, Any]) -> tuple[int | None, str | None]:
     return None, None
 
 
-def night_row(run: Any, summ: dict[str, Any], manifest: dict[str, Any], adapter: str = "",
+def night_row(run: Any, summ: dict[str, Any], manifest: dict[str, Any], *, adapter: str = "",
               price_per_gpu_hour: float | None = None) -> NightRow:
     gpu = summ.get("gpu") or (manifest.get("energy") or {}).get("gpu") or {}
     energy = (manifest.get("energy") or {}).get("energy_joules") or gpu.get("energy_joules")
@@ -217,7 +217,7 @@ def collect_one(state_dir: Path, nights: int = 14, *, ledger: Ledger | None = No
             manifest = json.loads(version["manifest"]) if version is not None and version["manifest"] else {}
             kinds = dict(led.db.execute("SELECT kind, COUNT(*) FROM events WHERE run_id=? AND kind IN "
                                         "('interrupted', 'attempt_failed') GROUP BY kind", (r["id"],)).fetchall())
-            rows.append(night_row(r, summ, manifest, adapter, price_per_gpu_hour).model_copy(update={
+            rows.append(night_row(r, summ, manifest, adapter=adapter, price_per_gpu_hour=price_per_gpu_hour).model_copy(update={
                 "attempts": int(r["attempt"] or 1), "interruptions": int(kinds.get("interrupted", 0)),
                 "failed_attempts": int(kinds.get("attempt_failed", 0))}))
             if manifest:

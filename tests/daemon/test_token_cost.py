@@ -73,7 +73,7 @@ def test_the_report_row_and_card() -> None:
     summ = json.loads(night().model_dump_json())
     run = {"night": "2026-11-28", "id": "2026-11-28-abc", "status": "succeeded", "started_at": T - SECONDS - 5,
            "ended_at": T + 1, "error": None}
-    row = night_row(run, summ, {}, PRICE)
+    row = night_row(run, summ, {}, price_per_gpu_hour=PRICE)
     assert row.joules_per_1k_tokens == pytest.approx(31.13, abs=0.01)
     assert row.dollars_per_million_tokens == pytest.approx(DOLLARS)  # the summary's own start and end
     html = cards(types.SimpleNamespace(nights=[row]))
