@@ -269,11 +269,14 @@ def train_preference(model: Any, pairs: Sequence[Pair], *, beta: float, lr: floa
     if ref is None or len(ref.rows) != len(rows):
         if resume is not None:  # the policy has moved: the version in service cannot be read from it
             raise ValueError(f"resuming from {resume} needs the reference kept beside it ({reference_file})")
-        ref = Reference(rows=reference_logps(model, rows, device), heldout_before=pair_margins(
-            model, heldout, device, tokens_per_step), tokens_per_step=tokens_per_step)
+        refs = reference_logps(model, rows, device)
+        ref_seconds = clock() - t0  # training time (the plan's rate counts it); the held-out margins are the gate's
+        ref = Reference(rows=refs, heldout_before=pair_margins(model, heldout, device, tokens_per_step),
+                        tokens_per_step=tokens_per_step)
         if reference_file is not None:
             write_reference(reference_file, ref)
-    ref_seconds = clock() - t0
+    else:
+        ref_seconds = clock() - t0
     params, optimizer, scheduler = preference_optimizer(model, lr)
     state = PreferenceState(next_batch=0, steps=0, tokens_per_step=tokens_per_step)
     if resume is not None:
