@@ -117,7 +117,7 @@ def train_pairs(ctx: Any, prep: Any, relay: Callable[[Any], None]) -> TrainResul
     tokens = sum(planned_tokens[i] for i in res.trained_ids) * cfg.epochs  # the plan's units
     result = TrainResult(
         trained_ids=res.trained_ids, tokens=tokens, seconds=res.seconds, steps=res.steps, mean_loss=res.mean_loss,
-        resumed_from_step=res.resumed_from,
+        resumed_from_step=res.resumed_from, warmup_tokens=res.warmup_tokens, warmup_seconds=res.warmup_seconds,
         stopped=res.stopped if res.stopped in ("deadline", "signal") else None,  # type: ignore[arg-type]
         cut_ids=[i for i in ids if i not in trained], loss_curve=res.loss_curve,
         detail=TrainDetail(

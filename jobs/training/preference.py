@@ -217,6 +217,8 @@ class PreferenceResult:
     heldout_before: list[float] = field(default_factory=list)
     resumed_from: int = 0  # the row (over all epochs) this attempt began at: 0 unless resumed from a checkpoint
     rows: int = 0  # rows over all epochs
+    warmup_tokens: int = 0  # chosen conversations' tokens of each attempt's first step (the plan's units)
+    warmup_seconds: float = 0.0
 
 
 def dpo_step(model: Any, batch: Batch, ref: Any, optimizer: Any, params: Sequence[Any], *, beta: float,
@@ -304,6 +306,9 @@ def train_preference(model: Any, pairs: Sequence[Pair], *, beta: float, lr: floa
         scheduler.step()
         reached(STEPPED)
         last = clock() - began
+        if g == resumed_from:  # each attempt's first step compiles: overhead, as the supervised loop counts it
+            state.warmup_seconds += last
+            state.warmup_tokens += sum(p.chosen.n_tokens for p in rows[k])  # the plan's units
         state.next_batch, state.steps = g + 1, state.steps + 1
         state.tokens += batch.real_tokens
         state.loss_sum, state.loss_n = state.loss_sum + loss, state.loss_n + 1
@@ -334,7 +339,8 @@ def train_preference(model: Any, pairs: Sequence[Pair], *, beta: float, lr: floa
         reward_accuracy=state.right / state.margin_n if state.margin_n else None,
         mean_margin=state.margin_sum / state.margin_n if state.margin_n else None,
         loss_curve=list(state.loss_curve), reference_seconds=ref_seconds if resume is None else 0.0,
-        heldout_before=list(ref.heldout_before), resumed_from=resumed_from, rows=total)
+        heldout_before=list(ref.heldout_before), resumed_from=resumed_from, rows=total,
+        warmup_tokens=state.warmup_tokens, warmup_seconds=state.warmup_seconds)
 
 
 def pair_margins(model: Any, pairs: Sequence[Pair], device: Any, tokens_per_step: int = 4096) -> list[float]:

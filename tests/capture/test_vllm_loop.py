@@ -78,28 +78,35 @@ def test_capture_in_front_of_vllm_feedback_a_preference_night_and_the_served_ver
                         feedback_per_second=1000, captures_per_second=1000)
     srv = CaptureServer(cfg, registry=reg)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    train, held = range(30), range(100, 108)
+    train, held = range(30), range(100, 110)
     served: dict[int, str] = {}
+    edits = 0
     try:
         for i in [*train, *held]:
+            # sampled with a seed: the same reply for the same request (greedy, this random model's first choices
+            # are tokens that decode to nothing)
             body = {"model": v1, "messages": [{"role": "user", "content": question(i)}], "max_tokens": 12,
-                    "temperature": 0}
+                    "temperature": 1.0, "seed": i}
             status, raw, _ = call(srv.address, "POST", "/v1/chat/completions", body)
             assert status == 200, raw
             assert STAMPS.sub(b"", raw) == STAMPS.sub(b"", direct(vllm_server.url, body))  # never changed
             reply = json.loads(raw)
-            served[i] = reply["choices"][0]["message"]["content"]
-            assert served[i].strip() and served[i] != right(i)
+            text = reply["choices"][0]["message"]["content"]
+            if not text.strip():  # nothing to prefer against
+                continue
+            served[i] = text
             if i in train:  # the user corrects the reply: the correction chosen over what was served
                 status, ack, _ = call(srv.address, "POST", "/nightshift/feedback", {"id": reply["id"],
                                                                                   "edited": right(i)})
                 assert status == 200, ack
-        held_reply = srv.store.held.get(reply["id"])
+                edits += 1
+        assert edits >= 20 and sum(i in served for i in held) >= 6, served
+        last = reply["id"]
         deadline = time.monotonic() + 60
-        while held_reply is None and time.monotonic() < deadline:  # the last capture is written by a thread
+        while last not in srv.store.held:  # the last capture is written by a thread
+            assert time.monotonic() < deadline
             time.sleep(0.01)
-            held_reply = srv.store.held.get(reply["id"])
-        assert held_reply is not None and held_reply.version == 1  # the served version is recorded
+        assert srv.store.held[last].version == 1  # the served version is recorded
     finally:
         srv.shutdown()
     got = {n: reg.get_sample_value(n, labels) for n, labels in (
@@ -107,14 +114,14 @@ def test_capture_in_front_of_vllm_feedback_a_preference_night_and_the_served_ver
         ("nightshift_capture_feedback_total", {"kind": "edit"}),
         ("nightshift_capture_records_total", {"kind": "pair"}))}
     assert got == {"nightshift_capture_requests_total": len(train) + len(held),
-                   "nightshift_capture_feedback_total": len(train), "nightshift_capture_records_total": len(train)}
+                   "nightshift_capture_feedback_total": edits, "nightshift_capture_records_total": edits}
 
     night = run(make(hotswap=hot, eval={"min_eval_samples": 1},
                      train={"objective": "dpo", "learning_rate": 5e-3, "epochs": 2},
                      plan={"prior_tokens_per_second": 2000, "prior_overhead_seconds": 0, "heldout_share": 0.2}),
                 night="2026-11-22")
     assert night["outcome"] == "succeeded" and night["promoted"] and night["hotswap"][0]["ok"], night
-    assert night["preference_pairs"] >= 20 and night["preference_pairs"] == night["trained_samples"]
+    assert night["preference_pairs"] >= edits // 2 and night["preference_pairs"] == night["trained_samples"]
     checks = {c["name"]: c for c in night["gate"]["checks"]}
     assert checks["server.greedy_match"]["passed"] and checks["server.greedy_match"]["after"] == 1.0, checks
     assert checks["heldout_pairs.reward_accuracy"]["passed"], checks
@@ -122,8 +129,10 @@ def test_capture_in_front_of_vllm_feedback_a_preference_night_and_the_served_ver
     assert v2.startswith("tiny-v0002-") and v2 in vllm_server.models()  # the new version is what vLLM serves
 
     state = Path(make().state_dir)
-    rejected = {i: served[i] for i in held}
+    rejected = {i: served[i] for i in held if i in served}
     before = margins(tiny_model, state / "adapters" / "tiny-v0001", tokenizer, rejected)
     after = margins(tiny_model, state / "adapters" / "tiny-v0002", tokenizer, rejected)
     shift = [a - b for a, b in zip(after, before, strict=True)]
-    assert sum(s > 0 for s in shift) >= 7 and sum(shift) / len(shift) > 0.5, shift  # nats toward the chosen replies
+    print(f"held-out margins (nats) v1 {[round(b, 1) for b in before]} -> v2 {[round(a, 1) for a in after]}")
+    # nats toward the chosen replies, on most held-out prompts and on average
+    assert sum(s > 0 for s in shift) >= 0.8 * len(shift) and sum(shift) / len(shift) > 0.5, shift
