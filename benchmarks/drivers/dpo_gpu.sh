@@ -11,7 +11,9 @@
 #                reused by a later call on the same machine)
 #   ARCH         llama3.1-8b          MODELS  /tmp/nightshift-models (the bench's own folder)
 #   PAIRS        preference records written to the inbox (more than a night takes: the plan cuts)    default 6000
-#   UNTIL_S      the night's window, seconds from its start (`once --until`)                      default 120
+#   UNTIL_S      the night's window, seconds from its start (`once --until`)                      default 300
+#                (it must hold the child's start, ~30 s, and calibrate's measured overheads, 62 s for the 8B on an
+#                H200, before any training: an 80-s window planned nothing, 2026-11-28)
 #   WORK         the state directory's and the inbox's folder (keep it out of $OUT on the device)   default OUT_DIR/work
 #   CAL_SECONDS  calibrate's timed seconds per length profile                                      default 5
 #   PRIOR_TPS    the configured prior (used only where calibrate measured nothing: a CPU run)     default 6000
@@ -24,12 +26,12 @@
 #     benchmarks/drivers/dpo_gpu.sh /tmp/dpo-cpu
 set -uo pipefail
 
-[ $# -eq 1 ] || { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+[ $# -eq 1 ] || { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 R=$(mkdir -p "$1" && cd "$1" && pwd)
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$repo" || exit 1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1
-ARCH=${ARCH:-llama3.1-8b} MODELS=${MODELS:-/tmp/nightshift-models} PAIRS=${PAIRS:-6000} UNTIL_S=${UNTIL_S:-120}
+ARCH=${ARCH:-llama3.1-8b} MODELS=${MODELS:-/tmp/nightshift-models} PAIRS=${PAIRS:-6000} UNTIL_S=${UNTIL_S:-300}
 CAL_SECONDS=${CAL_SECONDS:-5} PRIOR_TPS=${PRIOR_TPS:-6000} MAX_SEQ=${MAX_SEQ:-2048}
 PROMPT_WORDS=${PROMPT_WORDS:-20-120} REPLY_WORDS=${REPLY_WORDS:-50-250}
 W=${WORK:-$R/work}; mkdir -p "$W/inbox"
