@@ -217,7 +217,8 @@ def collect_one(state_dir: Path, nights: int = 14, *, ledger: Ledger | None = No
             manifest = json.loads(version["manifest"]) if version is not None and version["manifest"] else {}
             kinds = dict(led.db.execute("SELECT kind, COUNT(*) FROM events WHERE run_id=? AND kind IN "
                                         "('interrupted', 'attempt_failed') GROUP BY kind", (r["id"],)).fetchall())
-            rows.append(night_row(r, summ, manifest, adapter=adapter, price_per_gpu_hour=price_per_gpu_hour).model_copy(update={
+            row = night_row(r, summ, manifest, adapter=adapter, price_per_gpu_hour=price_per_gpu_hour)
+            rows.append(row.model_copy(update={
                 "attempts": int(r["attempt"] or 1), "interruptions": int(kinds.get("interrupted", 0)),
                 "failed_attempts": int(kinds.get("attempt_failed", 0))}))
             if manifest:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.fixtures.lora_servers import servers  # noqa: F401  (a fixture: loopback vLLM/SGLang servers)
+from tests.fixtures.real_vllm import vllm_server  # noqa: F401  (a fixture: the session's real vLLM)
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_INBOX = REPO / "config" / "sample-inbox"

@@ -26,7 +26,8 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jobs.capture.config import CaptureConfig, Redactor
-from jobs.contract import crashpoints, parse_version_name
+from jobs.contract import crashpoints
+from jobs.hotswap.core import parse_served_name
 
 log = structlog.get_logger("nightshift.capture")
 JOURNAL = "captures.jsonl"
@@ -96,7 +97,9 @@ def record_kind(record: dict[str, Any]) -> str:
 
 
 def served_version(model: str | None) -> int | None:
-    parsed = parse_version_name(model) if model else None
+    """The nightshift version a reply came from: its `model` is the name the hot-swap loaded it under
+    (`tiny-v0007-1a2b3c4d`, or an older server's `tiny-v0007`); None for a base model or a foreign adapter."""
+    parsed = parse_served_name(model) if model else None
     return parsed[1] if parsed else None
 
 

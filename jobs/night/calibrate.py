@@ -6,7 +6,9 @@ card that calibrate adds: it loads the model exactly as the night does, probes m
 chooses the step shape under min(`[gpu] max_vram_gb`, free VRAM now) - headroom, times packed
 steps on both length profiles and at half that size, measures the overheads (load, evaluate,
 publish: jobs/night/overheads.py) and the checkpointing line (the model reloaded with
-checkpointing on), and stores one typed CalibrationRecord in the ledger under the night's key. Its
+checkpointing on), and stores one typed CalibrationRecord in the ledger under the night's key (with
+`[train] objective = "dpo"` every probed and timed step is the preference night's, counted in its plan's units:
+jobs/training/preference_probe.py). Its
 stdout carries phase and progress events (JSON lines, as the night's child) for `nightshift
 calibrate`'s display, then the measurement's JSON.
 
@@ -53,10 +55,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="the night's config (JSON); default: stdin")
     args = ap.parse_args(argv)
     cfg = NightConfig.model_validate_json(Path(args.config).read_text() if args.config else sys.stdin.read())
-    if cfg.train.objective != "sft":  # its rate would be the supervised step's, recorded under the DPO key
-        print(f'calibrate measures the supervised step; [train] objective = "{cfg.train.objective}" is measured by '
-              "its own first night (under its own throughput key)", file=sys.stderr)
-        return ExitCode.USAGE
     from jobs.training.load import device_name, resolve_backend
     from jobs.training.ranks.collectives import bind_device, die_with_parent, init_group, launched
 
@@ -118,6 +116,7 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     from jobs.training.load import device_name, load_for_training
     from jobs.training.models.synthetic import PROFILES, make_samples
     from jobs.training.optim import build_optimizer
+    from jobs.training.preference_probe import PairObjective
     from jobs.training.probe import (
         PROCESS_WARMUP_SECONDS,
         ProbeSettings,
@@ -154,8 +153,12 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     t0 = time.perf_counter()
     emit(PhaseEvent(phase=Phase.train, state="start"))
     vocab, cap_len = len(loaded.tokenizer), min(t.max_seq_length, 2048)
-    optimizer = build_optimizer(loaded.model, t, loaded.optim, device=loaded.device)  # the night's, by method
-    probe = probe_memory(loaded.model, probe_samples(settings, vocab=vocab, cap=cap_len), settings, optimizer)
+    # [train] objective = "dpo": the preference night's steps, optimizer and tokens (jobs/training/preference_probe.py)
+    objective = PairObjective.of(t)
+    optimizer = (objective.optimizer(loaded.model) if objective is not None  # the night's, by method
+                 else build_optimizer(loaded.model, t, loaded.optim, device=loaded.device))
+    probe = probe_memory(loaded.model, probe_samples(settings, vocab=vocab, cap=cap_len), settings, optimizer,
+                         objective=objective)
     group = group or SOLO
     together = group if group.world > 1 else None  # timed steps: one row per rank, the end decided together
     agreed = group.smallest(probe.tokens_per_step or 0)  # [distributed] the step every card holds
@@ -172,7 +175,7 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
 
     # the benchmark's `ours` rows measure through the same time_profiles (issue 44: one way to measure)
     rates = time_profiles(loaded.model, optimizer, budget, profiles, vocab=vocab, cap=cap_len, seconds=seconds,
-                          group=together, before=progress)
+                          group=together, before=progress, objective=objective)
     for p, r in rates.items():
         if r.stalls:  # a one-off (compile, autotune) inside the window: said, not counted in the rate
             print(f"calibrate: {p}: {r.stalls} of {r.steps} timed steps stalled, "
@@ -183,7 +186,7 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     half = max(t.max_seq_length, budget // 2 // 256 * 256)
     if half < budget:  # a second size: the night's smaller steps are predicted through both
         r = timed_steps(loaded.model, make_samples(slow, 40 * half * group.world, vocab=vocab, cap=cap_len, seed=2),
-                        half, optimizer, seconds=max(3.0, seconds / 3), group=together)
+                        half, optimizer, seconds=max(3.0, seconds / 3), group=together, objective=objective)
         extra.append(ShapeRate(tokens_per_step=half, gradient_checkpointing=gc, tokens_per_second=r.tokens_per_second))
     overheads = measure_overheads(loaded, cfg, load_seconds=load_seconds, vocab=vocab, cap=cap_len)
     emit(PhaseEvent(phase=Phase.train, state="end", seconds=time.perf_counter() - t0))
@@ -231,6 +234,7 @@ def _checkpointing_line(cfg: NightConfig, model_path: Path, settings, profile: s
     from jobs.training.load import load_for_training
     from jobs.training.models.synthetic import make_samples
     from jobs.training.optim import build_optimizer
+    from jobs.training.preference_probe import PairObjective
     from jobs.training.probe import probe_memory, timed_steps
 
     t = cfg.train
@@ -242,9 +246,11 @@ def _checkpointing_line(cfg: NightConfig, model_path: Path, settings, profile: s
             loaded = load_for_training(model_path, t, adapter=None, shape=shape,
                                        cache_dir=StatePaths(cfg.state_dir).models, max_vram_gb=settings.max_vram_gb)
             vocab, cap_len = len(loaded.tokenizer), min(t.max_seq_length, 2048)
-            optimizer = build_optimizer(loaded.model, t, loaded.optim, device=loaded.device)
+            objective = PairObjective.of(t)  # a preference night's steps (jobs/training/preference_probe.py)
+            optimizer = (objective.optimizer(loaded.model) if objective is not None
+                         else build_optimizer(loaded.model, t, loaded.optim, device=loaded.device))
             probe = probe_memory(loaded.model, make_samples("wiki", 8 * settings.probe_tokens, vocab=vocab,
-                                                            cap=cap_len), settings, optimizer)
+                                                            cap=cap_len), settings, optimizer, objective=objective)
         except Exception as e:  # said by the caller; the other ranks must hear of it before the next collective
             failed = e
         if group.agree(failed is not None)[0]:
@@ -253,7 +259,7 @@ def _checkpointing_line(cfg: NightConfig, model_path: Path, settings, profile: s
         tokens = group.smallest(probe.tokens_per_step or t.max_seq_length)  # [distributed] what every card holds
         data = make_samples(profile, 40 * tokens * group.world, vocab=vocab, cap=cap_len, seed=3)
         r = timed_steps(loaded.model, data, tokens, optimizer, seconds=seconds,
-                        group=group if group.world > 1 else None)
+                        group=group if group.world > 1 else None, objective=objective)
         return probe.memory, ShapeRate(tokens_per_step=tokens, gradient_checkpointing=True,
                                        tokens_per_second=r.tokens_per_second)
     finally:

@@ -22,6 +22,7 @@ from jobs.night.background import in_background
 from jobs.night.context import RunContext
 from jobs.night.intake import PlannedRun, token_cache
 from jobs.night.measure import EvalSets, build_sets, kept_before, measure_all, score_cache
+from jobs.night.preference import reference_kept
 from jobs.store.integrity import verified
 from jobs.store.paths import StatePaths
 from jobs.training.checkpoints import latest_checkpoint
@@ -54,7 +55,7 @@ def load_model_and_data(ctx: RunContext, planned: PlannedRun, tokenizer: Any) ->
     parent_path = (verified(ctx.registry, ledger, planned.parent, role="parent adapter")  # sha256 checked
                    if planned.parent else None)
     # a checkpoint continues only where the attempt before it kept what it is judged against: else start over
-    resume = latest_checkpoint(ctx.checkpoints) if kept_before(ctx) is not None else None
+    resume = latest_checkpoint(ctx.checkpoints) if kept_before(ctx) is not None and reference_kept(ctx) else None
     shape = planned.shape  # chosen at plan time from the memory free then (jobs/night/intake.py)
     import torch
 

@@ -75,8 +75,19 @@ def judge_preferences(verdict: GateResult, result: TrainResult) -> GateResult:
     return verdict
 
 
+def reference_kept(ctx: Any) -> bool:
+    """A preference run's checkpoint is continued only beside the reference its first attempt kept: the
+    version in service cannot be read back from a policy that has moved (else the run starts over from it)."""
+    if ctx.cfg.train.objective != "dpo":
+        return True
+    from jobs.training.preference import REFERENCE_FILE, read_reference
+
+    return read_reference(ctx.checkpoints / REFERENCE_FILE) is not None
+
+
 def train_pairs(ctx: Any, prep: Any, relay: Callable[[Any], None]) -> TrainResult:
     """DPO over the night's pairs; the summary filled as the supervised path fills it."""
+    from jobs.training.checkpoints import read_state
     from jobs.training.loop import TrainResult
     from jobs.training.loop_state import PreferenceDetail, TrainDetail
     from jobs.training.preference import REFERENCE_FILE, pair_margins, pairs_from_records, train_preference
@@ -90,22 +101,27 @@ def train_pairs(ctx: Any, prep: Any, relay: Callable[[Any], None]) -> TrainResul
     held_rows = ctx.ledger.samples_by_id(prep.heldout_ids)
     held, _ = pairs_from_records(loaded.tokenizer, [(r.id, r.record) for r in held_rows], **opts)
     tokens_per_step = max(prep.shape.tokens_per_step or 0, 2 * cfg.max_seq_length)  # a pair always fits a row
+    if prep.resume is not None:  # the rows are cut as the checkpoint's run cut them
+        tokens_per_step = read_state(prep.resume).tokens_per_step or tokens_per_step
     ctx.checkpoints.mkdir(parents=True, exist_ok=True)
-    before = pair_margins(loaded.model, held, loaded.device, tokens_per_step)
     with ctx.phase(Phase.train):
         res = train_preference(loaded.model, pairs, beta=cfg.dpo_beta, lr=cfg.learning_rate, epochs=cfg.epochs,
                                tokens_per_step=tokens_per_step, deadline=ctx.deadline, stop=ctx.stop,
                                device=loaded.device, clock=ctx.clock, emit=relay,
-                               reference_file=ctx.checkpoints / REFERENCE_FILE)
+                               reference_file=ctx.checkpoints / REFERENCE_FILE, heldout=held,
+                               ckpt_root=ctx.checkpoints, resume=prep.resume,
+                               checkpoint_every=cfg.checkpoint_every_seconds)
+    before = res.heldout_before  # the version in service's, kept from the run's first attempt
     after = pair_margins(loaded.model, held, loaded.device, tokens_per_step) if res.stopped != "signal" else []
     trained = set(res.trained_ids)
     tokens = sum(planned_tokens[i] for i in res.trained_ids) * cfg.epochs  # the plan's units
     result = TrainResult(
         trained_ids=res.trained_ids, tokens=tokens, seconds=res.seconds, steps=res.steps, mean_loss=res.mean_loss,
+        resumed_from_step=res.resumed_from, warmup_tokens=res.warmup_tokens, warmup_seconds=res.warmup_seconds,
         stopped=res.stopped if res.stopped in ("deadline", "signal") else None,  # type: ignore[arg-type]
         cut_ids=[i for i in ids if i not in trained], loss_curve=res.loss_curve,
         detail=TrainDetail(
-            objective="dpo", step_shape=prep.shape, batches_done=res.steps, batches=len(pairs),
+            objective="dpo", step_shape=prep.shape, batches_done=res.steps, batches=res.rows,  # a row a step
             preference=PreferenceDetail(
                 pairs=len(pairs), not_pairs=len(others), policy_tokens=res.tokens,
                 reference_seconds=res.reference_seconds, train_reward_accuracy=res.reward_accuracy,

@@ -9,9 +9,10 @@ when none is in service), so before the first update the policy *is* the referen
 are computed once, without grad, by the same model before it is stepped (TRL's precompute_ref_log_probs).
 Why not a second copy, or a second adapter switched in and out: no extra weights in memory and one
 reference forward per pair in all, instead of one per pair per epoch. They are written to the run's checkpoint
-directory, and a run killed and started again reads them back instead of computing them twice. (This loop
-writes no mid-run checkpoints yet: a killed preference run starts its training over from the version in
-service, with the same reference.)
+directory (with the held-out pairs' margins the gate compares with), and a run killed and started again reads them
+back: its policy has moved since. The run checkpoints as the supervised loop does (jobs/training/checkpoints.py:
+adapter, optimizer, position, rotated in whole, at its crash points), so a preference night killed mid-training
+resumes from its last checkpoint and trains every row of pairs once.
 
 Pairs are packed: the chosen and the rejected conversation of several pairs share one row (positions reset,
 so no sequence attends to another: jobs/training/packing.py), cut to `tokens_per_step` real tokens of both
@@ -26,20 +27,27 @@ be added as `objective` values over the same pairs and log-probabilities.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
+from pydantic import NonNegativeInt
 
 from jobs.contract import Emit, ProgressEvent
+from jobs.contract.crashpoints import reached
 from jobs.data.batching import IGNORE_INDEX, Batch, TokenizedSample
 from jobs.data.formats import RecordError
 from jobs.data.preference import is_pair, pair_messages
 from jobs.data.render import tokenize_record
+from jobs.store.files import PRIVATE_DIR, PRIVATE_FILE, fsync_dir, make_dir
+from jobs.training.checkpoints import save_checkpoint
+from jobs.training.loop import COUNTED, STEPPED
+from jobs.training.loop_state import LoopState
 from jobs.training.packing import pack
 
 log = structlog.get_logger("nightshift.train")
@@ -139,9 +147,62 @@ def reference_logps(model: Any, rows: Sequence[list[Pair]], device: Any) -> list
         model.train(was_training)
 
 
+class PreferenceState(LoopState):
+    """A preference run's position and counts, as its checkpoint keeps them (the loop's state, plus what the
+    training pairs' reward accuracy and margin are summed from). `next_batch` counts rows over all epochs."""
+
+    right: NonNegativeInt = 0  # stepped pairs whose implicit reward was higher for the chosen reply
+    margin_sum: float = 0.0
+    margin_n: NonNegativeInt = 0
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What the version in service said, computed once per run before the first step and kept beside the
+    checkpoints: every row's sequence log-probabilities, and the held-out pairs' margins (the gate's "before")."""
+
+    rows: list[Any]  # one tensor of [sequences] a row
+    heldout_before: list[float]
+    tokens_per_step: int  # the rows were cut at this size: a resume cuts them the same way
+
+
+def read_reference(path: Path, tokens_per_step: int | None = None) -> Reference | None:
+    """The kept reference, or None when it is missing, unreadable or cut at another size."""
+    import torch
+
+    try:
+        doc = torch.load(path, weights_only=True)
+        ref = Reference(rows=list(doc["rows"]), heldout_before=[float(x) for x in doc["heldout_before"]],
+                        tokens_per_step=int(doc["tokens_per_step"]))
+    except Exception as e:  # any damage means: computed again from the version in service
+        if path.exists():
+            log.warning("dpo_reference_unusable", file=str(path), problem=f"{type(e).__name__}: {e}")
+        return None
+    if tokens_per_step is not None and ref.tokens_per_step != tokens_per_step:
+        return None
+    return ref
+
+
+def write_reference(path: Path, ref: Reference) -> None:
+    """Private, fsynced, then renamed into place: a kill leaves the old file or the whole new one."""
+    import torch
+
+    make_dir(path.parent, PRIVATE_DIR)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save({"rows": ref.rows, "heldout_before": ref.heldout_before, "tokens_per_step": ref.tokens_per_step},
+                   f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, PRIVATE_FILE)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
 @dataclass
 class PreferenceResult:
-    """What a preference run did, in the units the night reports (jobs/night/candidate.py)."""
+    """What a preference run did, in the units the night reports (jobs/night/candidate.py), over all its
+    attempts (a resumed run's counts include what its checkpoint held)."""
 
     trained_ids: list[int]
     tokens: int  # real tokens of both replies, policy passes (what the plan's rate counts)
@@ -153,70 +214,133 @@ class PreferenceResult:
     mean_margin: float | None
     loss_curve: list[tuple[int, float]]
     reference_seconds: float = 0.0
+    heldout_before: list[float] = field(default_factory=list)
+    resumed_from: int = 0  # the row (over all epochs) this attempt began at: 0 unless resumed from a checkpoint
+    rows: int = 0  # rows over all epochs
+    warmup_tokens: int = 0  # chosen conversations' tokens of each attempt's first step (the plan's units)
+    warmup_seconds: float = 0.0
+
+
+def dpo_step(model: Any, batch: Batch, ref: Any, optimizer: Any, params: Sequence[Any], *, beta: float,
+             device: Any, max_grad_norm: float | None = 1.0) -> tuple[float, Any, Any]:
+    """One optimizer step of DPO on a packed row (sequence 2k chosen, 2k+1 rejected): its loss and the pairs'
+    implicit rewards. The night's loop and calibrate's timed steps both step through here."""
+    import torch
+
+    logps = sequence_logps(model, batch, device)
+    ref = ref.to(logps.device)
+    m = logps.shape[0] // 2 * 2  # calibrate's memory probe packs rows of any samples: an odd last one is unpaired
+    if m:
+        loss, rc, rr = dpo_loss(logps[0:m:2], logps[1:m:2], ref[0:m:2], ref[1:m:2], beta)
+    else:
+        loss, rc, rr = (logps * 0.0).sum(), logps[:0].detach(), logps[:0].detach()
+    loss.backward()
+    if max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach()), rc, rr
+
+
+def preference_optimizer(model: Any, lr: float) -> tuple[list[Any], Any, Any]:
+    """The trainable weights, AdamW over them and a constant schedule (what a checkpoint saves beside them)."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, fused=bool(params) and params[0].is_cuda)
+    return params, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
 
 
 def train_preference(model: Any, pairs: Sequence[Pair], *, beta: float, lr: float, epochs: int = 1,
                      tokens_per_step: int, deadline: float, stop: threading.Event, device: Any = "cpu",
                      clock: Callable[[], float] = time.time, emit: Emit = lambda _: None,
-                     max_grad_norm: float | None = 1.0, reference_file: Path | None = None) -> PreferenceResult:
+                     max_grad_norm: float | None = 1.0, reference_file: Path | None = None,
+                     heldout: Sequence[Pair] = (), ckpt_root: Path | None = None, resume: Path | None = None,
+                     checkpoint_every: float = 600.0) -> PreferenceResult:
     """DPO over `pairs` (in order, `epochs` times) until done, the deadline or `stop`. A pair counts as trained
-    once all its epochs ran. `reference_file`: where the reference log-probabilities are kept (read back when
-    it exists: a resumed run's policy has moved; written otherwise)."""
+    once all its epochs ran. `reference_file`: where the reference (and the held-out pairs' margins before the
+    first step) is kept: read back when it exists, written otherwise. `ckpt_root`: checkpoints every
+    `checkpoint_every` seconds and on a stop (jobs/training/checkpoints.py, the supervised loop's);
+    `resume`: the checkpoint this attempt continues from (its model already loaded from it), which trains
+    every later row once: the position, optimizer and counts come from it, the reference from the kept file."""
     import torch
 
     rows = list(pair_rows(pairs, tokens_per_step))
     t0 = clock()
-    if reference_file is not None and reference_file.exists():
-        refs = torch.load(reference_file)
-    else:
+    ref = read_reference(reference_file, tokens_per_step) if reference_file is not None else None
+    if ref is None or len(ref.rows) != len(rows):
+        if resume is not None:  # the policy has moved: the version in service cannot be read from it
+            raise ValueError(f"resuming from {resume} needs the reference kept beside it ({reference_file})")
         refs = reference_logps(model, rows, device)
+        ref_seconds = clock() - t0  # training time (the plan's rate counts it); the held-out margins are the gate's
+        ref = Reference(rows=refs, heldout_before=pair_margins(model, heldout, device, tokens_per_step),
+                        tokens_per_step=tokens_per_step)
         if reference_file is not None:
-            tmp = reference_file.with_suffix(".tmp")
-            torch.save(refs, tmp)
-            tmp.replace(reference_file)
-    ref_seconds = clock() - t0
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr)
+            write_reference(reference_file, ref)
+    else:
+        ref_seconds = clock() - t0
+    params, optimizer, scheduler = preference_optimizer(model, lr)
+    state = PreferenceState(next_batch=0, steps=0, tokens_per_step=tokens_per_step)
+    if resume is not None:
+        state = PreferenceState.model_validate_json((resume / "state.json").read_bytes())
+        opt = torch.load(resume / "optimizer.pt", map_location=device, weights_only=False)
+        optimizer.load_state_dict(opt["optimizer"])
+        scheduler.load_state_dict(opt["scheduler"])
+        log.info("resumed_from_checkpoint", checkpoint=str(resume), next_batch=state.next_batch,
+                 of=epochs * len(rows))
+    else:
+        state.seconds = ref_seconds
+    resumed_from, total = state.next_batch, epochs * len(rows)
     model.train()
-    steps, tokens, losses, curve, right, margins = 0, 0, [], [], 0, []
-    done_rows, stopped, last = 0, None, 0.0
-    for epoch in range(epochs):
-        for k, row in enumerate(rows):
-            if stop.is_set() or clock() + last >= deadline:  # a step that would end past the deadline: not begun
-                stopped = "signal" if stop.is_set() else "deadline"
-                break
-            began = clock()
-            batch = packed_row(row)
-            logps = sequence_logps(model, batch, device)
-            ref = refs[k].to(logps.device)
-            loss, rc, rr = dpo_loss(logps[0::2], logps[1::2], ref[0::2], ref[1::2], beta)
-            loss.backward()
-            if max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            steps += 1
-            last = clock() - began
-            tokens += batch.real_tokens
-            losses.append(float(loss.detach()))
-            curve.append((steps, losses[-1]))
-            right += int((rc > rr).sum())
-            margins += (rc - rr).tolist()
-            if epoch == epochs - 1:
-                done_rows = k + 1
-            spent = clock() - t0
-            emit(ProgressEvent(fraction=min(1.0, (epoch * len(rows) + k + 1) / (epochs * len(rows))), tokens=tokens,
-                               steps=steps, samples=sum(len(r) for r in rows[:k + 1]), loss=losses[-1],
-                               tokens_per_second=tokens / spent if spent > 0 else 0.0))
-        if stopped:
+    started, seconds_before, last_ckpt, stopped, last = clock(), state.seconds, clock(), None, 0.0
+    while state.next_batch < total:
+        g = state.next_batch
+        k = g % len(rows)
+        if stop.is_set() or clock() + last >= deadline:  # a step that would end past the deadline: not begun
+            stopped = "signal" if stop.is_set() else "deadline"
             break
-    trained = [p.sample_id for r in rows[:done_rows] for p in r]  # only rows whose last epoch ran
+        began = clock()
+        batch = packed_row(rows[k])
+        loss, rc, rr = dpo_step(model, batch, ref.rows[k], optimizer, params, beta=beta, device=device,
+                                max_grad_norm=max_grad_norm)
+        scheduler.step()
+        reached(STEPPED)
+        last = clock() - began
+        if g == resumed_from:  # each attempt's first step compiles: overhead, as the supervised loop counts it
+            state.warmup_seconds += last
+            state.warmup_tokens += sum(p.chosen.n_tokens for p in rows[k])  # the plan's units
+        state.next_batch, state.steps = g + 1, state.steps + 1
+        state.tokens += batch.real_tokens
+        state.loss_sum, state.loss_n = state.loss_sum + loss, state.loss_n + 1
+        state.loss_curve.append((state.steps, loss))
+        state.right += int((rc > rr).sum())
+        state.margin_sum += float((rc - rr).sum())
+        state.margin_n += len(rc)
+        state.seconds = seconds_before + (clock() - started)
+        reached(COUNTED)
+        if ckpt_root is not None and clock() - last_ckpt >= checkpoint_every and state.next_batch < total:
+            saving = clock()
+            save_checkpoint(ckpt_root, model, optimizer, scheduler, state)
+            last_ckpt = clock()
+            state.checkpoints += 1
+            state.checkpoint_seconds += last_ckpt - saving
+        spent = state.seconds
+        emit(ProgressEvent(fraction=state.next_batch / total, tokens=state.tokens, steps=state.steps,
+                           samples=sum(len(r) for r in rows[:k + 1]), loss=loss,
+                           tokens_per_second=state.tokens / spent if spent > 0 else 0.0))
+    if stopped == "signal" and ckpt_root is not None and state.next_batch > resumed_from:
+        save_checkpoint(ckpt_root, model, optimizer, scheduler, state)
+        log.info("checkpoint_saved_on_stop", next_batch=state.next_batch, of=total)
+    done_rows = max(0, state.next_batch - (epochs - 1) * len(rows))  # rows whose last epoch ran
+    trained = [p.sample_id for r in rows[:done_rows] for p in r]
     return PreferenceResult(
-        trained_ids=trained, tokens=tokens, seconds=clock() - t0, steps=steps,
-        mean_loss=sum(losses) / len(losses) if losses else None, stopped=stopped,
-        reward_accuracy=right / len(margins) if margins else None,
-        mean_margin=sum(margins) / len(margins) if margins else None, loss_curve=curve,
-        reference_seconds=ref_seconds)
+        trained_ids=trained, tokens=state.tokens, seconds=state.seconds, steps=state.steps,
+        mean_loss=state.loss_sum / state.loss_n if state.loss_n else None, stopped=stopped,
+        reward_accuracy=state.right / state.margin_n if state.margin_n else None,
+        mean_margin=state.margin_sum / state.margin_n if state.margin_n else None,
+        loss_curve=list(state.loss_curve), reference_seconds=ref_seconds if resume is None else 0.0,
+        heldout_before=list(ref.heldout_before), resumed_from=resumed_from, rows=total,
+        warmup_tokens=state.warmup_tokens, warmup_seconds=state.warmup_seconds)
 
 
 def pair_margins(model: Any, pairs: Sequence[Pair], device: Any, tokens_per_step: int = 4096) -> list[float]:

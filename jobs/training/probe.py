@@ -48,9 +48,10 @@ class ProbeResult:
 
 
 def probe_memory(model: Any, samples: Sequence[TokenizedSample], settings: ProbeSettings, optimizer: Any,
-                 on_step: OnStep = lambda *_: None) -> ProbeResult:
+                 on_step: OnStep = lambda *_: None, objective: Any = None) -> ProbeResult:
     """Probe steps -> memory line -> token budget under the cap. The second probe is never larger
-    than the first one's line says fits: probing must respect the limit too."""
+    than the first one's line says fits: probing must respect the limit too. `objective`: another step
+    than the supervised one (jobs/training/preference_probe.py: a preference night's); None: train_step."""
     import torch
 
     probes: list[MemoryProbe] = []
@@ -76,7 +77,7 @@ def probe_memory(model: Any, samples: Sequence[TokenizedSample], settings: Probe
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        st = train_step(model, b, optimizer)
+        st = objective.step(model, b, optimizer) if objective is not None else train_step(model, b, optimizer)
         peak, peak_allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
         if k:
             probes.append(MemoryProbe(b.real_tokens, float(peak)))
@@ -142,7 +143,8 @@ class StepWindow(Protocol):
 
 def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step: int, optimizer: Any, *,
                 warmup: int = 3, max_steps: int | None = None, seconds: float = 30.0, group: Any = None,
-                max_warmup: int = 12, warmup_seconds: float = 0.0, window: StepWindow | None = None) -> Throughput:
+                max_warmup: int = 12, warmup_seconds: float = 0.0, window: StepWindow | None = None,
+                objective: Any = None) -> Throughput:
     """Packed steps at the budget: at least `warmup` untimed and `warmup_seconds` of them, more (up to
     `max_warmup`) until two steps in a row take the same time per token within SETTLED, then `seconds`
     timed (or `max_steps`, if given, first), the samples' rows reused as often as that takes: a cap of 30
@@ -156,11 +158,13 @@ def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step:
 
     [distributed] `group` (jobs.training.ranks.collectives): each step is one row per rank, the end of the
     warm-up and of the window is decided together, and the tokens are the global step's: tokens/s for
-    this count of cards."""
+    this count of cards. `objective` (one process): its own rows and step, and the tokens it counts
+    (jobs/training/preference_probe.py); None: packed rows, train_step."""
     import torch
 
     world = group.world if group is not None else 1
-    rows = list(packed_batches(samples, tokens_per_step=tokens_per_step))
+    rows = (objective.rows(samples, tokens_per_step) if objective is not None
+            else list(packed_batches(samples, tokens_per_step=tokens_per_step)))
     steps = [rows[k: k + world] for k in range(0, len(rows) - world + 1, world)]  # one row per rank
     if not steps:
         raise ValueError(f"not one step of {tokens_per_step} tokens for {world} rank(s) in the samples")
@@ -171,7 +175,9 @@ def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step:
     last = None  # seconds per token of the previous warm-up step
     for k in itertools.count():
         step = steps[k % len(steps)]
-        st = group.step(model, step, optimizer) if group is not None else train_step(model, step[0], optimizer)
+        st = (group.step(model, step, optimizer) if group is not None
+              else objective.step(model, step[0], optimizer) if objective is not None
+              else train_step(model, step[0], optimizer))
         if started is None:
             warm += 1
             per_token = st.seconds / max(1, st.tokens)
@@ -220,7 +226,7 @@ def time_profiles(model: Any, optimizer: Any, tokens_per_step: int, profiles: Se
                   seconds: float, group: Any = None, before: Callable[[int, str, dict[str, Throughput]], None] =
                   lambda *_: None, window: Callable[[str], StepWindow | None] = lambda _: None,
                   seed: int = PROFILE_SEED, prompt_share: float = 0.0, pool: Sequence[int] | None = None,
-                  first_warmup_seconds: float = PROCESS_WARMUP_SECONDS) -> dict[str, Throughput]:
+                  first_warmup_seconds: float = PROCESS_WARMUP_SECONDS, objective: Any = None) -> dict[str, Throughput]:
     """The timed windows of a calibration, one per length profile at one step shape: `nightshift calibrate` and
     the benchmark's `ours` rows both measure through here, so the two cannot disagree by method. The first
     profile's window waits out the process's warm-up: on an H200 (8B) a 10-s window right after two steps in a
@@ -230,7 +236,8 @@ def time_profiles(model: Any, optimizer: Any, tokens_per_step: int, profiles: Se
     its first third ran at ~15k while kernels were still being tuned.
     `before(i, profile, rates so far)` runs ahead of each window (progress, peak-memory resets); `window(profile)`
     watches one (energy). `first_warmup_seconds`: 0 where the process already ran (the benchmark's MoE rows,
-    one call a profile). [distributed] `group`: global steps, one row per rank."""
+    one call a profile). [distributed] `group`: global steps, one row per rank. `objective`: a preference
+    night's steps (jobs/training/preference_probe.py); None: the supervised step."""
     world = group.world if group is not None else 1
     rates: dict[str, Throughput] = {}
     for i, p in enumerate(profiles):
@@ -238,7 +245,8 @@ def time_profiles(model: Any, optimizer: Any, tokens_per_step: int, profiles: Se
         data = profile_samples(p, tokens_per_step, vocab=vocab, cap=cap, world=world, seed=seed,
                                prompt_share=prompt_share, pool=pool)
         rates[p] = timed_steps(model, data, tokens_per_step, optimizer, seconds=seconds, group=group,
-                               warmup_seconds=0.0 if i else first_warmup_seconds, window=window(p))
+                               warmup_seconds=0.0 if i else first_warmup_seconds, window=window(p),
+                               objective=objective)
     return rates
 
 

@@ -174,3 +174,13 @@ def test_the_journal_is_rotated_and_a_restart_holds_the_newest(tmp_path):
         assert list(again.held) == [f"c{i}" for i in range(95, 100)]
     finally:
         again.close()
+
+
+def test_the_served_version_is_read_from_the_name_the_hot_swap_serves_it_under():
+    """vLLM answers with the name the night loaded the adapter under (`tiny-v0001-<digest>`: found against the real
+    vLLM, where every capture recorded version None)."""
+    from jobs.capture.store import served_version
+
+    assert served_version("tiny-v0001-a3d8a651") == 1 and served_version("tiny-v0007") == 7
+    assert served_version("/models/base") is None and served_version(None) is None
+    assert served_version("tiny-v0001-shadow") is None  # not a version's served name

@@ -108,3 +108,22 @@ def test_dpo_on_several_processes_is_refused_by_name():
 
     with pytest.raises(ValueError, match="gpus = 1"):
         TrainConfig(objective="dpo", gpus=2)
+
+
+def test_the_first_step_of_an_attempt_is_warm_up_in_the_plans_units(lora_model, tokenizer):
+    """A first step compiles (Unsloth compiles each block on its first forward): its seconds and its pairs' chosen
+    tokens are the run's warm-up, which the recorded rate leaves out and the plan adds back, as the supervised
+    loop's (jobs/night/publish.py close_run)."""
+    pairs = _pairs(tokenizer, 6)
+    now = [0.0]
+
+    def clock():
+        now[0] += 1.0
+        return now[0]
+
+    budget = pairs[0].n_tokens * 2
+    res = train_preference(lora_model, pairs, beta=0.1, lr=1e-3, tokens_per_step=budget, deadline=float("inf"),
+                           stop=threading.Event(), clock=clock)
+    first = next(pair_rows(pairs, budget))
+    assert res.warmup_tokens == sum(p.chosen.n_tokens for p in first) > 0
+    assert 0 < res.warmup_seconds < res.seconds

@@ -65,17 +65,6 @@ def test_preference_pairs_trained_are_counted():
     assert reg.get_sample_value("nightshift_preference_pairs_trained_total") == 7
 
 
-def test_calibrate_refuses_to_record_a_supervised_rate_for_a_preference_night(night_env, tmp_path, capsys):
-    from jobs.contract import ExitCode
-    from jobs.night.calibrate import main
-
-    _, make = night_env
-    cfg = tmp_path / "night.json"
-    cfg.write_text(make(train={"objective": "dpo"}).model_dump_json())
-    assert main(["--out", str(tmp_path / "out"), "--config", str(cfg)]) == ExitCode.USAGE
-    assert "objective" in capsys.readouterr().err and not (tmp_path / "state" / "ledger.sqlite").exists()
-
-
 def test_a_dpo_night_that_breaks_the_regression_set_is_not_promoted(night_env):
     inbox, make = night_env
     write_jsonl(inbox / "sft.jsonl", [alpaca(i) for i in range(200, 260)])  # 12 held out: tomorrow's regression set
