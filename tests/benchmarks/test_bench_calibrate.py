@@ -41,7 +41,7 @@ class _Process:
 
 
 def _fake_probe(process: _Process):
-    def probe_memory(model, samples, settings, optimizer, on_step=lambda *_: None):
+    def probe_memory(model, samples, settings, optimizer, on_step=lambda *_: None, objective=None):
         for _ in range(3):  # the probe's three steps, as the real one takes
             b = probe._fill(iter(samples), BUDGET)
             on_step(process.step(model, b, optimizer), b)
