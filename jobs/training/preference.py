@@ -291,6 +291,16 @@ def train_preference(model: Any, pairs: Sequence[Pair], *, beta: float, lr: floa
     else:
         state.seconds = ref_seconds
     resumed_from, total = state.next_batch, epochs * len(rows)
+    # progress in the plan's units (the chosen conversations' tokens), as the summary and the plan count them:
+    # counting both replies showed twice the tokens and twice the rate of the summary (RESULTS.md: 2026-11-28,
+    # 8B DPO night)
+    chosen = [0]
+    for r in rows:
+        chosen.append(chosen[-1] + sum(p.chosen.n_tokens for p in r))
+
+    def plan_tokens(done: int) -> int:
+        return done // len(rows) * chosen[-1] + chosen[done % len(rows)] if rows else 0
+
     model.train()
     started, seconds_before, last_ckpt, stopped, last = clock(), state.seconds, clock(), None, 0.0
     while state.next_batch < total:
@@ -324,10 +334,12 @@ def train_preference(model: Any, pairs: Sequence[Pair], *, beta: float, lr: floa
             last_ckpt = clock()
             state.checkpoints += 1
             state.checkpoint_seconds += last_ckpt - saving
-        spent = state.seconds
-        emit(ProgressEvent(fraction=state.next_batch / total, tokens=state.tokens, steps=state.steps,
-                           samples=sum(len(r) for r in rows[:k + 1]), loss=loss,
-                           tokens_per_second=state.tokens / spent if spent > 0 else 0.0))
+        spent, done = state.seconds, plan_tokens(state.next_batch)
+        per_step = (clock() - started) / (state.next_batch - resumed_from)  # this attempt's steps so far
+        emit(ProgressEvent(fraction=state.next_batch / total, tokens=done, planned_tokens=plan_tokens(total),
+                           steps=state.steps, samples=sum(len(r) for r in rows[:k + 1]), loss=loss,
+                           tokens_per_second=done / spent if spent > 0 else 0.0,
+                           eta=time.time() + (total - state.next_batch) * per_step))
     if stopped == "signal" and ckpt_root is not None and state.next_batch > resumed_from:
         save_checkpoint(ckpt_root, model, optimizer, scheduler, state)
         log.info("checkpoint_saved_on_stop", next_batch=state.next_batch, of=total)

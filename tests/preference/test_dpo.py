@@ -127,3 +127,18 @@ def test_the_first_step_of_an_attempt_is_warm_up_in_the_plans_units(lora_model, 
     first = next(pair_rows(pairs, budget))
     assert res.warmup_tokens == sum(p.chosen.n_tokens for p in first) > 0
     assert 0 < res.warmup_seconds < res.seconds
+
+
+def test_progress_counts_the_plans_units_as_the_summary_does(lora_model, tokenizer):
+    """The progress line of a preference night counted both replies: an 8B night showed 982 k tokens at 10 k tok/s
+    while its summary and plan said 493 k at 5.1 k (RESULTS.md: 2026-11-28, 8B DPO night). Progress now counts the
+    chosen conversations' tokens, two epochs included, and ends at the planned total with an ETA."""
+    pairs = _pairs(tokenizer, 6)
+    seen = []
+    budget = pairs[0].n_tokens * 2
+    res = train_preference(lora_model, pairs, beta=0.1, lr=1e-3, epochs=2, tokens_per_step=budget,
+                           deadline=float("inf"), stop=threading.Event(), emit=seen.append)
+    per_epoch = sum(p.chosen.n_tokens for p in pairs)
+    assert [e.tokens for e in seen] == sorted(e.tokens for e in seen)
+    assert seen[-1].tokens == seen[-1].planned_tokens == 2 * per_epoch < res.tokens  # res.tokens: both replies
+    assert all(e.eta is not None for e in seen) and seen[-1].fraction == 1.0
