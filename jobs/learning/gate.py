@@ -37,9 +37,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from jobs.contract import GateCheck, GateResult, Losses
 
-EvalSet = Literal["heldout", "regression", "canary"]
+EvalSet = Literal["heldout", "regression", "retention", "canary"]
 Metric = Literal["loss", "perplexity", "token_accuracy", "exact_match"]
 Against = Literal["service", "reference", "base"]
+SliceBy = Literal["source", "night"]
+SLICED: tuple[EvalSet, ...] = ("regression", "retention")  # the data sets whose samples carry a night and source
 HIGHER_IS_BETTER = {"token_accuracy", "exact_match"}  # loss and perplexity: lower is better
 # where each anchor's figures are in the metrics ("<data>_<stage>")
 STAGE = {"service": "before", "reference": "reference", "base": "base"}
@@ -50,7 +52,8 @@ class GateRule(BaseModel):
 
     ```toml
     [[eval.gate]]
-    data = "regression"       # heldout (tonight's, pooled) | regression (earlier nights') | canary (a file)
+    data = "regression"       # heldout (tonight's, pooled) | regression (earlier nights' held-out)
+                              # | retention (what the reference was trained on) | canary (a file)
     metric = "exact_match"    # loss | perplexity | token_accuracy | exact_match (of the reply)
     against = "reference"     # service (per night) | reference (best promoted so far: cumulative) | base
     max_worse = 0.05          # may drop by at most 0.05 (5 points of exact match)
@@ -104,10 +107,12 @@ DEFAULT_MAX_WORSE = 0.03  # 3 points of exact match / token accuracy, and beyond
 
 def default_rules() -> list[GateRule]:
     """On the user's own data only: the regression set per night (against the adapter in service) and
-    cumulatively (against the reference, the best measured), and tonight's held-out per night."""
+    cumulatively (against the reference, the best measured), tonight's held-out per night, and what the
+    reference was trained on (retention) cumulatively."""
     rules = [GateRule(data="regression", metric=metric, against=against, max_worse=DEFAULT_MAX_WORSE)
              for against in ("service", "reference") for metric in ("exact_match", "token_accuracy")]
-    return [*rules, GateRule(data="heldout", metric="exact_match", max_worse=DEFAULT_MAX_WORSE)]
+    return [*rules, GateRule(data="heldout", metric="exact_match", max_worse=DEFAULT_MAX_WORSE),
+            GateRule(data="retention", metric="exact_match", against="reference", max_worse=DEFAULT_MAX_WORSE)]
 
 
 class EvalConfig(BaseModel):
@@ -129,6 +134,9 @@ class EvalConfig(BaseModel):
                                 "it beyond chance at this level; None: decide on the point figures alone")
     heldout_pool: int = Field(64, ge=0, description="tonight's held-out samples are topped up to this many with "
                               "the most recent earlier nights' held-out samples")
+    retention_samples: int = Field(
+        256, ge=0, description="samples the reference was trained on (earlier nights', not tonight's), round-robin "
+        "over nights and sources, that the candidate must still answer: the `retention` data set (0: not measured)")
     kl_samples: int = Field(64, ge=0, description="tonight's samples the candidate's KL divergence from the "
                             "adapter in service is measured on (0: not measured)")
     max_regression_increase_pct: float | None = Field(
@@ -141,6 +149,14 @@ class EvalConfig(BaseModel):
     min_eval_samples: int = Field(8, ge=1, description="a set with fewer samples is 'not evaluated'")
     regression_per_slice: int = Field(
         32, ge=0, description="held-out samples of one night and one source kept in the regression set")
+    slice_max_drop: float | None = Field(
+        0.10, ge=0, le=1, description="no earlier slice of the regression set may lose more exact match than this "
+        "against the reference, beyond chance (the paired test on the slice's own samples); None: not checked")
+    slice_by: SliceBy = Field("source", description="what a slice is: `source` (every night of one source), "
+                              "`night` (one night's samples of one source)")
+    min_slice_samples: int = Field(
+        16, ge=1, description="a slice with fewer samples is not checked on its own (it still counts in the "
+        "pooled rules): a few samples flip by chance")
 
     @model_validator(mode="after")
     def _regression_set_is_the_canary(self) -> EvalConfig:
@@ -174,12 +190,13 @@ PerSample = Mapping[str, Mapping[int, Scored]]  # "<data>_<stage>" -> sample id 
 
 
 def gate(losses: Losses, cfg: EvalConfig, metrics: Measured | None = None, *,
-         not_evaluated: dict[str, str] | None = None, per_sample: PerSample | None = None) -> GateResult:
+         not_evaluated: dict[str, str] | None = None, per_sample: PerSample | None = None,
+         slices: Mapping[int, str] | None = None) -> GateResult:
     """Promote only if every rule passes. `metrics` maps "<data>_<stage>" to {"loss", "perplexity",
     "token_accuracy", "exact_match"}; without it the losses alone serve the rules against the service.
     `per_sample`: the scores behind them, for the paired test (without: the point figures decide).
     A rule whose data is missing or not evaluated is skipped (and recorded so) unless `required`:
-    then it fails."""
+    then it fails. `slices`: regression sample id -> "<night>/<source>", for the per-slice checks."""
     checks = []
     for rule in cfg.rules():
         before = _value(rule, STAGE[rule.against], losses, metrics)
@@ -200,7 +217,53 @@ def gate(losses: Losses, cfg: EvalConfig, metrics: Measured | None = None, *,
             if check.passed:
                 check.rule += f"; the drop is within chance (p={p:.3g} >= {cfg.alpha:g}, {len(pairs)} samples)"
         checks.append(check)
+    checks += slice_checks(cfg, per_sample, slices)
     return GateResult(passed=all(c.passed for c in checks), checks=checks)
+
+
+def _slice_check(cfg: EvalConfig, data: EvalSet, name: str, pairs: list[tuple[float, float]]) -> GateCheck:
+    rule = GateRule(data=data, metric="exact_match", against="reference", max_worse=cfg.slice_max_drop)
+    before, after = (sum(p[i] for p in pairs) / len(pairs) for i in (0, 1))
+    label = f"{data}[{name}].exact_match vs reference"
+    if len(pairs) < cfg.min_slice_samples:
+        return GateCheck(name=label, against="reference", before=before, after=after, change=after - before,
+                         change_pct=None, rule=rule.describe(), passed=True, paired=len(pairs),
+                         skipped=f"{len(pairs)} samples < min_slice_samples {cfg.min_slice_samples}")
+    check = _check(rule, before, after).model_copy(update={"name": label, "paired": len(pairs)})
+    if not check.passed and cfg.alpha is not None:
+        p = p_worse("exact_match", pairs)
+        check = check.model_copy(update={"p_value": p, "passed": p >= cfg.alpha})
+        if check.passed:
+            check.rule += f"; the drop is within chance (p={p:.3g} >= {cfg.alpha:g}, {len(pairs)} samples)"
+    return check
+
+
+def slice_key(label: str, by: SliceBy) -> str:
+    """A regression sample's slice under `[eval] slice_by`, from its "<night>/<source>" label."""
+    night, _, source = label.partition("/")
+    return source or night if by == "source" else label
+
+
+def slice_checks(cfg: EvalConfig, per_sample: PerSample | None, slices: Mapping[int, str] | None) -> list[GateCheck]:
+    """No earlier slice may drop beyond `slice_max_drop` against the reference, beyond chance.
+
+    The pooled regression rules average over every slice: a task whose files are a fifth of the set can
+    lose 15 points while the pooled figure loses 3. Each slice (a source, or one night of one source) with
+    at least `min_slice_samples` samples scored under both models is judged alone: its exact-match drop
+    against the reference, the exact sign test on its own samples deciding whether the drop is beyond
+    chance (`alpha`). Smaller slices are listed as skipped: two flips in five samples are noise."""
+    if cfg.slice_max_drop is None or not per_sample or not slices:
+        return []
+    out = []
+    for data in SLICED:
+        ref, cand = per_sample.get(f"{data}_reference") or {}, per_sample.get(f"{data}_after") or {}
+        groups: dict[str, list[tuple[float, float]]] = {}
+        for sid, label in slices.items():
+            if sid in ref and sid in cand:
+                groups.setdefault(slice_key(label, cfg.slice_by), []).append(
+                    (float(ref[sid].exact), float(cand[sid].exact)))
+        out += [_slice_check(cfg, data, name, pairs) for name, pairs in sorted(groups.items())]
+    return out
 
 
 def _within_limit(rule: GateRule, after: float) -> bool:
