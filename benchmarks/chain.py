@@ -165,6 +165,17 @@ def parse_set(items: Sequence[str]) -> dict[str, dict[str, Any]]:
     return over
 
 
+def write(args: argparse.Namespace, info: dict[str, Any], sections: dict[str, Any], over: dict[str, Any],
+          results: dict[str, list[dict[str, Any]]]) -> str:
+    table = report(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "chain.json").write_text(json.dumps(
+        {"machine": info, "load_average_at_end": os.getloadavg(), "per_night": args.per_night,
+         "config": str(args.config), "sections": sections, "set": over, "test_prompts_per_task":
+         args.test_per_key * 12, "table": table, "results": results}, indent=2, default=str))
+    return table
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.chain", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "results" / f"cpu-{date.today():%Y-%m-%d}")
@@ -203,13 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 test_per_key=args.test_per_key,
                 on_night=lambda r: print(f"  night {r['night']} ({r['task']} {r['wrong']}): {cell(r)} "
                                          f"{r['outcome']} {r['seconds']} s {r['failed']}", flush=True))
-    table = report(results)
+            write(args, info, sections, over, results)  # after every chain: a long run can be read as it goes
+    table = write(args, info, sections, over, results)
     print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "chain.json").write_text(json.dumps(
-        {"machine": info, "load_average_at_end": os.getloadavg(), "per_night": args.per_night,
-         "config": str(args.config), "sections": sections, "set": over, "test_prompts_per_task":
-         args.test_per_key * 12, "table": table, "results": results}, indent=2, default=str))
     print(f"written: {args.out / 'chain.json'}")
     return 0
 

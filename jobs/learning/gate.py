@@ -103,6 +103,10 @@ class GateRule(BaseModel):
 
 
 DEFAULT_MAX_WORSE = 0.03  # 3 points of exact match / token accuracy, and beyond chance (the paired test)
+# Prompts the model was trained on show less of a loss than unseen ones: on the noisy chain (benchmarks/chain.py)
+# a candidate 5.0 points worse on 240 unseen prompts was 4.1 points worse on its reference's trained samples,
+# one 4.2 points worse 2.6. Two points there hold the unseen figure within about three.
+RETENTION_MAX_WORSE = 0.02
 
 
 def default_rules() -> list[GateRule]:
@@ -112,7 +116,7 @@ def default_rules() -> list[GateRule]:
     rules = [GateRule(data="regression", metric=metric, against=against, max_worse=DEFAULT_MAX_WORSE)
              for against in ("service", "reference") for metric in ("exact_match", "token_accuracy")]
     return [*rules, GateRule(data="heldout", metric="exact_match", max_worse=DEFAULT_MAX_WORSE),
-            GateRule(data="retention", metric="exact_match", against="reference", max_worse=DEFAULT_MAX_WORSE)]
+            GateRule(data="retention", metric="exact_match", against="reference", max_worse=RETENTION_MAX_WORSE)]
 
 
 class EvalConfig(BaseModel):
