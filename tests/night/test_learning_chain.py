@@ -60,7 +60,7 @@ def test_a_two_task_chain_keeps_task_a_rejects_a_wrong_night_and_learns_task_b(t
     assert "regression.exact_match" in wrong["failed"]
     # what the reference was trained on (nights 1-3), scored under both: the retention rule sees it too
     [ret] = [c for c in wrong["checks"] if c["name"] == "retention.exact_match vs reference"]
-    assert not ret["passed"] and ret["paired"] >= 100 and ret["after"] < ret["before"] - 0.5
+    assert not ret["passed"] and ret["paired"] >= 100 and ret["after"] < ret["before"] - 0.3
     # its file was scored and blamed: held out of the plans (status 'rejected'), one fault counted with the reason
     assert state[4]["wrong"] and all(st == "rejected" and n == 1 and "file v4: regression" in why
                                      for st, n, why in state[4]["wrong"])
