@@ -18,8 +18,15 @@ answers and the other does not (exact match), a one-sided normal bound of the me
 difference otherwise. A drop of two answers on eight samples is noise; the same share of 200 is not.
 
 The defaults only read the user's own data: tonight's held-out samples (topped up with earlier
-nights' held-out samples where one night has few, `heldout_pool`) and the regression set grown from
-the user's earlier nights. A file of the operator's (`canary_set`) is measured and shown; it gates
+nights' held-out samples where one night has few, `heldout_pool`), the regression set grown from
+the user's earlier nights, and the retention set: samples the reference was trained on (not tonight's),
+that the candidate must still answer. A few held-out samples a night cannot show a 5-point loss (on the
+noisy chain of benchmarks/chain.py a candidate 5 points worse on 240 unseen prompts lost 0 of 35
+regression samples and was promoted); the samples its reference was trained on show it (29 of 603 lost,
+4 won). Each slice of the
+regression and retention sets (a source, `[eval] slice_by`) is also judged alone (`slice_max_drop`,
+from `min_slice_samples`): a drop confined to one source is not averaged away by the others.
+A file of the operator's (`canary_set`) is measured and shown; it gates
 only with `canary_max_drop`. Loss percentages are opt-in: a learned answer's loss is near zero
 (~0.02 nats), where a percentage of it is noise; and a loss over records the user never gave rises
 as the adapter specialises (the shipped `max_regression_increase_pct = 5` refused every night of a
