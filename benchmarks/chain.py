@@ -15,8 +15,9 @@ noise).
 
     OMP_NUM_THREADS=1 python -m benchmarks.chain --out /tmp/chain-$(date +%F) --draws 3
 
-prints a Markdown table (exact match of A / B after each night, ✗ where the night was not promoted,
-per chain and draw) and writes chain.json there (every night's gate checks and figures).
+prints a Markdown table (exact match of A / B in service after each night; ✗ where the night was not
+promoted, with what its refused candidate scored; per chain and draw) and writes chain.json there
+(every night's gate checks and figures).
 `--set eval.heldout_pool=128` changes one key for an experiment (recorded in chain.json).
 """
 
@@ -116,6 +117,9 @@ def run_chain(workdir: Path, model: Path, schedule: Sequence[tuple[Task, int]], 
                "train_loss": s.losses.train,
                "regression": {k: s.metrics.get(f"regression_{k}") for k in ("before", "after", "reference")},
                "exact_match": greedy.exact_match(model, current.resolve() if current.exists() else None, tests)}
+        candidate = workdir / "state" / "adapters" / f"chain-v{s.version:04d}" if s.version else None
+        if not s.promoted and candidate is not None and candidate.is_dir():  # what the gate refused: was it worse?
+            row["candidate_exact_match"] = greedy.exact_match(model, candidate, tests)
         rows.append(row)
         if on_night:
             on_night(row)
@@ -125,6 +129,9 @@ def run_chain(workdir: Path, model: Path, schedule: Sequence[tuple[Task, int]], 
 def cell(row: dict[str, Any]) -> str:
     em = row["exact_match"]
     mark = "" if row["promoted"] else " ✗"  # rejected: the adapter in service did not change
+    refused = row.get("candidate_exact_match")
+    if refused:
+        mark += f" (refused: {refused['A'] * 100:.1f} / {refused['B'] * 100:.1f})"
     return f"{em['A'] * 100:.1f} / {em['B'] * 100:.1f}{mark}"
 
 
