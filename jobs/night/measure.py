@@ -5,7 +5,8 @@ the most recent earlier nights' held-out samples: one night's 5 % is often a han
 on 8 samples is noise), `regression` (the held-out slices of earlier promoted nights from the ledger,
 round-robin under `max_eval_samples`: the user's own data only), `retention` (samples the reference
 version was trained on, not tonight's: what the best version learned; a few held-out samples a night
-cannot show a 5-point loss, 256 trained ones can -- benchmarks/chain.py) and `canary` (the operator's fixed
+cannot show a 5-point loss, 256 trained ones can -- benchmarks/chain.py), `tonight` (tonight's new training
+samples: whether the night learned something the service did not know) and `canary` (the operator's fixed
 file, `[eval] canary_set`, measured apart so that records the user never gave cannot outweigh the
 user's). A set with fewer than `min_eval_samples` samples is not evaluated, and says why. Every
 stage's per-sample scores are kept for the gate's paired test, and the candidate's KL divergence from
@@ -66,6 +67,7 @@ class EvalSets:
     owed: list[str] = field(default_factory=list)  # stages measured after training by swapping weights in
     canary: list[TokenizedSample] = field(default_factory=list)  # the operator's file
     retention: list[TokenizedSample] = field(default_factory=list)  # what the reference was trained on
+    tonight: list[TokenizedSample] = field(default_factory=list)  # tonight's new training samples: what it learned
     kl_set: list[TokenizedSample] = field(default_factory=list)  # tonight's samples the KL is measured on
     per_sample: dict[str, dict[int, evaluate.SampleScore]] = field(default_factory=dict)  # "<data>_<stage>"
     view: drift.View = field(default_factory=dict)  # the candidate's distributions on kl_set
@@ -110,7 +112,7 @@ def build_sets(ctx: RunContext, tokenizer: Any, heldout_ids: list[int], parent: 
     log.info("eval_sets", heldout=len(heldout), pooled=len(pooled), regression=len(regression), canary=len(canary),
              retention=len(retention), seconds=round(time.monotonic() - started, 2))
     return EvalSets(heldout, regression, cache, slices, ref, ref_path, parent, service_path, canary=canary,
-                    retention=retention, kl_set=kl_set)
+                    retention=retention, tonight=list(new_samples or [])[: cfg.eval.learning_samples], kl_set=kl_set)
 
 
 def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
@@ -124,7 +126,7 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
         sets.owed = [str(x) for x in saved.get("owed", [])]  # an older night's file: everything was measured
         return saved["metrics"], saved["slices"]
     sized = _sized(ctx, {"heldout": sets.heldout, "regression": sets.regression, "canary": sets.canary,
-                         "retention": sets.retention})
+                         "retention": sets.retention, "tonight": sets.tonight})
     model = loaded.model
     measured: Measured = {}
     slices: dict[str, dict[str, Any]] = {}

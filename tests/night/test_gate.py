@@ -298,6 +298,17 @@ def test_a_five_point_loss_the_held_out_slices_cannot_see_is_refused_on_what_the
     assert not result.passed and result.failed().startswith("retention.exact_match vs reference 1 -> 0.9492")
     [check] = [c for c in result.checks if c.name == "retention.exact_match vs reference"]
     assert check.p_value == pytest.approx(0.5**13) and check.paired == 256
+    # a night that learns something new (its own samples answered 25 points better than by the service) may
+    # cost the old ones up to 10 points, for a night; the same night learning nothing new may not
+    learned = {**metrics, "tonight_before": em(0.0, 64), "tonight_after": em(0.9, 64)}
+    result = gate(losses(), EvalConfig(), learned, per_sample=per)
+    [check] = [c for c in result.checks if c.name == "retention.exact_match vs reference"]
+    assert result.passed and check.passed and check.rule.endswith("on a night that learns); tonight learned")
+    same = {**metrics, "tonight_before": em(0.85, 64), "tonight_after": em(0.95, 64)}  # noise memorised: +10
+    assert not gate(losses(), EvalConfig(), same, per_sample=per).passed
+    much = {**learned, "retention_after": em(0.8, 256)}
+    much_per = {**per, "retention_after": scores([True] * 205 + [False] * 51)}
+    assert not gate(losses(), EvalConfig(), much, per_sample=much_per).passed  # 20 points: too much even so
     # the same share of a handful is noise, and no retention set (no reference yet) is no check
     metrics |= {"retention_reference": em(1.0, 20), "retention_after": em(0.95, 20)}
     per |= {"retention_reference": scores([True] * 20), "retention_after": scores([True] * 19 + [False])}
