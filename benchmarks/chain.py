@@ -1,15 +1,24 @@
-"""`python -m benchmarks.chain`: does learning hold night after night? A chain of real nights on the CPU.
+"""`python -m benchmarks.chain`: does learning hold night after night? Chains of real nights on the CPU.
 
-Each chain runs whole nights (jobs/night/run.py, in this process) on the demo's tiny model: three
-nights of task A, then three of task B (benchmarks/tasks.py: the same keys, other answers, so
-forgetting shows at once). After every night the adapter in service answers both tasks' fixed test
-sets, scored by exact match. Chains differ only in `[plan] replay_share` and the gate; every other
-setting is the default, the training settings are the demo's (config/nightshift.toml) at a higher
-learning rate so that a task is learned in three small nights.
+Each chain runs whole nights (jobs/night/run.py, in this process) on the demo's tiny model, with the
+shipped config's `[plan]`, `[train]` and `[eval]` (config/nightshift.toml; only the paths change):
 
-    python -m benchmarks.chain --out /tmp/chain-$(date +%F)
+- `two tasks`: three nights of task A, then three of task B (benchmarks/tasks.py: the same keys,
+  other answers, so forgetting shows at once): the defaults must learn B and keep A;
+- `noisy`: three nights of task A, then ten of task A with 15 % of the labels wrong: the gate must
+  not let the noise walk A down (issue 39: within 3 points of A's best).
 
-prints a Markdown table (exact match per task per night) and writes chain.json there.
+After every night the adapter in service answers each task's unseen test prompts (20 per key, 240
+a task), scored by exact match by an independent greedy decoder (benchmarks/greedy.py, none of the
+product's evaluation code). Each chain runs `--draws` draws of the nights' data (other prompts, other
+noise).
+
+    OMP_NUM_THREADS=1 python -m benchmarks.chain --out /tmp/chain-$(date +%F) --draws 3
+
+prints a Markdown table (exact match of A / B in service after each night; ✗ where the night was not
+promoted, with what its refused candidate scored; per chain and draw) and writes chain.json there
+(every night's gate checks and figures).
+`--set eval.heldout_pool=128` changes one key for an experiment (recorded in chain.json).
 """
 
 from __future__ import annotations
@@ -20,32 +29,37 @@ import os
 import platform
 import threading
 import time
+import tomllib
 from collections.abc import Callable, Sequence
 from datetime import date
 from pathlib import Path
 from typing import Any
 
+from benchmarks import greedy
 from benchmarks.tasks import TASK_A, TASK_B, Task
 from daemon.tables import markdown
 
 REPO = Path(__file__).resolve().parents[1]
-TRAIN = {"backend": "hf", "lora_rank": 8, "lora_alpha": 16, "learning_rate": 2e-3, "epochs": 3, "batching": "padded",
-         "batch_size": 16, "max_tokens_per_batch": 4096, "max_seq_length": 64, "gradient_checkpointing": False}
-AB = ((TASK_A, 1), (TASK_A, 2), (TASK_A, 3), (TASK_B, 4), (TASK_B, 5), (TASK_B, 6))  # (task, night number)
+SHIPPED = REPO / "config" / "nightshift.toml"
+NOISE = 0.15
+TWO_TASKS = ((TASK_A, 1), (TASK_A, 2), (TASK_A, 3), (TASK_B, 4), (TASK_B, 5), (TASK_B, 6))  # (task, night number)
+NOISY = ((TASK_A, 1), (TASK_A, 2), (TASK_A, 3), *((TASK_A.noisy(NOISE), n) for n in range(4, 14)))
 # night 4 brings task A's prompts with every answer wrong: the gate must reject it, its samples must come back
 WRONG = ((TASK_A, 1), (TASK_A, 2), (TASK_A, 3), (TASK_A.scrambled(), 4), (TASK_B, 5), (TASK_B, 6))
-SCHEDULES = {"wrong labels on night 4 (defaults)": WRONG}
-CHAINS: dict[str, dict[str, Any]] = {  # name -> config overrides; "gate": [] turns the gate off
-    "no replay nor gate": {"plan": {"replay_share": 0.0}, "eval": {"gate": []}},
-    "replay 0.1 without gate": {"plan": {"replay_share": 0.1}, "eval": {"gate": []}},
-    "replay 0.3 without gate": {"plan": {"replay_share": 0.3}, "eval": {"gate": []}},
-    "replay 0.5 without gate": {"eval": {"gate": []}},
-    "no replay": {"plan": {"replay_share": 0.0}},
-    "replay 0.1": {"plan": {"replay_share": 0.1}},
-    "replay 0.3": {"plan": {"replay_share": 0.3}},
-    "replay 0.5 (default)": {},
-    "wrong labels on night 4 (defaults)": {},
-}
+SCHEDULES: dict[str, Sequence[tuple[Task, int]]] = {"two tasks": TWO_TASKS, "noisy": NOISY, "wrong night": WRONG}
+SECTIONS = ("plan", "train", "eval")  # taken from the shipped config
+PATH_KEYS = {"eval": ("canary_set", "regression_set")}  # relative to the config file, as the product reads them
+
+
+def shipped_sections(path: Path = SHIPPED) -> dict[str, dict[str, Any]]:
+    """The config file's [plan], [train] and [eval], its paths made absolute (relative to the file)."""
+    raw = tomllib.loads(path.read_text())
+    out = {k: dict(raw.get(k, {})) for k in SECTIONS}
+    for section, keys in PATH_KEYS.items():
+        for key in keys:
+            if out[section].get(key) is not None:
+                out[section][key] = str((path.parent / out[section][key]).resolve())
+    return out
 
 
 def build_model(out: Path) -> Path:
@@ -56,14 +70,15 @@ def build_model(out: Path) -> Path:
     return out
 
 
-def night_config(workdir: Path, model: Path, over: dict[str, Any] | None = None) -> Any:
+def night_config(workdir: Path, model: Path, over: dict[str, Any] | None = None,
+                 sections: dict[str, dict[str, Any]] | None = None) -> Any:
+    """The night's config: `sections` (default: the shipped config's), then `over` on top, key by key."""
     from jobs.night.config import NightConfig
 
     cfg: dict[str, Any] = {
         "state_dir": workdir / "state", "model": {"path": model, "name": "chain"},
         "sources": [{"name": "inbox", "inbox": workdir / "inbox", "settle_seconds": 0}],
-        "plan": {"prior_tokens_per_second": 1e6, "prior_overhead_seconds": 0}, "train": dict(TRAIN),
-        "gpu": {"enabled": False},
+        "gpu": {"enabled": False}, **(shipped_sections() if sections is None else sections),
     }
     for section, values in (over or {}).items():
         cfg[section] = {**cfg.get(section, {}), **values} if isinstance(values, dict) else values
@@ -71,35 +86,19 @@ def night_config(workdir: Path, model: Path, over: dict[str, Any] | None = None)
     return NightConfig.model_validate(cfg)
 
 
-def exact_match(model: Path, adapter: Path | None, tasks: Sequence[Task]) -> dict[str, float]:
-    """Each task's exact match on its fixed test set, under the base model plus `adapter`."""
-    from jobs.contract import StepShape
-    from jobs.data.render import tokenize_record
-    from jobs.learning import evaluate
-    from jobs.training.config import TrainConfig
-    from jobs.training.load import load_for_training
-
-    loaded = load_for_training(model, TrainConfig(**TRAIN), adapter=adapter,
-                               shape=StepShape(tokens_per_step=4096, gradient_checkpointing=False, basis="chain"))
-    out = {}
-    for task in tasks:
-        samples = [tokenize_record(loaded.tokenizer, i, r, max_seq_length=64) for i, r in enumerate(task.test_set())]
-        m = evaluate.eval_metrics(loaded.model, samples, pad_id=loaded.tokenizer.pad_token_id, device=loaded.device,
-                                  max_tokens_per_batch=8192)
-        out[task.name] = round(m["exact_match"], 4) if m else 0.0
-    return out
-
-
 def run_chain(workdir: Path, model: Path, schedule: Sequence[tuple[Task, int]], *, per_night: int,
-              over: dict[str, Any] | None = None,
+              over: dict[str, Any] | None = None, sections: dict[str, dict[str, Any]] | None = None,
+              draw: int = 0, test_per_key: int = 20,
               on_night: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """Run the nights in order; one row per night: its summary's figures and both tasks' exact match."""
+    """Run the nights in order; one row per night: its summary's figures, its gate's checks and each task's
+    exact match (the independent greedy scorer on `test_per_key` unseen prompts per key)."""
     from jobs.night.run import run_night
 
-    cfg = night_config(workdir, model, over)
+    cfg = night_config(workdir, model, over, sections)
+    tests = {t.name: t.test_set(test_per_key) for t in (TASK_A, TASK_B)}
     rows = []
     for i, (task, night) in enumerate(schedule):
-        records = task.night(per_night, night)
+        records = task.night(per_night, night, draw=draw, test_per_key=test_per_key)
         path = workdir / "inbox" / f"night-{i + 1:02d}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
         t0, c0 = time.time(), time.process_time()
@@ -107,16 +106,20 @@ def run_chain(workdir: Path, model: Path, schedule: Sequence[tuple[Task, int]], 
                       stop=threading.Event())
         current = workdir / "state" / "current"
         gate = s.gate
-        row = {"night": i + 1, "task": task.name, "wrong": task.codes != (TASK_A if task.name == "A" else TASK_B).codes,
+        row = {"night": i + 1, "task": task.name, "wrong": task.wrong,
                "outcome": s.outcome.value, "promoted": s.promoted,
                "version": s.version, "trained": s.trained_samples, "replayed": s.replay_samples,
                "heldout": s.heldout_samples, "returned": s.returned_samples, "set_aside": s.set_aside_samples,
                "regression_samples": s.regression_samples, "failed": gate.failed() if gate else "",
+               "checks": [c.model_dump(exclude_none=True) for c in gate.checks] if gate else [],
                "isolated": dict(s.isolated), "kl_from_service": s.kl_from_service,
                "seconds": round(time.time() - t0, 1), "cpu_seconds": round(time.process_time() - c0, 1),
                "train_loss": s.losses.train,
                "regression": {k: s.metrics.get(f"regression_{k}") for k in ("before", "after", "reference")},
-               "exact_match": exact_match(model, current if current.exists() else None, (TASK_A, TASK_B))}
+               "exact_match": greedy.exact_match(model, current.resolve() if current.exists() else None, tests)}
+        candidate = workdir / "state" / "adapters" / f"chain-v{s.version:04d}" if s.version else None
+        if not s.promoted and candidate is not None and candidate.is_dir():  # what the gate refused: was it worse?
+            row["candidate_exact_match"] = greedy.exact_match(model, candidate, tests)
         rows.append(row)
         if on_night:
             on_night(row)
@@ -126,15 +129,23 @@ def run_chain(workdir: Path, model: Path, schedule: Sequence[tuple[Task, int]], 
 def cell(row: dict[str, Any]) -> str:
     em = row["exact_match"]
     mark = "" if row["promoted"] else " ✗"  # rejected: the adapter in service did not change
-    return f"{em['A'] * 100:.0f} / {em['B'] * 100:.0f}{mark}"
+    refused = row.get("candidate_exact_match")
+    if refused:
+        mark += f" (refused: {refused['A'] * 100:.1f} / {refused['B'] * 100:.1f})"
+    return f"{em['A'] * 100:.1f} / {em['B'] * 100:.1f}{mark}"
 
 
 def report(results: dict[str, list[dict[str, Any]]]) -> str:
     n = max(len(r) for r in results.values())
-    head = ["chain", *[f"night {i + 1}" for i in range(n)]]
-    label = {True: " wrong", False: ""}
-    return markdown(head, [[name, *[f"{r['task']}{label[bool(r.get('wrong'))]}: {cell(r)}" for r in rows]]
-                           for name, rows in results.items()])
+    head = ["chain", *[f"night {i + 1}" for i in range(n)], "A best → end", "B end"]
+    body = []
+    for name, rows in results.items():
+        a = [r["exact_match"]["A"] * 100 for r in rows]
+        best = max(a)
+        body.append([name, *[f"{r['task']}{' ' + r['wrong'] if r.get('wrong') else ''}: {cell(r)}" for r in rows],
+                     *[""] * (n - len(rows)), f"{best:.1f} → {a[-1]:.1f} ({a[-1] - best:+.1f})",
+                     f"{rows[-1]['exact_match']['B'] * 100:.1f}"])
+    return markdown(head, body)
 
 
 def machine() -> dict[str, Any]:
@@ -145,35 +156,74 @@ def machine() -> dict[str, Any]:
             "torch": torch.__version__, "load_average_at_start": os.getloadavg()}
 
 
+def parse_set(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """`section.key=value` (value read as JSON, else as a string) -> {section: {key: value}}."""
+    over: dict[str, dict[str, Any]] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        section, dot, key = name.partition(".")
+        if not sep or not dot or section not in SECTIONS:
+            raise SystemExit(f"--set {item!r}: expected <{'|'.join(SECTIONS)}>.<key>=<value>")
+        try:
+            parsed: Any = json.loads(value)
+        except ValueError:
+            parsed = value
+        over.setdefault(section, {})[key] = parsed
+    return over
+
+
+def write(args: argparse.Namespace, info: dict[str, Any], sections: dict[str, Any], over: dict[str, Any],
+          results: dict[str, list[dict[str, Any]]]) -> str:
+    table = report(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "chain.json").write_text(json.dumps(
+        {"machine": info, "load_average_at_end": os.getloadavg(), "per_night": args.per_night,
+         "config": str(args.config), "sections": sections, "set": over, "test_prompts_per_task":
+         args.test_per_key * 12, "table": table, "results": results}, indent=2, default=str))
+    return table
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.chain", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "results" / f"cpu-{date.today():%Y-%m-%d}")
+    ap.add_argument("--chains", default="two tasks,noisy", help="comma-separated names of: " + ", ".join(SCHEDULES))
+    ap.add_argument("--draws", type=int, default=3, help="draws of the nights' data (other prompts, other noise)")
+    ap.add_argument("--first-draw", type=int, default=1)
     ap.add_argument("--per-night", type=int, default=96, help="new samples per night")
-    ap.add_argument("--chains", default=",".join(CHAINS), help="comma-separated names of: " + ", ".join(CHAINS))
+    ap.add_argument("--nights", type=int, default=0, help="only the first N nights of each chain (0: all)")
+    ap.add_argument("--test-per-key", type=int, default=20, help="unseen test prompts per key (12 keys a task)")
+    ap.add_argument("--config", type=Path, default=SHIPPED, help="whose [plan], [train], [eval] the nights use")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one key")
     ap.add_argument("--work", type=Path, default=Path("/tmp/nightshift-chain"))
+    ap.add_argument("--model", type=Path, default=None, help="a tiny model built already (default: built in --work)")
     args = ap.parse_args(argv)
     from jobs.runtime import logs
 
     logs.configure("WARNING")
-    model = build_model(args.work / "model")
+    sections, over = shipped_sections(args.config), parse_set(args.set)
+    model = args.model or build_model(args.work / "model")
     info = machine()
     results: dict[str, list[dict[str, Any]]] = {}
     for name in [c.strip() for c in args.chains.split(",") if c.strip()]:
-        work = args.work / name.replace(" ", "-").replace(",", "").replace("(", "").replace(")", "")
-        if work.exists():
-            import shutil
+        if name not in SCHEDULES:
+            raise SystemExit(f"--chains: no chain {name!r} (known: {', '.join(SCHEDULES)})")
+        schedule = SCHEDULES[name][: args.nights or None]
+        for draw in range(args.first_draw, args.first_draw + args.draws):
+            label = f"{name}, draw {draw}"
+            work = args.work / f"{name.replace(' ', '-')}-{draw}"
+            if work.exists():
+                import shutil
 
-            shutil.rmtree(work)
-        print(f"chain: {name}", flush=True)
-        results[name] = run_chain(work, model, SCHEDULES.get(name, AB), per_night=args.per_night, over=CHAINS[name],
-                                  on_night=lambda r: print(f"  night {r['night']} ({r['task']}): {cell(r)} "
-                                                           f"{r['outcome']} {r['seconds']} s", flush=True))
-    table = report(results)
+                shutil.rmtree(work)
+            print(f"chain: {label}", flush=True)
+            results[label] = run_chain(
+                work, model, schedule, per_night=args.per_night, over=over, sections=sections, draw=draw,
+                test_per_key=args.test_per_key,
+                on_night=lambda r: print(f"  night {r['night']} ({r['task']} {r['wrong']}): {cell(r)} "
+                                         f"{r['outcome']} {r['seconds']} s {r['failed']}", flush=True))
+            write(args, info, sections, over, results)  # after every chain: a long run can be read as it goes
+    table = write(args, info, sections, over, results)
     print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "chain.json").write_text(json.dumps(
-        {"machine": info, "per_night": args.per_night, "train": TRAIN, "chains": CHAINS, "table": table,
-         "results": results}, indent=2, default=str))
     print(f"written: {args.out / 'chain.json'}")
     return 0
 

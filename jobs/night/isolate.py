@@ -79,9 +79,11 @@ def harm(g: Any, target: Any) -> float:
 
 def lost_samples(sets: EvalSets, failed: Sequence[tuple[str, str]]) -> list[TokenizedSample]:
     """Samples of the failed rules' data that their anchor answered and the candidate did not."""
-    pool = {"heldout": sets.heldout, "regression": sets.regression, "canary": sets.canary}
+    pool = {"heldout": sets.heldout, "regression": sets.regression, "canary": sets.canary,
+            "retention": sets.retention}
     out: dict[int, TokenizedSample] = {}
-    for data, against in failed:
+    for name, against in failed:
+        data = name.split("[")[0]  # "regression[<slice>]": a per-slice check reads its data set's samples
         anchor, cand = sets.per_sample.get(f"{data}_{STAGE[against]}", {}), sets.per_sample.get(f"{data}_after", {})
         for s in pool.get(data, []):
             a, c = anchor.get(s.sample_id), cand.get(s.sample_id)

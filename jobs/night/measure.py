@@ -3,7 +3,10 @@
 Sets: `heldout` (tonight's new samples kept out of training, topped up to `[eval] heldout_pool` with
 the most recent earlier nights' held-out samples: one night's 5 % is often a handful, and a decision
 on 8 samples is noise), `regression` (the held-out slices of earlier promoted nights from the ledger,
-round-robin under `max_eval_samples`: the user's own data only) and `canary` (the operator's fixed
+round-robin under `max_eval_samples`: the user's own data only), `retention` (samples the reference
+version was trained on, not tonight's: what the best version learned; a few held-out samples a night
+cannot show a 5-point loss, 256 trained ones can -- benchmarks/chain.py), `tonight` (tonight's new training
+samples: whether the night learned something the service did not know) and `canary` (the operator's fixed
 file, `[eval] canary_set`, measured apart so that records the user never gave cannot outweigh the
 user's). A set with fewer than `min_eval_samples` samples is not evaluated, and says why. Every
 stage's per-sample scores are kept for the gate's paired test, and the candidate's KL divergence from
@@ -63,6 +66,8 @@ class EvalSets:
     before_is_base: bool = False  # a new adapter (every lora_B zero): it scores as the base, measured after
     owed: list[str] = field(default_factory=list)  # stages measured after training by swapping weights in
     canary: list[TokenizedSample] = field(default_factory=list)  # the operator's file
+    retention: list[TokenizedSample] = field(default_factory=list)  # what the reference was trained on
+    tonight: list[TokenizedSample] = field(default_factory=list)  # tonight's new training samples: what it learned
     kl_set: list[TokenizedSample] = field(default_factory=list)  # tonight's samples the KL is measured on
     per_sample: dict[str, dict[int, evaluate.SampleScore]] = field(default_factory=dict)  # "<data>_<stage>"
     view: drift.View = field(default_factory=dict)  # the candidate's distributions on kl_set
@@ -92,18 +97,22 @@ def build_sets(ctx: RunContext, tokenizer: Any, heldout_ids: list[int], parent: 
                   for r in ledger.samples_by_id([sid for sid, _ in picked])]
     canary = (evaluate.load_regression_set(cfg.eval.canary_set, tokenizer, limit=cap,
                                            max_seq_length=cfg.train.max_seq_length) if cfg.eval.canary_set else [])
+    ref = learning.reference_version(ledger)
+    kept = learning.retention_ids(ledger, cfg.eval.retention_samples, upto=ref,
+                                  exclude={sid for sid, _ in ledger.run_samples(ctx.run_id)})
+    slices.update(kept)
+    retention = [tokenize_record(tokenizer, r.id, r.record, **tk) for r in ledger.samples_by_id([i for i, _ in kept])]
     own = [s for s in heldout if s.sample_id in set(tonight)]
     kl_set = (own + list(new_samples or []))[: cfg.eval.kl_samples]
-    ref = learning.reference_version(ledger)
     ref_path = ctx.registry.path_of(cfg.model.name, ref) if ref is not None else None
     if ref_path is not None and not (ref_path / "adapter_model.safetensors").is_file():
         log.warning("reference_not_on_disk", version=ref, note="the base model serves as the reference")
         ref, ref_path = None, None
     service_path = ctx.registry.path_of(cfg.model.name, parent) if parent is not None else None
     log.info("eval_sets", heldout=len(heldout), pooled=len(pooled), regression=len(regression), canary=len(canary),
-             seconds=round(time.monotonic() - started, 2))
+             retention=len(retention), seconds=round(time.monotonic() - started, 2))
     return EvalSets(heldout, regression, cache, slices, ref, ref_path, parent, service_path, canary=canary,
-                    kl_set=kl_set)
+                    retention=retention, tonight=list(new_samples or [])[: cfg.eval.learning_samples], kl_set=kl_set)
 
 
 def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
@@ -116,7 +125,8 @@ def measure_all(ctx: RunContext, loaded: Any, sets: EvalSets,
         sets.before_is_base = bool(saved.get("before_is_base"))
         sets.owed = [str(x) for x in saved.get("owed", [])]  # an older night's file: everything was measured
         return saved["metrics"], saved["slices"]
-    sized = _sized(ctx, {"heldout": sets.heldout, "regression": sets.regression, "canary": sets.canary})
+    sized = _sized(ctx, {"heldout": sets.heldout, "regression": sets.regression, "canary": sets.canary,
+                         "retention": sets.retention, "tonight": sets.tonight})
     model = loaded.model
     measured: Measured = {}
     slices: dict[str, dict[str, Any]] = {}
@@ -259,7 +269,7 @@ def _new_adapter(model: Any) -> bool:
 
 def keep_candidate_scores(ctx: RunContext, sets: EvalSets, version: int) -> None:
     """The promoted candidate's scores, as the version it now is: tomorrow's "before" and "reference"."""
-    samples = [s for s in sets.heldout + sets.regression + sets.canary if s.sample_id in sets.after]
+    samples = [s for s in sets.heldout + sets.regression + sets.canary + sets.retention if s.sample_id in sets.after]
     sets.cache.add(version_model(version), samples, sets.after)
     on_disk = {v for p in ctx.registry.adapters.iterdir() if (v := parse_version(p.name)) is not None}
     sets.cache.forget_versions_except(on_disk)

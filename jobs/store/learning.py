@@ -5,6 +5,8 @@
   measured on them. Evaluation takes the slices round-robin, so a cap keeps every night in it.
 - A rejected night's samples go back (to pending, or to 'rejected'); a sample rejected
   `set_aside_after` times is set aside with its reasons, out of every later plan.
+- The retention set: samples trained by the promoted versions up to the gate's reference, round-robin
+  over their nights and sources: what the best version learned, that a candidate must still answer.
 - The replay pool holds trained samples of versions that were not rejected, with their version
   (the night that trained them) for the stratified choice.
 - Each run's loss per step, and the history of the gate's reference version.
@@ -93,6 +95,24 @@ def regression_ids(ledger: Ledger, cap: int) -> list[tuple[int, str]]:
     rows = ledger.db.execute(
         "SELECT r.sample_id, r.night, r.source FROM regression_set r JOIN samples s ON s.id = r.sample_id "
         "WHERE s.status='heldout' ORDER BY r.night, r.source, r.sample_id").fetchall()
+    return _round_robin(rows, cap)
+
+
+def retention_ids(ledger: Ledger, cap: int, *, upto: int | None, exclude: set[int]) -> list[tuple[int, str]]:
+    """(sample id, slice) of the samples trained by promoted versions up to `upto` (the reference: what the
+    best version learned), round-robin over "<night>/<source>" slices under `cap`; `exclude`: tonight's
+    (replayed samples are trained again tonight). None: no reference yet, nothing to retain."""
+    if upto is None or cap <= 0:
+        return []
+    rows = ledger.db.execute(
+        "SELECT s.id, COALESCE(r.night, 'v' || s.version), s.source FROM samples s JOIN versions v ON "
+        "v.version = s.version LEFT JOIN runs r ON r.id = v.run_id WHERE s.status='trained' AND s.version <= ? "
+        "AND v.promoted_at IS NOT NULL AND v.status NOT IN ('rejected', 'failed') ORDER BY s.version, s.source, s.id",
+        (upto,)).fetchall()
+    return _round_robin([r for r in rows if int(r[0]) not in exclude], cap)
+
+
+def _round_robin(rows: Sequence[tuple[Any, ...]], cap: int) -> list[tuple[int, str]]:
     slices: dict[str, list[int]] = {}
     for sid, night, source in rows:
         slices.setdefault(f"{night}/{source}", []).append(int(sid))

@@ -81,3 +81,15 @@ def test_the_lost_samples_are_those_the_anchor_answered_and_the_candidate_did_no
                        "regression_after": {0: right, 1: wrong, 2: wrong, 3: right}}
     assert [x.sample_id for x in isolate.lost_samples(sets, [("regression", "reference")])] == [1]
     assert [x.sample_id for x in isolate.known_samples(sets)] == [0, 3]  # what a later night protects
+
+
+def test_a_failed_retention_or_per_slice_check_names_its_lost_samples():
+    """A night refused by the retention rule, or by one slice of a set ("regression[<source>]"), is scored
+    on the samples that check lost (before, neither name found a set: nothing was blamed)."""
+    s = [sample(i, 1, 3) for i in range(4)]
+    right, wrong = SampleScore(0.1, 1, True, 1, 1), SampleScore(3.0, 1, False, 1, 0)
+    sets = EvalSets(heldout=[], regression=s[:2], cache=None, retention=s[2:])  # type: ignore[arg-type]
+    sets.per_sample = {"regression_reference": {0: right, 1: right}, "regression_after": {0: wrong, 1: right},
+                       "retention_reference": {2: right, 3: right}, "retention_after": {2: right, 3: wrong}}
+    assert [x.sample_id for x in isolate.lost_samples(sets, [("retention", "reference")])] == [3]
+    assert [x.sample_id for x in isolate.lost_samples(sets, [("regression[inbox]", "reference")])] == [0]

@@ -39,12 +39,17 @@ def test_night_two_scores_only_what_no_model_was_scored_on_before(night_env, mon
         for sid in ids:
             passes[sid] = passes.get(sid, 0) + 1
     n_regression, n_heldout = int(m2["regression_after"]["samples"]), s2["heldout_samples"]
+    n_retention = int(m2["retention_after"]["samples"])  # v1's trained samples: scored by no model before
+    n_new = int(m2["tonight_after"]["samples"])  # tonight's new training samples: did the night learn?
     # the held-out set is tonight's topped up with night 1's (issue 39), which are the regression samples
     assert m2["heldout_after"]["samples"] == n_heldout + n_regression
-    assert n_regression > 0 and n_heldout > 0 and len(passes) == n_heldout + n_regression
-    # tonight's held-out samples: before, base, after (3 forward passes each); the regression samples: the
-    # candidate only (once in each set: a candidate's scores are not kept until it is published)
-    assert sorted(passes.values()) == [2] * n_regression + [3] * n_heldout
+    assert n_regression > 0 and n_heldout > 0 and n_retention > 0
+    assert len(passes) == n_heldout + n_regression + n_retention + n_new
+    # tonight's held-out and new samples: before, base, after (3 forward passes each); the retention set (v1's
+    # trained samples, scored by the base on night 1 as that night's new samples): before and after; the
+    # regression samples: the candidate only (once in each set: a candidate's scores are not kept until it is
+    # published)
+    assert sorted(passes.values()) == [2] * (n_regression + n_retention) + [3] * (n_heldout + n_new)
 
 
 def test_every_model_is_scored_after_training_off_the_first_steps_path(night_env, monkeypatch):
@@ -82,10 +87,14 @@ def test_every_model_is_scored_after_training_off_the_first_steps_path(night_env
     n_heldout = int(s2["metrics"]["heldout_after"]["samples"])
     assert events[0] == ("train", 0)
     n_regression = int(s2["metrics"]["regression_after"]["samples"])
-    # the candidate on both sets (the held-out pooled with night 1's), then the base and the service on
-    # tonight's own held-out samples (their scores of night 1's kept)
+    n_retention = int(s2["metrics"]["retention_after"]["samples"])
+    n_new = int(s2["metrics"]["tonight_after"]["samples"])
+    # the candidate on every set (the held-out pooled with night 1's), then the base on tonight's own held-out
+    # and new samples (its scores of night 1's kept, v1's trained samples among them), the service on those and
+    # on the retention set (v1's trained samples)
     tonight = s2["heldout_samples"]
-    assert [n for _, n in events[1:]] == [n_heldout, n_regression, tonight, tonight] and n_heldout > tonight
+    assert [n for _, n in events[1:]] == [n_heldout, n_regression, n_retention, n_new, tonight, n_new, tonight,
+                                          n_retention, n_new] and n_heldout > tonight
     m2 = s2["metrics"]
     assert m2["heldout_reference"] == m2["heldout_before"] and m2["heldout_before"] != m2["heldout_after"]
 

@@ -111,3 +111,28 @@ def test_loss_curves_and_the_reference_history(tmp_path: Path):
         learning.set_reference(led, c, 1, run_id="r1", detail={})
         learning.set_reference(led, c, 3, run_id="r3", detail={"regression": {"exact_match": 1.0}})
     assert learning.reference_version(led) == 3
+
+
+def test_the_retention_set_is_what_the_reference_was_trained_on_round_robin_and_never_tonights(tmp_path: Path):
+    led = Ledger(tmp_path / "ledger.sqlite")
+    db = led.db
+    for v, (night, status, promoted) in enumerate((("2026-12-01", "promoted", 1), ("2026-12-02", "rejected", None),
+                                                   ("2026-12-03", "promoted", 3), ("2026-12-04", "promoted", 4)), 1):
+        db.execute("INSERT INTO runs (id, night, status, started_at) VALUES (?, ?, 'succeeded', 0)", (f"r{v}", night))
+        db.execute("INSERT INTO versions (version, name, run_id, status, created_at, promoted_at) "
+                   "VALUES (?, ?, ?, ?, 0, ?)", (v, f"t-v{v:04d}", f"r{v}", status, promoted))
+    rows = [("a", 1, "trained"), ("b", 1, "trained"), ("c", 1, "trained"), ("d", 1, "heldout"),
+            ("e", 2, "trained"), ("f", 3, "trained"), ("g", 4, "trained"), ("h", 1, "trained")]
+    for h, v, st in rows:
+        db.execute("INSERT INTO samples (hash, source, record, n_tokens, status, version, created_at) "
+                   "VALUES (?, ?, '{}', 5, ?, ?, 0)", (h, "y" if h == "h" else "x", st, v))
+    ids = {h: i + 1 for i, (h, _, _) in enumerate(rows)}
+    assert learning.retention_ids(led, 10, upto=None, exclude=set()) == []  # no reference: nothing to retain
+    got = learning.retention_ids(led, 10, upto=3, exclude={ids["b"]})
+    # trained by promoted versions up to the reference (v3): never a held-out sample, a rejected night's,
+    # a later night's, nor tonight's (b, replayed again tonight); one slice per night and source
+    assert got == [(ids["a"], "2026-12-01/x"), (ids["h"], "2026-12-01/y"), (ids["f"], "2026-12-03/x"),
+                   (ids["c"], "2026-12-01/x")]
+    assert learning.retention_ids(led, 3, upto=3, exclude=set()) == [
+        (ids["a"], "2026-12-01/x"), (ids["h"], "2026-12-01/y"), (ids["f"], "2026-12-03/x")]  # every slice first
+    assert learning.retention_ids(led, 0, upto=3, exclude=set()) == []
