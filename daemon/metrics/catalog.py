@@ -129,7 +129,7 @@ LOSS_LABELS = {
 }
 # RunSummary.metrics stage -> the `model` label of the answer-level series
 EVAL_MODELS = {"before": "service", "after": "candidate", "reference": "reference", "base": "base"}
-EVAL_DATA = ("heldout", "regression", "canary")
+EVAL_DATA = ("heldout", "regression", "canary", "retention", "tonight")
 # minutes to hours: a skipped night takes seconds, a full window up to ~8 h
 RUN_DURATION_BUCKETS = (30, 60, 300, 600, 1200, 1800, 3600, 5400, 7200, 10800, 14400, 21600, 28800, 43200)
 
