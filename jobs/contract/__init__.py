@@ -45,6 +45,7 @@ from jobs.contract.events import (
     parse_event,
 )
 from jobs.contract.summary import (
+    AdapterShare,
     EvalMetrics,
     ExpertLoraReport,
     FileCheck,
@@ -58,6 +59,7 @@ from jobs.contract.summary import (
 )
 
 __all__ = [
+    "AdapterShare",
     "CalibrationRecord",
     "ChildEvent",
     "Emit",

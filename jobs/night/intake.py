@@ -108,7 +108,7 @@ class PlannedRun:
 def choose_shape(ctx: RunContext, key: str) -> tuple[StepShape, CalibrationRecord | None]:
     """The step shape from the calibration and the memory free now (every attempt: the server may
     have grown or shrunk since the plan was made)."""
-    cal = ctx.ledger.calibration(key)
+    cal = ctx.measures.calibration(key)
     shape = resolve_step(ctx.cfg.train, cal, free_vram_gb=ctx.free_vram_gb(), max_vram_gb=ctx.cfg.gpu.max_vram_gb,
                          headroom_gb=ctx.cfg.gpu.headroom_gb)
     shape = with_compute(shape, ctx.cfg.train, cal)  # bf16 or FP8 frozen base (issue 16)
@@ -138,7 +138,7 @@ def plan_night(ctx: RunContext, *, key: str, backend: str, device: str,
         else:
             pending = ledger.pending(order=cfg.plan.order)
             pending = pending + list(incoming) if cfg.plan.order == "oldest" else [*reversed(incoming), *pending]
-            history, note = history_for_shape(ledger.throughput_history(key, cfg.plan.history_runs), shape, cal)
+            history, note = history_for_shape(ctx.measures.throughput_history(key, cfg.plan.history_runs), shape, cal)
             plan = budget.make_plan(pending, now=ctx.clock(), deadline=ctx.deadline, history=history, cfg=cfg.plan,
                                     epochs=cfg.train.epochs, key=key, replay_pool=learning.replay_pool(ledger),
                                     seed=ctx.night, min_heldout=cfg.eval.min_eval_samples,

@@ -1,0 +1,47 @@
+"""The plan over adapters: each adapter's slice of the window, before anything trains.
+
+Water-filling: an adapter's slice is `level x weight`, kept between its floor (`min_share` of the window,
+never more than it can use) and its demand (overhead + its pending tokens at its measured rate); the
+level is the one at which the slices fill the window (or every demand is met, the rest left unused).
+The adapters then run in turn, each until the sum of the slices so far: time one leaves unused passes on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from jobs.contract import AdapterShare
+
+
+def water_fill(window: float, shares: Sequence[AdapterShare]) -> list[AdapterShare]:
+    """Each share's `seconds` and `share` of `window` (seconds), from weight, min_share and demand."""
+    window = max(0.0, window)
+    demand = [math.inf if s.demand_seconds is None else max(0.0, s.demand_seconds) for s in shares]
+    floor = [min(s.min_share * window, d) for s, d in zip(shares, demand, strict=True)]
+    if sum(floor) > window > 0:  # floors that overflow (min_share adds up to <= 1, but the window rounds)
+        floor = [f * window / sum(floor) for f in floor]
+
+    def filled(level: float) -> list[float]:
+        return [min(d, max(f, level * s.weight)) for s, f, d in zip(shares, floor, demand, strict=True)]
+
+    if all(d < math.inf for d in demand) and sum(demand) <= window:
+        seconds = list(demand)  # everything fits: each gets what it needs
+    else:
+        lo, hi = 0.0, window / min(s.weight for s in shares) if shares else 0.0
+        for _ in range(100):  # bisection on the level: the sum is monotone in it
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if sum(filled(mid)) < window else (lo, mid)
+        seconds = filled(hi)
+    return [s.model_copy(update={"seconds": sec, "share": sec / window if window > 0 else 0.0})
+            for s, sec in zip(shares, seconds, strict=True)]
+
+
+def slice_ends(start: float, deadline: float, shares: Sequence[AdapterShare]) -> list[float]:
+    """Each adapter's deadline when they run in this order from `start`: the sum of the slices so far
+    (what an earlier one leaves unused passes to the next), the last one the window's own deadline."""
+    ends, t = [], start
+    for i, s in enumerate(shares):
+        t += s.seconds
+        ends.append(deadline if i == len(shares) - 1 else min(deadline, t))
+    return ends
