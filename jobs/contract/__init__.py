@@ -42,6 +42,7 @@ from jobs.contract.events import (
     PlanEvent,
     ProgressEvent,
     ResultEvent,
+    SharesEvent,
     parse_event,
 )
 from jobs.contract.summary import (
@@ -92,6 +93,7 @@ __all__ = [
     "ResultEvent",
     "RunSummary",
     "ShapeRate",
+    "SharesEvent",
     "StepShape",
     "new_run_id",
     "nightshift_version",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import structlog
 
-from jobs.contract import AdapterShare, ChildEvent, Emit, Outcome, ResultEvent, RunSummary, new_run_id
+from jobs.contract import AdapterShare, ChildEvent, Emit, Outcome, ResultEvent, RunSummary, SharesEvent, new_run_id
 from jobs.contract.crashpoints import declare, reached
 from jobs.learning import plan as budget
 from jobs.night.config import AdapterNight, NightConfig
@@ -64,6 +64,9 @@ def run_adapters(cfg: NightConfig, *, night: str, deadline: float, emit: Emit, s
 def _night(cfg: NightConfig, model_path: Path, *, night: str, deadline: float, emit: Emit, stop: threading.Event,
            clock: Callable[[], float], plan_only: bool, run_id: str | None, process_started: float | None,
            group: Solo) -> RunSummary:
+    if group.world > 1:
+        raise ValueError("[[adapters]] with a night of several processes ([train] gpus > 1) is not supported yet: "
+                         "train the adapters on one card")
     top = StatePaths(cfg.state_dir)
     top.root.mkdir(parents=True, exist_ok=True)
     ledger = open_read_only(top.ledger, clock=clock) if plan_only else Ledger(top.ledger, clock=clock)
@@ -87,6 +90,7 @@ def _night(cfg: NightConfig, model_path: Path, *, night: str, deadline: float, e
                 going.append(got)
         shares = plan_shares(going, start=clock(), deadline=deadline)
         summary.shares = shares
+        emit(SharesEvent(shares=shares))
         log.info("adapters_plan", adapters=[{"adapter": s.adapter, "pending_tokens": s.pending_tokens,
                                              "tokens_per_second": s.tokens_per_second, "weight": s.weight,
                                              "min_share": s.min_share, "seconds": round(s.seconds, 1),

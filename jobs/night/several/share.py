@@ -2,7 +2,8 @@
 
 Water-filling: an adapter's slice is `level x weight`, kept between its floor (`min_share` of the window,
 never more than it can use) and its demand (overhead + its pending tokens at its measured rate); the
-level is the one at which the slices fill the window (or every demand is met, the rest left unused).
+level is the one at which the slices fill the window (where every demand is met, the spare is shared by
+weight: a margin for an estimate that was short).
 The adapters then run in turn, each until the sum of the slices so far: time one leaves unused passes on.
 """
 
@@ -26,7 +27,9 @@ def water_fill(window: float, shares: Sequence[AdapterShare]) -> list[AdapterSha
         return [min(d, max(f, level * s.weight)) for s, f, d in zip(shares, floor, demand, strict=True)]
 
     if all(d < math.inf for d in demand) and sum(demand) <= window:
-        seconds = list(demand)  # everything fits: each gets what it needs
+        # everything fits: each gets what it needs, and the spare by weight (a margin, never unused on purpose)
+        spare, weights = window - sum(demand), sum(s.weight for s in shares)
+        seconds = [d + spare * s.weight / weights for s, d in zip(shares, demand, strict=True)]
     else:
         lo, hi = 0.0, window / min(s.weight for s in shares) if shares else 0.0
         for _ in range(100):  # bisection on the level: the sum is monotone in it
