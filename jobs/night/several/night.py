@@ -32,6 +32,7 @@ from jobs.store.ledger import Ledger
 from jobs.store.paths import StatePaths
 from jobs.store.readonly import open_read_only
 from jobs.store.stale import close_expired_runs
+from jobs.training import resident
 from jobs.training.ranks.collectives import SOLO, Solo
 
 log = structlog.get_logger("nightshift.night")
@@ -67,19 +68,20 @@ def _night(cfg: NightConfig, model_path: Path, *, night: str, deadline: float, e
     if group.world > 1:
         raise ValueError("[[adapters]] with a night of several processes ([train] gpus > 1) is not supported yet: "
                          "train the adapters on one card")
+    resident.enable(not plan_only)  # the base stays loaded from one adapter to the next
     top = StatePaths(cfg.state_dir)
     top.root.mkdir(parents=True, exist_ok=True)
     ledger = open_read_only(top.ledger, clock=clock) if plan_only else Ledger(top.ledger, clock=clock)
     try:
-        run_id = _open_night(ledger, night, deadline, run_id, clock, plan_only)
+        run_id, resumed_since = _open_night(ledger, night, deadline, run_id, clock, plan_only)
         summary = RunSummary(run_id=run_id, night=night, deadline=deadline, started_at=clock(),
                              base_model=str(model_path))
         fingerprint = model_fingerprint(model_path)
         done: dict[str, RunSummary] = {}
         going: list[_Going] = []
         for spec in cfg.adapters:  # every adapter's pull first: the plan over them needs what each has
-            finished = None if plan_only else _finished_tonight(spec.night, night)
-            if finished is not None:  # a retry of the night: this adapter's night is done, never trained twice
+            finished = None if resumed_since is None else _finished_tonight(spec.night, night, resumed_since)
+            if finished is not None:  # a retry of this night: this adapter's is done, never trained twice
                 done[spec.name] = finished
                 continue
             got = _pull(spec, model_path, fingerprint, night=night, deadline=deadline, emit=emit, stop=stop,
@@ -107,23 +109,26 @@ def _night(cfg: NightConfig, model_path: Path, *, night: str, deadline: float, e
             _close_night(ledger, summary)
         return summary
     finally:
+        resident.enable(False)
         ledger.close()
 
 
 def _open_night(ledger: Ledger, night: str, deadline: float, run_id: str | None, clock: Callable[[], float],
-                plan_only: bool) -> str:
-    """The night's own run in the top ledger (a retry reopens it): what the supervisor retries and closes."""
+                plan_only: bool) -> tuple[str, float | None]:
+    """The night's own run in the top ledger (a retry reopens it): what the supervisor retries and closes.
+    Returns its id and, for a retry, when its first attempt started (adapters done since are not run again;
+    a new run, a second `once` of the night, trains what came since like a night of one adapter does)."""
     if plan_only:
-        return run_id or new_run_id("plan")
+        return run_id or new_run_id("plan"), None
     close_expired_runs(ledger, clock())
     open_run = ledger.open_run(night)
     if open_run is not None:
         attempt = ledger.resume_run(str(open_run["id"]), deadline)
         ledger.add_event("resumed", run_id=str(open_run["id"]), detail={"attempt": attempt, "deadline": deadline})
-        return str(open_run["id"])
+        return str(open_run["id"]), float(open_run["started_at"])
     run_id = run_id or new_run_id(night)
     ledger.start_run(run_id, night, deadline)
-    return run_id
+    return run_id, None
 
 
 def _close_night(ledger: Ledger, summary: RunSummary) -> None:
@@ -138,8 +143,8 @@ def _close_night(ledger: Ledger, summary: RunSummary) -> None:
         close_run(ledger, summary.run_id, summary.outcome.value, summary=summary, error=summary.error)
 
 
-def _finished_tonight(cfg: NightConfig, night: str) -> RunSummary | None:
-    """This adapter's closed run of `night` (its summary), if its night is done and none is open."""
+def _finished_tonight(cfg: NightConfig, night: str, since: float) -> RunSummary | None:
+    """This adapter's run of `night` closed since `since` (its summary), if none of its runs is open."""
     path = StatePaths(cfg.state_dir).ledger
     if not path.is_file():
         return None
@@ -147,12 +152,12 @@ def _finished_tonight(cfg: NightConfig, night: str) -> RunSummary | None:
     try:
         if ledger.open_run(night) is not None or not ledger.night_done(night):
             return None
-        row = ledger.db.execute("SELECT * FROM runs WHERE night=? AND status!='running' ORDER BY started_at DESC "
-                                "LIMIT 1", (night,)).fetchone()
-        summary = ledger.summary_of(row) if row is not None else None
-        if summary is None:
-            summary = RunSummary(run_id=str(row["id"]) if row is not None else "", night=night)
-        return summary.model_copy(update={"outcome": Outcome(row["status"]) if row is not None else summary.outcome})
+        row = ledger.db.execute("SELECT * FROM runs WHERE night=? AND status!='running' AND started_at>=? "
+                                "ORDER BY started_at DESC LIMIT 1", (night, since)).fetchone()
+        if row is None:
+            return None
+        summary = ledger.summary_of(row) or RunSummary(run_id=str(row["id"]), night=night)
+        return summary.model_copy(update={"outcome": Outcome(row["status"])})
     finally:
         ledger.close()
 
@@ -219,6 +224,7 @@ def _train(g: _Going, end: float, stop: threading.Event) -> RunSummary:
         record_failure(ctx, e)
     finally:
         close_context(ctx)
+        resident.release()
     if not ctx.plan_only:
         ctx.emit(ResultEvent(summary=ctx.summary))  # the supervisor's per-adapter figures (tagged)
     log.info("adapter_done", adapter=g.spec.name, outcome=ctx.summary.outcome.value, version=ctx.summary.version_name,
