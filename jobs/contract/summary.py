@@ -117,8 +117,8 @@ class AdapterShare(BaseModel):
     overhead_seconds: float = 0.0  # load + evaluate + publish, measured (or prior)
     key: str = ""  # its throughput key: shared by adapters of the same base, method and shape
     basis: str = ""
-    demand_seconds: float | None = None  # the time to train everything it has (None: unknown)
-    seconds: float = 0.0  # its slice of the window
+    demand_seconds: float | None = None  # the training time of everything it has (None: unknown)
+    seconds: float = 0.0  # its slice of the window: its overhead and its training time
     share: float = 0.0  # of the window
 
 

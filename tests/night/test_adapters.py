@@ -98,7 +98,8 @@ def test_three_adapters_three_versions_one_rejected_leaves_the_others_promoted(t
     top = open_read_only(StatePaths(cfg.state_dir).ledger)
     try:
         keys = {r["key"] for r in top.db.execute("SELECT key FROM throughput")}
-        assert len(keys) == 1 and top.db.execute("SELECT COUNT(*) FROM throughput").fetchone()[0] == 3  # a, b, c (a rejected night measured too)
+        rows = top.db.execute("SELECT COUNT(*) FROM throughput").fetchone()[0]
+        assert len(keys) == 1 and rows == 3  # a, b and c (a rejected night is measured too)
         assert top.night_done("2026-11-21")
     finally:
         top.close()

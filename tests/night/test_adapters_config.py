@@ -42,7 +42,8 @@ eval = { max_eval_samples = 64 }
     assert alpha.state_dir == StatePaths(s.state_dir).adapter("alpha").root and alpha.shared_dir == s.state_dir
     assert alpha.model.name == "alpha" and [x.name for x in alpha.sources] == ["a-in"]
     assert alpha.train.lora_rank == 4 and beta.train.lora_rank == s.train.lora_rank  # merged over [train]
-    assert beta.plan.replay_share == 0.2 and beta.eval.max_eval_samples == 64 and alpha.eval.max_eval_samples == s.eval.max_eval_samples
+    assert beta.plan.replay_share == 0.2 and beta.eval.max_eval_samples == 64
+    assert alpha.eval.max_eval_samples == s.eval.max_eval_samples
     assert cfg.adapters[0].weight == 2 and cfg.adapters[1].min_share == 0.25
     assert alpha.model.path == beta.model.path == s.model.path  # one base for every adapter
 
@@ -122,3 +123,11 @@ def test_shares_follow_weight_capped_by_demand_with_a_floor():
 def test_unused_time_passes_to_the_next_adapter():
     shares = water_fill(90, [_share("a"), _share("b"), _share("c")])
     assert slice_ends(1000, 1090, shares) == pytest.approx([1030, 1060, 1090])
+
+
+def test_the_overheads_come_off_the_window_before_the_training_time_is_shared():
+    a = AdapterShare(adapter="a", weight=1, min_share=0, demand_seconds=None, overhead_seconds=60)
+    b = AdapterShare(adapter="b", weight=1, min_share=0, demand_seconds=None, overhead_seconds=20)
+    idle = AdapterShare(adapter="idle", weight=1, min_share=0, demand_seconds=0, overhead_seconds=60)
+    got = {s.adapter: s.seconds for s in water_fill(200, [a, b, idle])}
+    assert got == pytest.approx({"a": 60 + 60, "b": 20 + 60, "idle": 0})  # 120 s of training, shared by weight

@@ -202,7 +202,7 @@ def plan_shares(going: list[_Going], *, start: float, deadline: float) -> list[A
             tokens = int(tokens / (1 - cfg.plan.replay_share))
         tps, overhead, basis, _ = budget.estimate(g.ctx.measures.throughput_history(key, cfg.plan.history_runs),
                                                   cfg.plan)
-        demand = overhead + tokens / (tps * cfg.plan.safety_factor) if tokens else 0.0
+        demand = tokens / (tps * cfg.plan.safety_factor)  # training time; its overhead comes first (share.py)
         shares.append(AdapterShare(adapter=g.spec.name, weight=g.spec.weight, min_share=g.spec.min_share,
                                    pending_samples=samples, pending_tokens=tokens, tokens_per_second=tps,
                                    overhead_seconds=overhead, key=key, basis=basis, demand_seconds=demand))
