@@ -31,7 +31,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -206,7 +206,6 @@ def load_unsloth(
     trl_skipped = import_unsloth()  # patches transformers/peft on import: must come first
     from unsloth import FastLanguageModel
 
-    from jobs.training.step import UNSLOTH_FLAG
 
     t_import = time.perf_counter() - t0
     info: dict[str, Any] = {"backend": "unsloth", "import_seconds": round(t_import, 2),
@@ -255,44 +254,12 @@ def load_unsloth(
             info["base_cache_error"] = f"{type(e).__name__}: {e}"[:300]
             shutil.rmtree(cache_path, ignore_errors=True)
 
-    # 2. LoRA: the parent's shape when continuing, else the configured one
-    spec = lora
-    if parent_adapter is not None:
-        pcfg = json.loads((Path(parent_adapter) / "adapter_config.json").read_text())
-        tm = pcfg.get("target_modules") or lora.modules()
-        tm = sorted(tm) if isinstance(tm, list | set) else tm
-        spec = LoraSpec(
-            r=int(pcfg.get("r", lora.r)),
-            alpha=int(pcfg.get("lora_alpha", lora.alpha)),
-            dropout=float(pcfg.get("lora_dropout", lora.dropout)),
-            target_modules=tm,
-            seed=lora.seed,
-        )
-    t3 = time.perf_counter()
-    model = FastLanguageModel.get_peft_model(
-        model,
-        r=spec.r,
-        lora_alpha=spec.alpha,
-        lora_dropout=spec.dropout,
-        target_modules=spec.modules(),
-        bias="none",
-        use_gradient_checkpointing=gc_arg,
-        random_state=spec.seed,
-        max_seq_length=max_seq_length,
-    )
-    if parent_adapter is not None:
-        info["parent_adapter"] = str(parent_adapter)
-        info["parent_keys_loaded"] = load_adapter_weights(model, Path(parent_adapter))
-    info["peft_seconds"] = round(time.perf_counter() - t3, 2)
-    FastLanguageModel.for_training(model, use_gradient_checkpointing=gc_arg)
-    setattr(model, UNSLOTH_FLAG, True)
-    info.update(parameter_counts(model))
-    info["lora"] = asdict(spec)
-    info["target_parameters"] = list(getattr(model.peft_config["default"], "target_parameters", None) or [])
-    info["gradient_checkpointing"] = gc_arg
-    info["max_seq_length"] = max_seq_length
-    info["load_seconds"] = round(time.perf_counter() - t0, 2)
-    return model, tokenizer, info
+    # 2. LoRA: the parent's shape when continuing, else the configured one (a night of several adapters
+    # puts each one's LoRA on the base held from the one before: jobs/training/resident.py)
+    from jobs.training.backends.unsloth_lora import attach_lora
+
+    return attach_lora(model, tokenizer, lora=lora, parent_adapter=parent_adapter, gc_arg=gc_arg,
+                       max_seq_length=max_seq_length, info=info, t0=t0)
 
 
 def _load_full(model_path: Path, start: Path | str | None, max_seq_length: int, gc_arg: bool | str,
