@@ -169,15 +169,21 @@ class Service:
     def _resend_unheard(self) -> None:
         """The version in service, sent again to a target whose last announcement of it failed (a night cut
         in its hot-swap, a server that was down). In a thread: bounded, but a server may take minutes."""
-        ad = Adapters(self.state, cfg=self.s.registry)
-        try:
-            outcomes = resend_if_unheard(ad, self.s.hotswap)
-            if outcomes is not None:
-                log.info("hotswap.resent_at_start", ok=all(o.ok for o in outcomes), targets=len(outcomes))
-        except Exception as e:  # a damaged version, the lock: said, and the service goes on
-            log.error("hotswap.resend_failed", error=f"{type(e).__name__}: {e}")
-        finally:
-            ad.close()
+        # [[adapters]]: each adapter's own version in service, to its own targets
+        places = [(a.name, a.night.state_dir, a.night.hotswap) for a in self.s.night_config().adapters] or [
+            ("", self.state, self.s.hotswap)]
+        for name, state, hotswap in places:
+            ad = Adapters(state, cfg=self.s.registry)
+            try:
+                outcomes = resend_if_unheard(ad, hotswap)
+                if outcomes is not None:
+                    log.info("hotswap.resent_at_start", ok=all(o.ok for o in outcomes), targets=len(outcomes),
+                             **({"adapter": name} if name else {}))
+            except Exception as e:  # a damaged version, the lock: said, and the service goes on
+                log.error("hotswap.resend_failed", error=f"{type(e).__name__}: {e}",
+                          **({"adapter": name} if name else {}))
+            finally:
+                ad.close()
 
     def _show_window(self, now: datetime) -> tuple[Window | None, Window]:
         """The window open now (or None) and the next one, as the metrics show them."""
