@@ -131,3 +131,14 @@ def test_the_overheads_come_off_the_window_before_the_training_time_is_shared():
     idle = AdapterShare(adapter="idle", weight=1, min_share=0, demand_seconds=0, overhead_seconds=60)
     got = {s.adapter: s.seconds for s in water_fill(200, [a, b, idle])}
     assert got == pytest.approx({"a": 60 + 60, "b": 20 + 60, "idle": 0})  # 120 s of training, shared by weight
+
+
+def test_an_adapters_relative_paths_are_relative_to_the_config_file(tmp_path):
+    (tmp_path / "reg.jsonl").write_text('{"text": "x"}\n')
+    s = load_settings(_config(tmp_path, """
+[[adapters]]
+name = "alpha"
+sources = ["a-in", "b-in"]
+eval = { regression_set = "reg.jsonl" }
+"""))
+    assert s.night_config().adapters[0].night.eval.regression_set == tmp_path / "reg.jsonl"

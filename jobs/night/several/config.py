@@ -8,12 +8,24 @@ overrides are merged over the shared sections and validated as those sections ar
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from jobs.learning.gate import EvalConfig
+from jobs.learning.plan import PlanConfig
 from jobs.night.config import AdapterNight, NightConfig
 from jobs.store.paths import StatePaths
+from jobs.training.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class SectionKeys:
+    """Marks a table of some of a section's keys: daemon/config_paths.py rebases its relative paths as that
+    section's own (an adapter's `eval = { regression_set = "x.jsonl" }` is relative to the config file)."""
+
+    section_model: type[BaseModel]
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]*$"
 _OVERRIDABLE = ("train", "plan", "eval")
@@ -28,9 +40,12 @@ class AdapterConfig(BaseModel):
     weight: float = Field(1.0, gt=0, description="its priority: shares of the window are proportional to it")
     min_share: float = Field(0.0, ge=0, lt=1, description="a floor of the window it gets (if it has that "
                              "much to train), so no adapter starves")
-    train: dict[str, Any] = Field(default_factory=dict, description="keys of [train] this adapter sets otherwise")
-    plan: dict[str, Any] = Field(default_factory=dict, description="keys of [plan] (e.g. replay_share)")
-    eval: dict[str, Any] = Field(default_factory=dict, description="keys of [eval] (e.g. the gate's thresholds)")
+    train: Annotated[dict[str, Any], SectionKeys(TrainConfig)] = Field(
+        default_factory=dict, description="keys of [train] this adapter sets otherwise (its LoRA shape, method...)")
+    plan: Annotated[dict[str, Any], SectionKeys(PlanConfig)] = Field(
+        default_factory=dict, description="keys of [plan] (e.g. replay_share)")
+    eval: Annotated[dict[str, Any], SectionKeys(EvalConfig)] = Field(
+        default_factory=dict, description="keys of [eval] (e.g. the gate's rules, its regression set)")
     hotswap: list[str] | None = Field(None, description="names of the [hotswap] targets it is announced to "
                                       "(default: every one)")
 
