@@ -55,12 +55,14 @@ def start_pull_workers(raw_config: str) -> None:
     except Exception as e:
         log.info("pull_workers_not_started_early", error=f"{type(e).__name__}: {e}"[:300])
         return
-    if pool is not None:
-        t = cfg.train
-        check_ahead(pool, cfg.sources, options=check_options(max_seq_length=t.max_seq_length, overlong=t.overlong,
-                                                             special_tokens=t.special_tokens),
-                    excerpt_bytes=cfg.quarantine.excerpt_bytes, now=time.time(),
-                    ledger_path=StatePaths(cfg.state_dir).ledger)
+    if pool is not None:  # [[adapters]]: each adapter's sources, against its own ledger
+        for night in [a.night for a in cfg.adapters] or [cfg]:
+            t = night.train
+            options = check_options(max_seq_length=t.max_seq_length, overlong=t.overlong,
+                                    special_tokens=t.special_tokens)
+            check_ahead(pool, night.sources, options=options,
+                        excerpt_bytes=night.quarantine.excerpt_bytes, now=time.time(),
+                        ledger_path=StatePaths(night.state_dir).ledger)
 
 
 def pull_new_data(ctx: RunContext, tokenizer: Any) -> PullResult:
