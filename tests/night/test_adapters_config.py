@@ -142,3 +142,17 @@ sources = ["a-in", "b-in"]
 eval = { regression_set = "reg.jsonl" }
 """))
     assert s.night_config().adapters[0].night.eval.regression_set == tmp_path / "reg.jsonl"
+
+
+def test_webhooks_hear_each_adapters_own_rejection_in_a_night_that_succeeded(tmp_path):
+    from daemon.notify import Notifier
+    from jobs.contract import Outcome, RunSummary
+    from jobs.hotswap import HotswapConfig
+    from jobs.store.ledger import Ledger
+
+    night = RunSummary(night="n", outcome=Outcome.succeeded, adapters=[
+        RunSummary(night="n", adapter="a", outcome=Outcome.succeeded, version_name="a-v0001", promoted=True),
+        RunSummary(night="n", adapter="c", outcome=Outcome.rejected, version_name="c-v0001")])
+    events = Notifier(HotswapConfig(), Ledger(tmp_path / "ledger.sqlite")).events_of(night)
+    assert [(e, f.get("adapter")) for e, _, f in events] == [("rejected", "c")]
+    assert "c-v0001 of night n of adapter c was NOT promoted" in events[0][1]
