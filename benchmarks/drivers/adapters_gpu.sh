@@ -18,7 +18,11 @@
 #   WINDOW_MIN=8         minutes each night's window lasts (`once --until`): long enough for all of N
 #   CAL_SECONDS=15       `calibrate --seconds`
 #   BACKEND=auto METHOD=qlora MAX_VRAM_GB=40 BATCHING=packed
-# On the device (see COMMON.md): install the wheels, export PYTHONPATH, then run this with a timeout under 600 s.
+# On the device (see COMMON.md): install the wheels and export PYTHONPATH first. Building the 8B, calibrating and the
+# two nights can take more than one call's 10 minutes: start it in the background and collect it in a later call,
+#   benchmarks/drivers/device_run.sh --background --timeout 1700 /tmp/ad -- benchmarks/drivers/adapters_gpu.sh /tmp/ad/run
+#   benchmarks/drivers/device_run.sh --wait 540 --tar "$OUT/adapters.tar.xz" /tmp/ad    # (again until DONE)
+# A second run in the same OUT_DIR keeps the model and the calibration (the nights start from fresh state).
 set -uo pipefail
 
 cpu=0
@@ -125,8 +129,27 @@ for c in one four; do
 done
 
 # 4. calibrate once, on the night of four's shared state; the night of one gets the same measurement
-mkdir -p "$R/one/state" "$R/four/state"
-if [ "$cpu" = 0 ]; then
+rm -rf "$R/one/state"
+if [ "$cpu" = 0 ] && [ -e "$R/calibrate/calibration.json" ] && [ -e "$R/four/state/ledger.sqlite" ]; then
+  say "calibration kept from an earlier run in $R"
+  "$PY" - "$R/four/state/ledger.sqlite" <<'EOF2' || exit 1
+import sqlite3, sys
+db = sqlite3.connect(sys.argv[1])  # the nights of an earlier run go; the calibration stays
+for table in ("runs", "samples", "versions", "files", "quarantine", "events", "promotions", "hotswaps", "pins"):
+    try:
+        db.execute(f"DELETE FROM {table}")
+    except sqlite3.OperationalError:
+        pass
+db.execute("DELETE FROM throughput WHERE origin != 'calibrate'")
+db.commit()
+EOF2
+  find "$R/four/state" -mindepth 1 -maxdepth 1 ! -name 'ledger.sqlite*' ! -name models -exec rm -rf {} +
+  mkdir -p "$R/one/state"
+  "$PY" -c 'import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))' \
+    "$R/four/state/ledger.sqlite" "$R/one/state/ledger.sqlite" || exit 1
+  ln -s "$R/four/state/models" "$R/one/state/models" 2>/dev/null
+elif [ "$cpu" = 0 ]; then
+  rm -rf "$R/four/state"; mkdir -p "$R/one/state" "$R/four/state"
   t0=$(date +%s)
   "$PY" -m daemon --config "$R/four.toml" calibrate --seconds "$CAL_SECONDS" --no-checkpointing-line \
     --out "$R/calibrate" > "$R/calibrate.log" 2>&1
@@ -139,6 +162,7 @@ EOF
   # one cache of the quantised base for both (calibrate made it under four's state)
   [ -d "$R/four/state/models" ] && [ ! -e "$R/one/state/models" ] && ln -s "$R/four/state/models" "$R/one/state/models"
 else
+  rm -rf "$R/four/state"; mkdir -p "$R/one/state" "$R/four/state"
   say "calibrate skipped (--cpu: it measures the GPU path)"
 fi
 
@@ -188,7 +212,7 @@ for name in ("one", "four"):
         "plan_error": plan_error(each),
         "adapters": [{k: r.get(k) for k in ("adapter", "outcome", "version_name", "promoted", "trained_tokens",
                                             "predicted_train_seconds", "actual_train_seconds", "phase_seconds",
-                                            "load_info", "error")} | {"plan_error": plan_error([r])} for r in each],
+                                            "load_info", "losses", "error")} | {"plan_error": plan_error([r])} for r in each],
         "shares": night.get("shares", []),
     }
 one, four = out["one"], out["four"]
