@@ -46,7 +46,7 @@ def test_the_example_of_two_adapters_runs_a_night_and_each_is_seen(tmp_path):
 
     # validate reads each file as the adapter whose source takes it (its own ledger knows it: already ingested)
     r = nightshift(*cfg, "validate", "config/sample-inbox/chat-2026-11-20.json", "--json", cwd=work, env=env)
-    [check] = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    [check] = json.loads(r.stdout)
     assert check["source"] == "chat-inbox" and check["already_ingested"], check
 
     r = nightshift(*cfg, "status", "--json", cwd=work, env=env)

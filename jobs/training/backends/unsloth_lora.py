@@ -5,11 +5,56 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jobs.training.backends.unsloth import LoraSpec, load_adapter_weights, parameter_counts
+DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraSpec:
+    r: int = 16
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] | str = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    seed: int = 3407
+
+    @classmethod
+    def from_train_config(cls, cfg: Any) -> LoraSpec:
+        """From jobs.training.loop.TrainConfig ([train] lora_rank, lora_alpha, lora_dropout, target_modules, seed)."""
+        return cls(
+            r=cfg.lora_rank,
+            alpha=cfg.lora_alpha,
+            dropout=cfg.lora_dropout,
+            target_modules=cfg.target_modules,
+            seed=cfg.seed,
+        )
+
+    def modules(self) -> list[str]:
+        """ "all-linear" means every projection of attention and MLP (experts included), not the router."""
+        tm = self.target_modules
+        return list(DEFAULT_TARGETS) if tm == "all-linear" else list(tm if isinstance(tm, list) else [tm])
+
+
+def parameter_counts(model: Any) -> dict[str, Any]:
+    """Trainable / total counts, and how many trainable ones sit in MoE experts (0 on dense models)."""
+    trainable = total = experts = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        if p.__class__.__name__ == "Params4bit":  # packed 2 weights per byte (uint8 storage)
+            n = int(getattr(p, "quant_state", None).shape.numel()) if getattr(p, "quant_state", None) else n * 2
+        total += n
+        if p.requires_grad:
+            trainable += n
+            if ".experts." in name:
+                experts += n
+    return {
+        "trainable_parameters": trainable,
+        "total_parameters": total,
+        "trainable_in_experts": experts,
+        "trainable_percent": round(100.0 * trainable / max(1, total), 4),
+    }
 
 
 def attach_lora(model: Any, tokenizer: Any, *, lora: LoraSpec, parent_adapter: Path | str | None,
@@ -59,3 +104,25 @@ def attach_lora(model: Any, tokenizer: Any, *, lora: LoraSpec, parent_adapter: P
     info["max_seq_length"] = max_seq_length
     info["load_seconds"] = round(time.perf_counter() - t0, 2)
     return model, tokenizer, info
+
+
+def load_adapter_weights(model: Any, adapter_dir: Path) -> int:
+    """Load a saved adapter's LoRA weights into the model's (same-shaped) adapter; all keys must land."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    f = adapter_dir / "adapter_model.safetensors"
+    state = load_file(str(f)) if f.exists() else _load_bin(adapter_dir / "adapter_model.bin")
+    res = set_peft_model_state_dict(model, state, adapter_name="default")
+    unexpected = list(getattr(res, "unexpected_keys", []) or [])
+    if unexpected:
+        raise ValueError(
+            f"parent adapter {adapter_dir} has {len(unexpected)} keys this model lacks, e.g. {unexpected[:3]}"
+        )
+    return len(state)
+
+
+def _load_bin(path: Path) -> dict[str, Any]:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)
