@@ -71,10 +71,18 @@ def add_commands(sub: Any) -> None:
     )
     p.add_argument("--dry-run", action="store_true", help="say what would go; delete nothing")
     p.set_defaults(func=cmd_prune)
+    for cmd in asub.choices.values():
+        _adapter_option(cmd)
     p = sub.add_parser("hotswap", help="send the adapter in service to every [hotswap] target again")
+    _adapter_option(p)
     p.add_argument("--version", help="send this kept version instead (it is NOT put in service)")
     p.add_argument("--json", action="store_true", help="the targets' outcomes as JSON")
     p.set_defaults(func=cmd_hotswap)
+
+
+def _adapter_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapter", metavar="NAME", help="[[adapters]]: whose versions (required where the config has "
+                   "several adapters; a config of one has none to name)")
 
 
 class WithTargets(Adapters):
@@ -87,15 +95,24 @@ class WithTargets(Adapters):
         self.price_per_gpu_hour = price_per_gpu_hour  # [gpu]: `show`'s dollars per million tokens
 
 
-def open_adapters(s: Any, *, read_only: bool = False) -> WithTargets:
-    """Settings -> Adapters; [hotswap] / [registry] default to nothing configured / defaults."""
-    return WithTargets(
-        s.state_dir,
-        hotswap=getattr(s, "hotswap", None) or HotswapConfig(),
-        cfg=getattr(s, "registry", None) or RegistryConfig(),
-        read_only=read_only,
-        price_per_gpu_hour=getattr(getattr(s, "gpu", None), "price_per_gpu_hour", None),
-    )
+def open_adapters(s: Any, *, read_only: bool = False, adapter: str | None = None) -> WithTargets:
+    """Settings -> Adapters; [hotswap] / [registry] default to nothing configured / defaults. `adapter`
+    ([[adapters]]): whose versions (required where the config has several adapters)."""
+    state_dir, hotswap = s.state_dir, getattr(s, "hotswap", None) or HotswapConfig()
+    several = getattr(s, "adapters", None) or []
+    if adapter is not None and not several:
+        raise AdapterError(f"--adapter {adapter}: this config has no [[adapters]] (its one adapter needs no name)")
+    if several:
+        names = [a.name for a in several]
+        if adapter is None:
+            raise AdapterError(f"this config has several adapters: say which with --adapter ({', '.join(names)})")
+        night = next((a.night for a in s.night_config().adapters if a.name == adapter), None)
+        if night is None:
+            raise AdapterError(f"--adapter {adapter}: no such [[adapters]] (they are: {', '.join(names)})")
+        state_dir, hotswap = night.state_dir, night.hotswap
+    return WithTargets(state_dir, hotswap=hotswap, cfg=getattr(s, "registry", None) or RegistryConfig(),
+                       read_only=read_only,
+                       price_per_gpu_hour=getattr(getattr(s, "gpu", None), "price_per_gpu_hour", None))
 
 
 def _guarded(fn: Callable[[argparse.Namespace, WithTargets], int], *,
@@ -105,7 +122,11 @@ def _guarded(fn: Callable[[argparse.Namespace, WithTargets], int], *,
 
     @functools.wraps(fn)
     def run(args: argparse.Namespace, s: Any) -> int:
-        ad = open_adapters(s, read_only=read_only)
+        try:
+            ad = open_adapters(s, read_only=read_only, adapter=getattr(args, "adapter", None))
+        except AdapterError as e:
+            print(f"refused: {e}", file=sys.stderr)
+            return EXIT_REFUSED
         try:
             return int(fn(args, ad))
         except IntegrityError as e:

@@ -14,7 +14,7 @@ from typing import Any
 
 import structlog
 
-from daemon import capture_cli, config_cli, report, report_cli, terminal, validate_cli
+from daemon import capture_cli, config_cli, report, report_cli, several_view, terminal, validate_cli
 from daemon.adapters_cli import add_commands as add_adapter_commands
 from daemon.cli_help import DESCRIPTION, exit_codes_help
 from daemon.doctor import add_command as add_doctor_command
@@ -31,6 +31,7 @@ from jobs.contract import (
     PhaseEvent,
     PlanEvent,
     RunSummary,
+    SharesEvent,
     nightshift_version,
     outcome_exit_code,
 )
@@ -139,7 +140,10 @@ def _run_once(args: argparse.Namespace, s: Settings, window: Window, ledger: Led
     with NightProgress(choose_mode(log_format=s.log.format)) as progress:
         def show(ev: ChildEvent) -> None:
             if isinstance(ev, PlanEvent):
-                progress.print("plan:\n" + report.plan_table(ev.plan) + "\n")
+                title = f"plan of adapter {ev.adapter}" if ev.adapter else "plan"
+                progress.print(f"{title}:\n" + report.plan_table(ev.plan) + "\n")
+            elif isinstance(ev, SharesEvent):  # [[adapters]]: before anything trains
+                progress.print("the window, shared by the adapters:\n" + several_view.shares_table(ev.shares) + "\n")
             progress.on_event(ev)
 
         out = run_child(s, night=night, deadline=window.deadline(s.window.save_margin).timestamp(),
@@ -157,7 +161,11 @@ def _run_once(args: argparse.Namespace, s: Settings, window: Window, ledger: Led
         print(f"nightshift once: the night's process failed ({out.describe_exit()}); last lines:", file=sys.stderr)
         print("\n".join(out.tail[-15:]), file=sys.stderr)
         return 1
-    print("night:\n" + report.summary_table(out.summary, s.gpu.price_per_gpu_hour))
+    price = s.gpu.price_per_gpu_hour
+    for each in out.summary.adapters:  # [[adapters]]: each adapter's night, then the table of all
+        print(f"adapter {each.adapter}:\n" + report.summary_table(each, price) + "\n")
+    print("night:\n" + (several_view.adapters_table(out.summary.adapters) if out.summary.adapters
+                        else report.summary_table(out.summary, price)))
     if getattr(args, "log_file", None):
         print(f"\nthe night's log: {args.log_file}")
     if out.summary.outcome == Outcome.failed:
@@ -184,6 +192,8 @@ def cmd_plan(args: argparse.Namespace, s: Settings) -> int:
         raise ConfigError(args.config, problems)
     with NightProgress(choose_mode(json_output=args.json, log_format=s.log.format)) as progress:
         out = run_child(s, night=night, deadline=deadline, plan_only=True, on_event=plan_events(progress))
+    if out.summary is not None and out.summary.adapters:
+        return _plan_of_adapters(args, out.summary)
     if out.summary is None or out.summary.plan is None:
         print(f"nightshift plan: failed ({out.describe_exit()})", file=sys.stderr)
         print("\n".join(out.tail[-15:]), file=sys.stderr)
@@ -194,6 +204,19 @@ def cmd_plan(args: argparse.Namespace, s: Settings) -> int:
     else:
         print(report.plan_table(out.summary.plan) + "\n\n" + report.inbox_table(inbox))
     return 0
+
+
+def _plan_of_adapters(args: argparse.Namespace, summary: RunSummary) -> int:
+    """[[adapters]]: the window's shares, then each adapter's own plan within its slice."""
+    if args.json:
+        print(json.dumps({"shares": [x.model_dump(mode="json") for x in summary.shares],
+                          "adapters": {a.adapter: a.plan.model_dump(mode="json") if a.plan else {"error": a.error}
+                                       for a in summary.adapters}}, indent=2))
+        return 0
+    print("the window, shared by the adapters:\n" + several_view.shares_table(summary.shares))
+    for a in summary.adapters:
+        print(f"\nplan of adapter {a.adapter}:\n" + (report.plan_table(a.plan) if a.plan else f"none: {a.error}"))
+    return 0 if all(a.plan is not None for a in summary.adapters) else 1
 
 
 def cmd_check_config(args: argparse.Namespace, s: Settings) -> int:

@@ -22,7 +22,11 @@ def rebase_paths(model: type[BaseModel], data: dict[str, Any], base: Path) -> di
     by_key = {(f.alias or n).lower(): f for n, f in model.model_fields.items()}
     for key, value in data.items():
         field = by_key.get(key.lower()) if isinstance(key, str) else None
-        if field is not None:
+        section = next((m.section_model for m in field.metadata if hasattr(m, "section_model")), None) \
+            if field is not None else None
+        if section is not None and isinstance(value, dict):  # some keys of a section ([[adapters]] eval = {...})
+            out[key] = rebase_paths(section, value, base)
+        elif field is not None:
             out[key] = _rebase(field.annotation, value, base)
     return out
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from jobs.contract import ExitCode
 from jobs.store.doctor import as_dicts, diagnose
+from jobs.store.paths import StatePaths
 
 MARK = {"ok": "ok     ", "note": "note   ", "problem": "PROBLEM"}
 
@@ -22,16 +23,26 @@ def add_command(sub: Any) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace, s: Any) -> int:
-    findings = diagnose(s.state_dir, name=s.model.name, lock_timeout=s.registry.lock_timeout_seconds)
-    problems = [f for f in findings if f.level == "problem"]
+    timeout = s.registry.lock_timeout_seconds
+    places = [("", s.state_dir, diagnose(s.state_dir, name=s.model.name, lock_timeout=timeout))]
+    for a in getattr(s, "adapters", None) or []:  # [[adapters]]: each adapter's own state directory
+        state = StatePaths(s.state_dir).adapter(a.name).root
+        places.append((a.name, state, diagnose(state, name=a.name, lock_timeout=timeout)))
+    problems = [f for _, _, found in places for f in found if f.level == "problem"]
     if args.json:
-        print(json.dumps({"state_dir": str(s.state_dir), "ok": not problems, "findings": as_dicts(findings)},
-                         indent=2))
+        top = places[0][2]
+        doc: dict[str, Any] = {"state_dir": str(s.state_dir), "ok": not problems, "findings": as_dicts(top)}
+        if len(places) > 1:
+            doc["adapters"] = {name: {"state_dir": str(state), "ok": not any(f.level == "problem" for f in found),
+                                      "findings": as_dicts(found)} for name, state, found in places[1:]}
+        print(json.dumps(doc, indent=2))
     else:
-        print(f"nightshift doctor: {s.state_dir}")
-        for f in findings:
-            print(f"  {MARK[f.level]} {f.subject}: {f.text}")
-            if f.fix:
-                print(f"          fix: {f.fix}")
+        for name, state, found in places:
+            print(f"nightshift doctor: {state}" + (f" (adapter {name}; its commands take --adapter {name})"
+                                                   if name else ""))
+            for f in found:
+                print(f"  {MARK[f.level]} {f.subject}: {f.text}")
+                if f.fix:
+                    print(f"          fix: {f.fix}")
         print(f"{len(problems)} problem(s)" if problems else "no problems found")
     return ExitCode.FAILED if problems else ExitCode.OK

@@ -44,8 +44,9 @@ class Notifier:
     def events_of(self, s: RunSummary) -> list[tuple[str, str, dict]]:
         """(event, text, fields) for the night that just closed."""
         out = []
-        if s.outcome in (Outcome.rejected, Outcome.failed, Outcome.skipped):
-            out.append((s.outcome.value, *describe(s.outcome.value, s)))
+        for each in s.adapters or [s]:  # [[adapters]]: each adapter's own rejection or failure
+            if each.outcome in (Outcome.rejected, Outcome.failed, Outcome.skipped):
+                out.append((each.outcome.value, *describe(each.outcome.value, each)))
         backlogs = recent_backlogs(self.ledger)
         if backlog_growing(backlogs):
             out.append(("backlog_growing", *describe("backlog_growing", s, backlogs)))

@@ -107,26 +107,15 @@ class Report(AdapterReport):
         return len(self.nights) + sum(len(a.nights) for a in self.adapters)
 
 
-def adapter_names(state_dir: Path) -> list[str]:
-    """The named adapters found in a state directory: `adapters/<name>/` folders that hold a ledger (the
-    registry's version folders `<name>-vNNNN` beside them hold none). Read-only: nothing is created."""
-    root = StatePaths(state_dir).adapters
-    if not root.is_dir():
-        return []
-    return sorted(p.name for p in root.iterdir()
-                  if p.is_dir() and not p.is_symlink() and StatePaths(p).ledger.is_file())
-
-
 def adapter_states(settings: Settings) -> list[tuple[str, StatePaths]]:
-    """(adapter name, its state directory) for every adapter of the config: [("", the state dir)] in a config
-    of one adapter. The one place the report learns the adapters: it discovers the named ones on disk
-    (`adapter_names`) until the config's [[adapters]] names them (then: one pair per configured adapter,
-    `StatePaths(<state_dir>/adapters/<name>)`, in config order)."""
-    root = Path(settings.state_dir)
-    names = adapter_names(root)
+    """(adapter name, its state directory) for every adapter of the config, in config order: [("", the state
+    dir)] in a config of one adapter. The one place the report, the metrics and the service learn the adapters
+    (each named one's directory is `StatePaths.adapter(name)`, jobs/night/several)."""
+    root = StatePaths(Path(settings.state_dir))
+    names = [a.name for a in getattr(settings, "adapters", None) or []]
     if not names:
-        return [("", StatePaths(root))]
-    return [(name, StatePaths(StatePaths(root).adapters / name)) for name in names]
+        return [("", root)]
+    return [(name, root.adapter(name)) for name in names]
 
 
 def _planned(summ: dict[str, Any]) -> tuple[int | None, str | None]:

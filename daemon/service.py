@@ -9,7 +9,6 @@ start inside an unfinished window starts (or resumes) the night at once.
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import sys
@@ -25,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from daemon import sdnotify
 from daemon.metrics import NightshiftMetrics, serve
+from daemon.metrics.from_ledger import refresh_from_ledgers, restore_from_ledgers
 from daemon.notify import Notifier
 from daemon.preflight import disk_problem
 from daemon.report_data import adapter_states
@@ -41,7 +41,6 @@ from jobs.store.ledger import Ledger
 from jobs.store.locking import LockTimeout, StateLock, night_lock
 from jobs.store.outcomes import NightOutcomes
 from jobs.store.paths import StatePaths
-from jobs.store.registry import Registry
 
 log = structlog.get_logger("nightshift.service")
 LOCK_RETRY_SECONDS = 2.0  # the night lock is tried this often while another process holds it (a flock: cheap)
@@ -66,7 +65,9 @@ class Service:
         self.stop = threading.Event()
         self.wake = threading.Event()
         self.registry = registry or CollectorRegistry()
-        self.metrics = NightshiftMetrics(self.registry, sources=[x.name for x in settings.sources],
+        sources = ({a.name: list(a.sources) for a in settings.adapters} if settings.adapters  # [[adapters]]
+                   else [x.name for x in settings.sources])
+        self.metrics = NightshiftMetrics(self.registry, sources=sources,
                                          hotswap_kinds=sorted({t.kind for t in settings.hotswap.targets}),
                                          adapters=[name for name, _ in adapter_states(settings)],  # label values
                                          price_per_gpu_hour=settings.gpu.price_per_gpu_hour)
@@ -172,15 +173,21 @@ class Service:
     def _resend_unheard(self) -> None:
         """The version in service, sent again to a target whose last announcement of it failed (a night cut
         in its hot-swap, a server that was down). In a thread: bounded, but a server may take minutes."""
-        ad = Adapters(self.state, cfg=self.s.registry)
-        try:
-            outcomes = resend_if_unheard(ad, self.s.hotswap)
-            if outcomes is not None:
-                log.info("hotswap.resent_at_start", ok=all(o.ok for o in outcomes), targets=len(outcomes))
-        except Exception as e:  # a damaged version, the lock: said, and the service goes on
-            log.error("hotswap.resend_failed", error=f"{type(e).__name__}: {e}")
-        finally:
-            ad.close()
+        # [[adapters]]: each adapter's own version in service, to its own targets
+        places = [(a.name, a.night.state_dir, a.night.hotswap) for a in self.s.night_config().adapters] or [
+            ("", self.state, self.s.hotswap)]
+        for name, state, hotswap in places:
+            ad = Adapters(state, cfg=self.s.registry)
+            try:
+                outcomes = resend_if_unheard(ad, hotswap)
+                if outcomes is not None:
+                    log.info("hotswap.resent_at_start", ok=all(o.ok for o in outcomes), targets=len(outcomes),
+                             **({"adapter": name} if name else {}))
+            except Exception as e:  # a damaged version, the lock: said, and the service goes on
+                log.error("hotswap.resend_failed", error=f"{type(e).__name__}: {e}",
+                          **({"adapter": name} if name else {}))
+            finally:
+                ad.close()
 
     def _show_window(self, now: datetime) -> tuple[Window | None, Window]:
         """The window open now (or None) and the next one, as the metrics show them."""
@@ -361,27 +368,9 @@ class Service:
         return f"only {free:.1f} GB of GPU memory free (need {need:g} GB)"
 
     def _refresh_metrics(self) -> None:
-        """Backlog and adapter in service from the ledger (at start and after each night)."""
-        self.metrics.set_backlog(*self.ledger.backlog())
-        version = Registry(self.state).current_version()
-        row = self.ledger.version(version) if version else None
-        if row is not None:
-            manifest = json.loads(row["manifest"] or "{}")
-            self.metrics.set_adapter_in_service(version, row["name"],
-                                                manifest.get("base_model", {}).get("path", ""),
-                                                manifest.get("method") or "qlora")
+        """Backlog and adapter in service from each adapter's ledger (at start and after each night)."""
+        refresh_from_ledgers(self.metrics, self.s, self.ledger)
 
     def _restore_metrics(self) -> None:
-        """The last run's series from the ledger (its typed summary), so a restart blanks no dashboard."""
-        runs = self.ledger.last_runs(50)
-        finished = sorted((r for r in runs if r["ended_at"]), key=lambda r: r["ended_at"], reverse=True)
-        success = next((r["ended_at"] for r in finished if r["status"] == "succeeded"), None)
-        last = finished[0] if finished else None
-        summary = self.ledger.summary_of(last) if last is not None else None
-        if summary is not None:  # the row is the truth on how the run ended (the daemon may have closed it)
-            summary = summary.model_copy(update={"outcome": Outcome(last["status"]), "ended_at": last["ended_at"]})
-            end = summary.deadline + self.s.window.save_margin.total_seconds() if summary.deadline else None
-            self.metrics.restore_last_run(summary, window_end=end)
-        self.metrics.restore(last_success=success, last_run=last["ended_at"] if last else None,
-                             last_outcome=last["status"] if last else None)
-        self._refresh_metrics()
+        """The last run's series from each adapter's ledger, so a restart blanks no dashboard."""
+        restore_from_ledgers(self.metrics, self.s, self.ledger)

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -38,6 +38,7 @@ from jobs.hotswap import HotswapConfig
 from jobs.learning.gate import EvalConfig
 from jobs.learning.plan import PlanConfig
 from jobs.night.config import ModelConfig, NightConfig
+from jobs.night.several.config import AdapterConfig, problems, with_adapters
 from jobs.store.adapters import RegistryConfig
 from jobs.training.config import TrainConfig
 
@@ -84,6 +85,15 @@ class Settings(BaseSettings):
     log: LogConfig = Field(default_factory=LogConfig)
     daemon: DaemonConfig = Field(default_factory=DaemonConfig)
     quarantine: QuarantineConfig = Field(default_factory=QuarantineConfig)
+    # several adapters in one night (jobs/night/several); none: one adapter, today's state directory
+    adapters: list[AdapterConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _adapters_fit(self) -> Settings:
+        found = problems(self.adapters, self._night_base())
+        if found:  # one line per problem, each naming its key (format_error passes a "[..." message through)
+            raise ValueError("\n  - ".join(found))
+        return self
 
     @classmethod
     def settings_customise_sources(
@@ -98,8 +108,13 @@ class Settings(BaseSettings):
         return tuple(sources)
 
     def night_config(self) -> NightConfig:
+        """The night's config; with [[adapters]], each adapter's own night in it."""
+        return with_adapters(self._night_base(), self.adapters)
+
+    def _night_base(self) -> NightConfig:
         return NightConfig.model_validate(
-            {k: getattr(self, k) for k in NightConfig.model_fields}, from_attributes=True)
+            {k: getattr(self, k) for k in NightConfig.model_fields if k not in ("adapters", "shared_dir")},
+            from_attributes=True)
 
 
 class _RelativeToml(TomlConfigSettingsSource):

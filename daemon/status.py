@@ -20,7 +20,21 @@ def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:
     zone = s.window.zone()
     w = s.window.window_at(now)
     nxt = s.window.next_window(now)
-    ledger = open_read_only(StatePaths(s.state_dir).ledger)  # creates nothing, migrates nothing; read-only works
+    info = {
+        "window": s.window.describe(),
+        "window_open": w is not None,
+        "next_window_start": nxt.start.astimezone(zone).isoformat(timespec="minutes"),
+        **_state(Path(s.state_dir), zone, w.night if w else None),
+    }
+    if s.adapters:  # [[adapters]]: each adapter's own state directory (the top one holds the night's own runs)
+        info["adapters"] = {a.name: _state(StatePaths(s.state_dir).adapter(a.name).root, zone, w.night if w else None)
+                            for a in s.adapters}
+    return info
+
+
+def _state(state_dir: Path, zone: Any, night: str | None) -> dict[str, Any]:
+    """What one state directory's ledger and registry say."""
+    ledger = open_read_only(StatePaths(state_dir).ledger)  # creates nothing, migrates nothing; read-only works
     try:
         runs = []
         for r in ledger.last_runs(10):
@@ -32,7 +46,7 @@ def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:
                 "trained_samples": summ.get("trained_samples"), "attempts": r["attempt"], "error": r["error"],
             })
         backlog = ledger.backlog()
-        current = Registry(Path(s.state_dir), create=False).current_version()
+        current = Registry(state_dir, create=False).current_version()
         row = ledger.version(current) if current else None
         manifest = json.loads(row["manifest"]) if row and row["manifest"] else {}
         aside = learning.set_aside(ledger)
@@ -42,10 +56,7 @@ def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:
                          "ever_rejected": aside["ever_rejected"],
                          "reference_version": learning.reference_version(ledger),
                          "regression_samples": regression[0], "regression_slices": regression[1]},
-            "window": s.window.describe(),
-            "window_open": w is not None,
-            "tonight_done": ledger.night_done(w.night) if w else None,
-            "next_window_start": nxt.start.astimezone(zone).isoformat(timespec="minutes"),
+            "tonight_done": ledger.night_done(night) if night else None,
             "runs": runs,
             "backlog": {"samples": backlog[0], "tokens": backlog[1]},
             "samples": ledger.sample_counts(),
@@ -59,6 +70,20 @@ def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:
         }
     finally:
         ledger.close()
+
+
+def _adapters(info: dict[str, Any]) -> str:
+    """[[adapters]]: one row per adapter: its version in service and how its last night ended."""
+    rows = []
+    for name, a in info.items():
+        last = a["runs"][0] if a["runs"] else None
+        svc = a["in_service"]
+        rows.append([name, svc["name"] if svc else "none yet", last["night"] if last else "—",
+                     last["status"] if last else "—", (last or {}).get("version") or "—",
+                     f"{a['backlog']['samples']:,} / {a['backlog']['tokens']:,}",
+                     ((last or {}).get("error") or "")[:50]])
+    return "adapters:\n" + grid(("adapter", "in service", "last night", "last outcome", "last version",
+                                  "backlog samples / tokens", "error"), rows)
 
 
 def _learning(info: dict[str, Any]) -> list[tuple[str, str]]:
@@ -80,11 +105,13 @@ def render(info: dict[str, Any]) -> str:
         *([("config", info["config"])] if info.get("config") else []),
         ("window", info["window"] + (" (open now)" if info["window_open"] else "")),
         ("next window", info["next_window_start"]),
-        ("adapter in service", f"{svc['name']} ({svc['method']}, promoted {svc['promoted']})" if svc else "none yet"),
+        ("adapter in service", "one per adapter (below)" if info.get("adapters") else
+         f"{svc['name']} ({svc['method']}, promoted {svc['promoted']})" if svc else "none yet"),
         ("backlog", f"{info['backlog']['samples']:,} samples, {info['backlog']['tokens']:,} tokens"),
         ("samples", ", ".join(f"{k} {v:,}" for k, v in sorted(info["samples"].items())) or "none"),
         *_learning(info.get("learning") or {}),
     ])
     cols = ("night", "status", "version", "trained_samples", "seconds", "started", "error")
     rows = [[r[c] for c in cols] for r in info["runs"]]
-    return head + "\n\nlast runs:\n" + (grid(cols, rows) if rows else "  none yet")
+    several = _adapters(info["adapters"]) + "\n\n" if info.get("adapters") else ""
+    return head + "\n\n" + several + "last runs:\n" + (grid(cols, rows) if rows else "  none yet")

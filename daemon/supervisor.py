@@ -148,7 +148,7 @@ class NightChild:
                 self.tail.append(raw.decode(errors="replace").rstrip()[:500])
                 log.warning("bad_child_event", error=str(e))
                 continue
-            if isinstance(ev, ResultEvent):
+            if isinstance(ev, ResultEvent) and not ev.adapter:  # [[adapters]]: one adapter's is not the night's
                 self.summary = ev.summary
             try:
                 self.on_event(ev)

@@ -1,7 +1,8 @@
 """Every crash point the product declares is killed by some test (issue 40: "none is skipped"): the night's own
 writes by tests/store/test_crash_points.py, the training loop's by tests/training/test_kill_each_point.py (one
 process and each of two ranks), the operator commands' by tests/store/test_operator_crash_points.py and the capture
-process's by tests/capture/test_capture_kill.py. A point of a new family fails here until a test owns it."""
+process's by tests/capture/test_capture_kill.py, the point between a night's adapters by
+tests/night/test_adapters.py. A point of a new family fails here until a test owns it."""
 
 import importlib
 import pkgutil
@@ -14,6 +15,7 @@ OWNERS = {
     ("train.",): "tests/training/test_kill_each_point.py",
     ("adapters.",): "tests/store/test_operator_crash_points.py",
     ("capture.",): "tests/capture/test_capture_kill.py",
+    ("night.",): "tests/night/test_adapters.py",  # between the adapters of a night of several
 }
 
 

@@ -243,6 +243,9 @@ class NightshiftMetrics:
             if key in self._seen or v is None:
                 return
             self._seen.append(key)
+            if not s.adapter and s.adapters:  # the whole night of several: each adapter's result was counted
+                self._end_run()
+                return
             self._summary(s, v)
             if s.adapter:
                 v.clear(m.RUN_PHASE)

@@ -42,9 +42,11 @@ from jobs.contract.events import (
     PlanEvent,
     ProgressEvent,
     ResultEvent,
+    SharesEvent,
     parse_event,
 )
 from jobs.contract.summary import (
+    AdapterShare,
     EvalMetrics,
     ExpertLoraReport,
     FileCheck,
@@ -58,6 +60,7 @@ from jobs.contract.summary import (
 )
 
 __all__ = [
+    "AdapterShare",
     "CalibrationRecord",
     "ChildEvent",
     "Emit",
@@ -90,6 +93,7 @@ __all__ = [
     "ResultEvent",
     "RunSummary",
     "ShapeRate",
+    "SharesEvent",
     "StepShape",
     "new_run_id",
     "nightshift_version",

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from jobs.contract.basics import Phase
 from jobs.contract.calibration import Plan
-from jobs.contract.summary import HotswapOutcome, RunSummary
+from jobs.contract.summary import AdapterShare, HotswapOutcome, RunSummary
 
 # ---- the child's events (JSON lines on its stdout) -------------------------------------------------
 
@@ -84,13 +84,21 @@ class OomSplitEvent(_Event):
     halves: list[int]
 
 
+class SharesEvent(_Event):
+    """[[adapters]]: the plan over adapters (each one's slice of the window), before anything trains."""
+
+    event: Literal["shares"] = "shares"
+    shares: list[AdapterShare]
+
+
 class ResultEvent(_Event):
     event: Literal["result"] = "result"
     summary: RunSummary
 
 
 ChildEvent = Annotated[
-    PhaseEvent | PlanEvent | ProgressEvent | GpuEvent | HotswapEvent | OomSplitEvent | ResultEvent,
+    PhaseEvent | PlanEvent | ProgressEvent | GpuEvent | HotswapEvent | OomSplitEvent | SharesEvent
+    | ResultEvent,
     Field(discriminator="event"),
 ]
 _EVENTS: TypeAdapter[ChildEvent] = TypeAdapter(ChildEvent)

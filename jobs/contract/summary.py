@@ -104,6 +104,24 @@ class ExpertLoraReport(BaseModel):
     problems: list[str] = Field(default_factory=list, description="what failed, tensor names included")
 
 
+class AdapterShare(BaseModel):
+    """[[adapters]]: one adapter's claim on the night's window, planned before anything trains."""
+
+    model_config = ConfigDict(extra="forbid")
+    adapter: str
+    weight: float
+    min_share: float
+    pending_samples: int = 0
+    pending_tokens: int = 0  # to train (each epoch counted), after the pull
+    tokens_per_second: float | None = None  # the measured (or prior) rate of its throughput key
+    overhead_seconds: float = 0.0  # load + evaluate + publish, measured (or prior)
+    key: str = ""  # its throughput key: shared by adapters of the same base, method and shape
+    basis: str = ""
+    demand_seconds: float | None = None  # the training time of everything it has (None: unknown)
+    seconds: float = 0.0  # its slice of the window: its overhead and its training time
+    share: float = 0.0  # of the window
+
+
 class RunSummary(BaseModel):
     """Everything a night's run reports: the child's last event, the ledger's `runs.summary`, the
     source of the CLI's table and of the last-run metrics."""
@@ -169,6 +187,9 @@ class RunSummary(BaseModel):
     started_at: float | None = None
     ended_at: float | None = None
     deadline: float | None = None
+    # [[adapters]]: the night's own summary lists each adapter's run and the plan that shared the window
+    adapters: list[RunSummary] = Field(default_factory=list)
+    shares: list[AdapterShare] = Field(default_factory=list)
 
 
 # ---- `nightshift validate`'s child: a FileCheck per file read as the inbox would (a JSON line each) ---

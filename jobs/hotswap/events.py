@@ -51,6 +51,8 @@ def describe(event: NightEvent, s: RunSummary, backlogs: Sequence[int] = ()) -> 
                               "version": s.version, "name": s.version_name, "error": s.error,
                               "trained_samples": s.trained_samples, "backlog_samples": s.backlog_samples}
     night = f"night {s.night}" if s.night else "a night"
+    if s.adapter:  # [[adapters]]: whose night this is
+        fields["adapter"], night = s.adapter, f"{night} of adapter {s.adapter}"
     if event == "rejected":
         fields["gate"] = s.gate.model_dump(mode="json") if s.gate else None
         text = f"nightshift: {s.version_name or 'the candidate'} of {night} was NOT promoted: {_why_rejected(s)}"

@@ -71,7 +71,7 @@ def load_model_and_data(ctx: RunContext, planned: PlannedRun, tokenizer: Any) ->
         # measured not to slow the first step's compile: RESULTS.md: 2026-11-26, wake restart)
         with in_background(_train_set, ctx, tokenizer, train_ids) as reading:
             loaded = load_for_training(ctx.model_path, cfg.train, adapter=resume or parent_path, shape=shape,
-                                       cache_dir=StatePaths(ctx.state).models, max_vram_gb=cfg.gpu.max_vram_gb)
+                                       cache_dir=StatePaths(ctx.shared).models, max_vram_gb=cfg.gpu.max_vram_gb)
         train_set = reading.result()
         tok = loaded.tokenizer
         if _identity(ctx, tok) != _identity(ctx, tokenizer):  # the loader's tokenizer is another: its own ids

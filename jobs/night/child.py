@@ -125,9 +125,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"nightshift: {e}", file=sys.stderr)
                     return ExitCode.BUSY
             try:
-                summary = run_night(cfg, night=args.night, deadline=args.deadline, emit=emit, stop=stop,
-                                    plan_only=args.plan_only, run_id=args.run_id,
-                                    process_started=woke, group=group)
+                night = run_night
+                if cfg.adapters:  # [[adapters]]: each adapter's night in turn, on one resident base
+                    from jobs.night.several.night import run_adapters as night
+                summary = night(cfg, night=args.night, deadline=args.deadline, emit=emit, stop=stop,
+                                plan_only=args.plan_only, run_id=args.run_id, process_started=woke, group=group)
             except (DamagedState, OSError, sqlite3.Error) as e:  # before a run could open: the model, the ledger
                 summary = RunSummary(night=args.night, outcome=Outcome.failed, error=failure_text(e))
                 structlog.get_logger("nightshift.night").error("night_refused", error=summary.error)

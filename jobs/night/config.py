@@ -53,3 +53,21 @@ class NightConfig(BaseModel):
     hotswap: HotswapConfig = Field(default_factory=HotswapConfig)  # no targets: nothing announced
     gpu: GpuConfig = Field(default_factory=GpuConfig)
     quarantine: QuarantineConfig = Field(default_factory=QuarantineConfig)
+    # [[adapters]]: the top state directory, where what the adapters share lives (measured throughput,
+    # model caches); None: this config is the whole night (one adapter, today's layout)
+    shared_dir: Path | None = None
+    adapters: list[AdapterNight] = Field(default_factory=list)  # [[adapters]]: each one's own night, in order
+
+
+class AdapterNight(BaseModel):
+    """One adapter of a night of several: its own night config (its own state directory) and its claim
+    on the window (jobs/night/several/share.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    weight: float = Field(1.0, gt=0)
+    min_share: float = Field(0.0, ge=0, le=1)
+    night: NightConfig
+
+
+NightConfig.model_rebuild()

@@ -50,10 +50,33 @@ class RunContext:
     gpu: GpuSampler | CardsSampler | None = None
     process_started: float | None = None  # when the child process started (wake -> first step)
     group: Solo = SOLO  # [distributed] the night's ranks: this process is rank 0 (jobs/night/ranks.py)
+    _measures: Ledger | None = None  # [[adapters]]: the shared directory's ledger (opened when first asked)
 
     @property
     def state(self) -> Path:
         return Path(self.cfg.state_dir)
+
+    @property
+    def shared(self) -> Path:
+        """Where what every adapter shares lives: the base model's caches, the measured throughput
+        ([[adapters]]: the top state directory; otherwise this run's own)."""
+        return Path(self.cfg.shared_dir or self.cfg.state_dir)
+
+    @property
+    def measures(self) -> Ledger:
+        """The ledger of throughput and calibration: one per base and method, shared by the adapters."""
+        if self.cfg.shared_dir is None:
+            return self.ledger
+        if self._measures is None:
+            path = StatePaths(self.shared).ledger
+            self._measures = open_read_only(path, clock=self.clock) if self.plan_only else Ledger(path,
+                                                                                                  clock=self.clock)
+        return self._measures
+
+    def close_measures(self) -> None:
+        if self._measures is not None:
+            self._measures.close()
+            self._measures = None
 
     @property
     def checkpoints(self) -> Path:

@@ -55,12 +55,14 @@ def start_pull_workers(raw_config: str) -> None:
     except Exception as e:
         log.info("pull_workers_not_started_early", error=f"{type(e).__name__}: {e}"[:300])
         return
-    if pool is not None:
-        t = cfg.train
-        check_ahead(pool, cfg.sources, options=check_options(max_seq_length=t.max_seq_length, overlong=t.overlong,
-                                                             special_tokens=t.special_tokens),
-                    excerpt_bytes=cfg.quarantine.excerpt_bytes, now=time.time(),
-                    ledger_path=StatePaths(cfg.state_dir).ledger)
+    if pool is not None:  # [[adapters]]: each adapter's sources, against its own ledger
+        for night in [a.night for a in cfg.adapters] or [cfg]:
+            t = night.train
+            options = check_options(max_seq_length=t.max_seq_length, overlong=t.overlong,
+                                    special_tokens=t.special_tokens)
+            check_ahead(pool, night.sources, options=options,
+                        excerpt_bytes=night.quarantine.excerpt_bytes, now=time.time(),
+                        ledger_path=StatePaths(night.state_dir).ledger)
 
 
 def pull_new_data(ctx: RunContext, tokenizer: Any) -> PullResult:
@@ -108,7 +110,7 @@ class PlannedRun:
 def choose_shape(ctx: RunContext, key: str) -> tuple[StepShape, CalibrationRecord | None]:
     """The step shape from the calibration and the memory free now (every attempt: the server may
     have grown or shrunk since the plan was made)."""
-    cal = ctx.ledger.calibration(key)
+    cal = ctx.measures.calibration(key)
     shape = resolve_step(ctx.cfg.train, cal, free_vram_gb=ctx.free_vram_gb(), max_vram_gb=ctx.cfg.gpu.max_vram_gb,
                          headroom_gb=ctx.cfg.gpu.headroom_gb)
     shape = with_compute(shape, ctx.cfg.train, cal)  # bf16 or FP8 frozen base (issue 16)
@@ -138,7 +140,7 @@ def plan_night(ctx: RunContext, *, key: str, backend: str, device: str,
         else:
             pending = ledger.pending(order=cfg.plan.order)
             pending = pending + list(incoming) if cfg.plan.order == "oldest" else [*reversed(incoming), *pending]
-            history, note = history_for_shape(ledger.throughput_history(key, cfg.plan.history_runs), shape, cal)
+            history, note = history_for_shape(ctx.measures.throughput_history(key, cfg.plan.history_runs), shape, cal)
             plan = budget.make_plan(pending, now=ctx.clock(), deadline=ctx.deadline, history=history, cfg=cfg.plan,
                                     epochs=cfg.train.epochs, key=key, replay_pool=learning.replay_pool(ledger),
                                     seed=ctx.night, min_heldout=cfg.eval.min_eval_samples,

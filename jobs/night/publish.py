@@ -242,7 +242,7 @@ def close_run(ctx: RunContext, planned: PlannedRun, result: TrainResult, publish
     if result.ramp_seconds < seconds:  # the settling steps' excess: overhead, planned again as warm-up
         seconds -= result.ramp_seconds
         overhead += result.ramp_seconds
-    ctx.ledger.record_throughput(key=planned.key, run_id=ctx.run_id, origin="run", tokens=tokens,
+    ctx.measures.record_throughput(key=planned.key, run_id=ctx.run_id, origin="run", tokens=tokens,
                                  seconds=seconds, overhead_seconds=overhead,
                                  detail={"steps": result.steps, "backend": planned.plan.backend,
                                          "device": planned.plan.device,

@@ -13,11 +13,14 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from jobs.contract import Emit, Outcome, RunSummary, version_name
+from jobs.data.pull import PullResult
 from jobs.night.candidate import evaluate_candidate, load_model_and_data, train_candidate
 from jobs.night.config import NightConfig
 from jobs.night.context import RunContext, open_context
@@ -64,27 +67,54 @@ def _run(cfg: NightConfig, model_path: Path, *, night: str, deadline: float, emi
     try:
         _steps(ctx)
     except Exception as e:
-        # The run stays open: its supervisor retries (resuming from the last checkpoint) or
-        # closes it as failed once the attempts or the window are used up.
-        ctx.summary.outcome, ctx.summary.error = Outcome.failed, failure_text(e)
-        if isinstance(e, DamagedState | OSError | sqlite3.OperationalError):  # the operator's to fix: no traceback
-            log.error("run_failed", error=ctx.summary.error)
-        else:
-            log.exception("run_failed", error=ctx.summary.error)
-        if not plan_only:
-            ctx.ledger.add_event("attempt_failed", run_id=ctx.run_id,
-                                 detail={"night": night, "error": ctx.summary.error})
+        record_failure(ctx, e)
     finally:
-        ctx.stop_gpu()
-        ctx.summary.ended_at = clock()
-        ctx.summary.backlog_samples, ctx.summary.backlog_tokens = ctx.ledger.backlog()
-        if not plan_only:
-            ctx.ledger.store_summary(ctx.run_id, ctx.summary)
-        ctx.ledger.close()
+        close_context(ctx)
     return ctx.summary
 
 
+def record_failure(ctx: RunContext, e: Exception) -> None:
+    """The run stays open: its supervisor retries (resuming from the last checkpoint) or closes it as
+    failed once the attempts or the window are used up."""
+    ctx.summary.outcome, ctx.summary.error = Outcome.failed, failure_text(e)
+    if isinstance(e, DamagedState | OSError | sqlite3.OperationalError):  # the operator's to fix: no traceback
+        log.error("run_failed", error=ctx.summary.error)
+    else:
+        log.exception("run_failed", error=ctx.summary.error)
+    if not ctx.plan_only:
+        ctx.ledger.add_event("attempt_failed", run_id=ctx.run_id,
+                             detail={"night": ctx.night, "error": ctx.summary.error})
+
+
+def close_context(ctx: RunContext) -> None:
+    """The run's figures into its summary and the ledger (which is closed)."""
+    ctx.stop_gpu()
+    ctx.summary.ended_at = ctx.clock()
+    ctx.summary.backlog_samples, ctx.summary.backlog_tokens = ctx.ledger.backlog()
+    if not ctx.plan_only:
+        ctx.ledger.store_summary(ctx.run_id, ctx.summary)
+    ctx.ledger.close()
+    ctx.close_measures()
+
+
+@dataclass
+class Pulled:
+    """What a run has before it plans: the base's tokenizer, the backend, and what the pull ingested."""
+
+    tokenizer: Any
+    backend: str
+    device: str
+    result: PullResult
+
+
 def _steps(ctx: RunContext) -> None:
+    pulled = pull_step(ctx)
+    if pulled is not None:
+        train_step(ctx, pulled)
+
+
+def pull_step(ctx: RunContext) -> Pulled | None:
+    """The registry checked, the inbox pulled. None: the run ended here (a stop during the pull)."""
     from jobs.training.load import device_name, load_tokenizer, resolve_backend
 
     s = ctx.summary
@@ -96,10 +126,21 @@ def _steps(ctx: RunContext) -> None:
     if pulled.stopped:  # a stop request during the pull: what was ingested is kept, nothing is planned
         s.outcome = Outcome.interrupted
         log.info("run_interrupted", during="pull", files=pulled.files)
-        return
+        return None
+    return Pulled(tokenizer, backend, device, pulled)
+
+
+def run_key(ctx: RunContext, pulled: Pulled) -> str:
+    """The throughput key this run plans with and files its measurement under."""
     ranks = ctx.group.world if not ctx.plan_only else night_size(ctx.cfg.train)  # a plan runs alone
-    key = throughput_key(ctx.cfg, ctx.fingerprint, backend, device, gpus=ranks)  # measured per count
-    planned = plan_night(ctx, key=key, backend=backend, device=device, incoming=pulled.incoming)
+    return throughput_key(ctx.cfg, ctx.fingerprint, pulled.backend, pulled.device, gpus=ranks)  # measured per count
+
+
+def train_step(ctx: RunContext, pulled: Pulled) -> None:
+    """Plan (within `ctx.deadline`), load, evaluate, train, gate, publish, announce."""
+    s, tokenizer = ctx.summary, pulled.tokenizer
+    planned = plan_night(ctx, key=run_key(ctx, pulled), backend=pulled.backend, device=pulled.device,
+                         incoming=pulled.result.incoming)
     if ctx.plan_only:
         s.outcome = Outcome.skipped
         return

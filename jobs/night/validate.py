@@ -28,13 +28,17 @@ from jobs.store.paths import StatePaths
 
 def source_for(path: Path, sources: Sequence[SourceConfig], name: str | None = None) -> SourceConfig:
     """The source whose format and field map apply: the one named, else the one whose inbox holds the
-    file, else the first one configured, else the defaults (format auto, no field map)."""
+    file (whose patterns take its name, where several share the inbox), else the first one configured,
+    else the defaults (format auto, no field map)."""
     if name is not None:
         return next(s for s in sources if s.name == name)
     where = path.resolve().parent
-    for s in sources:
-        if Path(s.inbox).resolve() == where:
+    here = [s for s in sources if Path(s.inbox).resolve() == where]
+    for s in here:  # sources sharing an inbox tell their files apart by their patterns
+        if any(fnmatch.fnmatch(path.name, pat) for pat in s.patterns):
             return s
+    if here:
+        return here[0]
     return sources[0] if sources else SourceConfig(name="default", inbox=path.parent)
 
 
@@ -96,16 +100,30 @@ def main(argv: list[str] | None = None) -> int:
 
     out = sys.stdout
     sys.stdout = sys.stderr  # stray prints from libraries must not corrupt the JSON lines
-    ledger = open_read_only(StatePaths(cfg.state_dir).ledger)
-    try:
-        with model_to_read(cfg) as model_path:
-            tokenizer = load_tokenizer(model_path)
-            for check in check_files(args.files, cfg, tokenizer, ledger, source=args.source):
-                out.write(check.model_dump_json() + "\n")
-                out.flush()
-    finally:
-        ledger.close()
+    with model_to_read(cfg) as model_path:
+        tokenizer = load_tokenizer(model_path)
+        for night, files in _by_adapter(cfg, args.files, args.source):
+            ledger = open_read_only(StatePaths(night.state_dir).ledger)
+            try:
+                for check in check_files(files, night, tokenizer, ledger, source=args.source):
+                    out.write(check.model_dump_json() + "\n")
+                    out.flush()
+            finally:
+                ledger.close()
     return ExitCode.OK
+
+
+def _by_adapter(cfg: NightConfig, files: Sequence[Path], source: str | None) -> list[tuple[NightConfig, list[Path]]]:
+    """[[adapters]]: each file read by the adapter whose source takes it (its ledger knows what it has)."""
+    if not cfg.adapters:
+        return [(cfg, list(files))]
+    out: dict[str, tuple[NightConfig, list[Path]]] = {}
+    for path in files:
+        src = source_for(path, cfg.sources, source)
+        night = next((a.night for a in cfg.adapters if src.name in {x.name for x in a.night.sources}),
+                     cfg.adapters[0].night)
+        out.setdefault(str(night.state_dir), (night, []))[1].append(path)
+    return list(out.values())
 
 
 if __name__ == "__main__":

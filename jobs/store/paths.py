@@ -22,6 +22,9 @@ the code asks `StatePaths(state_dir).ledger`, never joins a name itself (tests/t
       report.html              `nightshift report`'s page (default --out)
       logs/once-*.jsonl        the structured log of `nightshift once` at a terminal (the last few kept)
       capture/                 `nightshift capture`'s journal of captured replies
+      by-adapter/<name>/       [[adapters]]: each adapter's own state directory, of this very layout
+                               (the top one then keeps what they share: the night lock, the measured
+                               throughput in its ledger, the model caches, and the night's own run)
 """
 
 from __future__ import annotations
@@ -115,3 +118,12 @@ class StatePaths:
     def capture(self) -> Path:
         """`nightshift capture`'s journal of captured replies (feedback itself lands in the inbox)."""
         return self.root / "capture"
+
+    def adapter(self, name: str) -> StatePaths:
+        """[[adapters]]: one adapter's own state directory (`adapters/` already holds the published versions
+        of a directory of one adapter, so the adapters' own directories live beside it)."""
+        return StatePaths(self.root / "by-adapter" / name)
+
+    @property
+    def adapter_dirs(self) -> Path:
+        return self.root / "by-adapter"

@@ -6,12 +6,14 @@ CPU) and a LoRA; full: every weight of the model in service (or the base, the fi
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from jobs.contract import Method, StepShape
+from jobs.training import resident
 from jobs.training.backends.peft_env import hide_torchao_peft_refuses
 from jobs.training.config import TrainConfig
 from jobs.training.loaded import Loaded, ensure_pad_token, load_tokenizer
@@ -81,10 +83,31 @@ def _load_unsloth(model_path: Path, cfg: TrainConfig, adapter: Path | None, shap
                   cache_dir: Path | None) -> Loaded:
     from jobs.training.backends.unsloth import LoraSpec, load_unsloth  # GPU-only stack, imported only here
 
-    model, tok, info = load_unsloth(
-        model_path, lora=LoraSpec.from_train_config(cfg), gradient_checkpointing=shape.gradient_checkpointing,
-        max_seq_length=max(cfg.max_seq_length, shape.tokens_per_step if cfg.batching == "packed" else 0),
-        parent_adapter=adapter, cache_dir=cache_dir, method=cfg.method.value)
+    lora, gc = LoraSpec.from_train_config(cfg), shape.gradient_checkpointing
+    max_seq = max(cfg.max_seq_length, shape.tokens_per_step if cfg.batching == "packed" else 0)
+    # [[adapters]]: the base the night's previous adapter trained on, its LoRA taken off (jobs/training/resident.py)
+    key = ("unsloth", str(model_path), cfg.method.value, gc, max_seq)
+    keeps = cfg.method is not Method.full and shape.compute != "fp8"
+    held = resident.take(key) if keeps else None
+    loaded = None
+    if held is not None:
+        from jobs.training.backends.unsloth_lora import attach_lora
+
+        t0 = time.perf_counter()
+        try:
+            loaded = attach_lora(held[0], held[1], lora=lora, parent_adapter=adapter, max_seq_length=max_seq,
+                                 gc_arg="unsloth" if gc is True else gc, info={"backend": "unsloth"}, t0=t0)
+            loaded[2]["base_reused"] = True
+        except Exception as e:  # the held base is let go: loaded again below, the night goes on
+            log.warning("base_reuse_failed", error=f"{type(e).__name__}: {e}"[:300])
+            held = None
+            resident.release()
+    if loaded is None:
+        loaded = load_unsloth(model_path, lora=lora, gradient_checkpointing=gc, max_seq_length=max_seq,
+                              parent_adapter=adapter, cache_dir=cache_dir, method=cfg.method.value)
+    model, tok, info = loaded
+    if keeps:
+        resident.keep(key, model, tok)
     ensure_pad_token(tok)
     return Loaded(model, tok, "unsloth", "cuda", info, cfg.method)
 
@@ -109,17 +132,22 @@ def _load_hf(model_path: Path, cfg: TrainConfig, adapter: Path | None, shape: St
             bnb_4bit_use_double_quant=True,
         )
         kwargs["device_map"] = {"": torch.cuda.current_device()}  # [distributed] each rank its own card
-    # full fine-tuning continues the model in service (or a checkpoint): it is the whole model
-    model = AutoModelForCausalLM.from_pretrained(str(adapter if full and adapter else model_path), **kwargs)
-    moe.adapt_base(model)  # issue 15: GPT-OSS-like bases keep packed samples apart (sinks, windows)
-    if quantized:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=shape.gradient_checkpointing)
-    elif shape.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if not full:
-            model.enable_input_require_grads()
-    if cuda and not quantized:
-        model.to("cuda")
+    # [[adapters]]: the base the night's previous adapter trained on, its LoRA taken off (jobs/training/resident.py)
+    key = (str(model_path), quantized, cuda, shape.gradient_checkpointing)
+    held = None if full or shape.compute == "fp8" else resident.take(key)
+    model, reused = (held[0], True) if held is not None else (None, False)
+    if model is None:
+        # full fine-tuning continues the model in service (or a checkpoint): it is the whole model
+        model = AutoModelForCausalLM.from_pretrained(str(adapter if full and adapter else model_path), **kwargs)
+        moe.adapt_base(model)  # issue 15: GPT-OSS-like bases keep packed samples apart (sinks, windows)
+        if quantized:
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=shape.gradient_checkpointing)
+        elif shape.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if not full:
+                model.enable_input_require_grads()
+        if cuda and not quantized:
+            model.to("cuda")
     if full:
         model.requires_grad_(True)
     elif adapter is not None:
@@ -129,11 +157,14 @@ def _load_hf(model_path: Path, cfg: TrainConfig, adapter: Path | None, shape: St
             r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, task_type="CAUSAL_LM",
             **moe.lora_targets(model, cfg.target_modules),  # issue 15: MoE experts via target_parameters
         ))
+    if not full and shape.compute != "fp8":
+        resident.keep(key, model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     info = {"trainable_parameters": trainable, "total_parameters": total, "quantized_4bit": quantized,
             "trainable_in_experts": moe.trainable_in_experts(model),
-            "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False))}
+            "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+            "base_reused": reused}
     if full and adapter is not None:
         info["continued_from"] = str(adapter)
     return Loaded(model, load_tokenizer(model_path), "hf", "cuda" if cuda else "cpu", info, cfg.method.on(cuda))

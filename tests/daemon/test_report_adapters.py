@@ -1,4 +1,4 @@
-"""`nightshift report` with several adapters (issue 43): each adapter's ledger (`<state_dir>/adapters/<name>/`)
+"""`nightshift report` with several adapters (issue 43): each adapter's ledger (`<state_dir>/by-adapter/<name>/`)
 read into its own section with its versions, outcomes, gate checks, KL and loss curve; found and read without
 creating anything; the page self-contained and drawn by a real headless Chromium."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from daemon.cli import main
-from daemon.report_data import adapter_names, adapter_states, collect_adapters
+from daemon.report_data import adapter_states, collect_adapters
 from daemon.report_html import render
 from daemon.settings import load_settings
 from jobs.store.ledger import Ledger
@@ -58,31 +58,43 @@ def fabricate(state: Path, adapter: str, outcomes: list[str], kl: float) -> None
         led.close()
 
 
+ADAPTERS = """
+[[sources]]
+name = "inbox2"
+inbox = "{inbox2}"
+settle_seconds = 0
+[[adapters]]
+name = "legal"
+sources = ["inbox2"]
+[[adapters]]
+name = "support"
+sources = ["inbox"]
+"""
+
+
 @pytest.fixture
 def two_adapters(tmp_path: Path) -> Path:
-    """A config whose state directory holds two named adapters' ledgers beside a version folder."""
-    cfg, _ = toml_config(tmp_path, tmp_path / "model")
-    state = tmp_path / "state"
-    fabricate(state / "adapters" / "support", "support", ["succeeded", "rejected", "succeeded"], kl=0.01)
-    fabricate(state / "adapters" / "legal", "legal", ["rejected", "skipped"], kl=0.2)
-    (state / "adapters" / "tiny-v0001").mkdir()  # a version folder of the registry: no ledger, not an adapter
-    (state / "adapters" / "tiny-v0001" / "manifest.json").write_text("{}")
+    """A config of two adapters ([[adapters]] legal, support) whose ledgers hold a few nights each."""
+    (tmp_path / "inbox2").mkdir()
+    cfg, _ = toml_config(tmp_path, tmp_path / "model", more=ADAPTERS.format(inbox2=tmp_path / "inbox2"))
+    state = StatePaths(tmp_path / "state")
+    fabricate(state.adapter("support").root, "support", ["succeeded", "rejected", "succeeded"], kl=0.01)
+    fabricate(state.adapter("legal").root, "legal", ["rejected", "skipped"], kl=0.2)
     return cfg
 
 
-def test_adapter_states_finds_the_named_ledgers_and_creates_nothing(tmp_path: Path, two_adapters: Path) -> None:
+def test_adapter_states_are_the_configs_adapters_and_create_nothing(tmp_path: Path, two_adapters: Path) -> None:
     settings = load_settings(two_adapters)
-    state = settings.state_dir
-    assert adapter_names(state) == ["legal", "support"]
-    assert adapter_states(settings) == [("legal", StatePaths(state / "adapters" / "legal")),
-                                        ("support", StatePaths(state / "adapters" / "support"))]
-    # a state directory of one adapter (versions only under adapters/), and one that does not exist yet
+    state = StatePaths(settings.state_dir)
+    assert adapter_states(settings) == [("legal", state.adapter("legal")), ("support", state.adapter("support"))]
+    # a config of one adapter: its state directory, whether it exists or not, and nothing is created
     lone = tmp_path / "lone"
     (lone / "adapters" / "tiny-v0001").mkdir(parents=True)
     missing = tmp_path / "missing"
     before = tree(lone)
     for root in (lone, missing):
-        assert adapter_states(settings.model_copy(update={"state_dir": root})) == [("", StatePaths(root))]
+        one = settings.model_copy(update={"state_dir": root, "adapters": []})
+        assert adapter_states(one) == [("", StatePaths(root))]
     assert tree(lone) == before and not missing.exists()
 
 

@@ -167,6 +167,7 @@ def test_a_runs_checkpoint_saves_are_left_out_of_the_rate_it_records(monkeypatch
     class Ctx:
         summary = type("S", (), {"phase_seconds": {}})()
         ledger, run_id = Ledger(), "r"
+        measures = ledger  # the ledger throughput goes to (the shared one, with [[adapters]])
 
         def finish(self, outcome):
             recorded["outcome"] = outcome

@@ -22,7 +22,7 @@ from typing import Any
 
 import structlog
 
-from jobs.training.backends.unsloth import parameter_counts  # imports no GPU stack
+from jobs.training.backends.unsloth_lora import parameter_counts  # imports no GPU stack
 from jobs.training.loaded import Loaded, load_tokenizer
 from jobs.training.models.architectures import MARKER, matmul_params
 from jobs.training.moe import packed_attention
