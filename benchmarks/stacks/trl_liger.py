@@ -21,7 +21,7 @@ from benchmarks.model import vocab_size
 from benchmarks.settings import BenchSettings
 from benchmarks.stacks.common import Job
 from benchmarks.stacks.wcommon import sft_window
-from jobs.training.backends.unsloth import DEFAULT_TARGETS
+from jobs.training.backends.unsloth_lora import DEFAULT_TARGETS
 from jobs.training.models.synthetic import make_samples
 
 LABEL = "TRL + Liger Kernel (HF + PEFT + bitsandbytes NF4), packing"

@@ -5,7 +5,7 @@ rejected reply's text,
   {"messages": [...the prompt's turns..., {"role": "assistant", "content": CHOSEN}], "rejected": REJECTED}
 so the pull's guards, quarantine, token cache and exactly-once ledger take it unchanged (its tokens are the
 chosen conversation's), a supervised night trains on the chosen reply, and a preference night
-(`[train] objective = "dpo"`, jobs/training/preference.py) reads both replies back from the ledger.
+(`[train] objective = "dpo"`, jobs/training/preference/dpo.py) reads both replies back from the ledger.
 
 Accepted shapes (field names after the source's field_map):
 - pair:    {"prompt" | "messages", "chosen", "rejected"}; chosen/rejected as text, as an assistant message, or

@@ -8,7 +8,7 @@ steps on both length profiles and at half that size, measures the overheads (loa
 publish: jobs/night/overheads.py) and the checkpointing line (the model reloaded with
 checkpointing on), and stores one typed CalibrationRecord in the ledger under the night's key (with
 `[train] objective = "dpo"` every probed and timed step is the preference night's, counted in its plan's units:
-jobs/training/preference_probe.py). Its
+jobs/training/preference/probe.py). Its
 stdout carries phase and progress events (JSON lines, as the night's child) for `nightshift
 calibrate`'s display, then the measurement's JSON.
 
@@ -116,7 +116,7 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     from jobs.training.load import device_name, load_for_training
     from jobs.training.models.synthetic import PROFILES, make_samples
     from jobs.training.optim import build_optimizer
-    from jobs.training.preference_probe import PairObjective
+    from jobs.training.preference.probe import PairObjective
     from jobs.training.probe import (
         PROCESS_WARMUP_SECONDS,
         ProbeSettings,
@@ -153,7 +153,7 @@ def measure(cfg: NightConfig, model_path: Path, *, seconds: float, checkpointing
     t0 = time.perf_counter()
     emit(PhaseEvent(phase=Phase.train, state="start"))
     vocab, cap_len = len(loaded.tokenizer), min(t.max_seq_length, 2048)
-    # [train] objective = "dpo": the preference night's steps, optimizer and tokens (jobs/training/preference_probe.py)
+    # [train] objective = "dpo": the preference night's steps, optimizer and tokens (jobs/training/preference/probe.py)
     objective = PairObjective.of(t)
     optimizer = (objective.optimizer(loaded.model) if objective is not None  # the night's, by method
                  else build_optimizer(loaded.model, t, loaded.optim, device=loaded.device))
@@ -234,7 +234,7 @@ def _checkpointing_line(cfg: NightConfig, model_path: Path, settings, profile: s
     from jobs.training.load import load_for_training
     from jobs.training.models.synthetic import make_samples
     from jobs.training.optim import build_optimizer
-    from jobs.training.preference_probe import PairObjective
+    from jobs.training.preference.probe import PairObjective
     from jobs.training.probe import probe_memory, timed_steps
 
     t = cfg.train
@@ -246,7 +246,7 @@ def _checkpointing_line(cfg: NightConfig, model_path: Path, settings, profile: s
             loaded = load_for_training(model_path, t, adapter=None, shape=shape,
                                        cache_dir=StatePaths(cfg.state_dir).models, max_vram_gb=settings.max_vram_gb)
             vocab, cap_len = len(loaded.tokenizer), min(t.max_seq_length, 2048)
-            objective = PairObjective.of(t)  # a preference night's steps (jobs/training/preference_probe.py)
+            objective = PairObjective.of(t)  # a preference night's steps (jobs/training/preference/probe.py)
             optimizer = (objective.optimizer(loaded.model) if objective is not None
                          else build_optimizer(loaded.model, t, loaded.optim, device=loaded.device))
             probe = probe_memory(loaded.model, make_samples("wiki", 8 * settings.probe_tokens, vocab=vocab,

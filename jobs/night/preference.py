@@ -4,7 +4,7 @@ The plan, the held-out split, the regression set and publishing are the supervis
 normal form is its chosen conversation: jobs/data/preference.py), so the gate's regression rules judge a
 preference night as they judge any other. What is added here:
 - training: DPO over the night's pairs, the reference being the version in service (the model as loaded,
-  before its first step: jobs/training/preference.py); records that are no pair stay pending (cut);
+  before its first step: jobs/training/preference/dpo.py); records that are no pair stay pending (cut);
 - the rate: the plan's tokens (each pair's chosen conversation, as the ledger counts it) per second of this
   objective (both replies, the reference pass), under its own throughput key (jobs/night/model.py);
 - the judgement: the held-out pairs' chosen-over-rejected log-prob margins before and after, as reward
@@ -80,7 +80,7 @@ def reference_kept(ctx: Any) -> bool:
     version in service cannot be read back from a policy that has moved (else the run starts over from it)."""
     if ctx.cfg.train.objective != "dpo":
         return True
-    from jobs.training.preference import REFERENCE_FILE, read_reference
+    from jobs.training.preference.dpo import REFERENCE_FILE, read_reference
 
     return read_reference(ctx.checkpoints / REFERENCE_FILE) is not None
 
@@ -90,7 +90,7 @@ def train_pairs(ctx: Any, prep: Any, relay: Callable[[Any], None]) -> TrainResul
     from jobs.training.checkpoints import read_state
     from jobs.training.loop import TrainResult
     from jobs.training.loop_state import PreferenceDetail, TrainDetail
-    from jobs.training.preference import REFERENCE_FILE, pair_margins, pairs_from_records, train_preference
+    from jobs.training.preference.dpo import REFERENCE_FILE, pair_margins, pairs_from_records, train_preference
 
     cfg, loaded, s = ctx.cfg.train, prep.loaded, ctx.summary
     ids = [x.sample_id for x in prep.train_set]

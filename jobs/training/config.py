@@ -49,7 +49,7 @@ class TrainConfig(BaseModel):
         "auto", description="recompute activations to save memory; auto: calibrate's choice, else on")
     objective: Literal["sft", "dpo"] = Field(
         "sft", description="sft: next-token loss on the replies; dpo: preference pairs (chosen over rejected) "
-        "against the version in service (jobs/training/preference.py); records that are no pair stay pending")
+        "against the version in service (jobs/training/preference/dpo.py); records that are no pair stay pending")
     dpo_beta: float = Field(0.1, gt=0, description="dpo: how far from the version in service the policy may move "
                             "(larger: closer)")
     checkpoint_every_seconds: float = Field(600.0, gt=0)

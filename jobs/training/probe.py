@@ -51,7 +51,7 @@ def probe_memory(model: Any, samples: Sequence[TokenizedSample], settings: Probe
                  on_step: OnStep = lambda *_: None, objective: Any = None) -> ProbeResult:
     """Probe steps -> memory line -> token budget under the cap. The second probe is never larger
     than the first one's line says fits: probing must respect the limit too. `objective`: another step
-    than the supervised one (jobs/training/preference_probe.py: a preference night's); None: train_step."""
+    than the supervised one (jobs/training/preference/probe.py: a preference night's); None: train_step."""
     import torch
 
     probes: list[MemoryProbe] = []
@@ -159,7 +159,7 @@ def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step:
     [distributed] `group` (jobs.training.ranks.collectives): each step is one row per rank, the end of the
     warm-up and of the window is decided together, and the tokens are the global step's: tokens/s for
     this count of cards. `objective` (one process): its own rows and step, and the tokens it counts
-    (jobs/training/preference_probe.py); None: packed rows, train_step."""
+    (jobs/training/preference/probe.py); None: packed rows, train_step."""
     import torch
 
     world = group.world if group is not None else 1
@@ -237,7 +237,7 @@ def time_profiles(model: Any, optimizer: Any, tokens_per_step: int, profiles: Se
     `before(i, profile, rates so far)` runs ahead of each window (progress, peak-memory resets); `window(profile)`
     watches one (energy). `first_warmup_seconds`: 0 where the process already ran (the benchmark's MoE rows,
     one call a profile). [distributed] `group`: global steps, one row per rank. `objective`: a preference
-    night's steps (jobs/training/preference_probe.py); None: the supervised step."""
+    night's steps (jobs/training/preference/probe.py); None: the supervised step."""
     world = group.world if group is not None else 1
     rates: dict[str, Throughput] = {}
     for i, p in enumerate(profiles):

@@ -43,7 +43,7 @@ def test_liger_on_lora_through_the_trainer_and_half_the_rows_after_an_oom(
     import torch
 
     from benchmarks.stacks import trl_liger
-    from jobs.training.backends.unsloth import DEFAULT_TARGETS
+    from jobs.training.backends.unsloth_lora import DEFAULT_TARGETS
 
     loads: list[int] = []
     calls: list[dict] = []

@@ -32,7 +32,7 @@ def margins(tiny_model, adapter, tokenizer, prompts):
     from transformers import AutoModelForCausalLM
 
     from jobs.data.preference import normalise_record
-    from jobs.training.preference import pair_margins, pairs_from_records
+    from jobs.training.preference.dpo import pair_margins, pairs_from_records
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, adapter)

@@ -49,7 +49,7 @@ def direct(url: str, body: dict[str, Any]) -> bytes:
 def margins(tiny_model: Path, adapter: Path, tokenizer: Any, rejected: dict[int, str]) -> list[float]:
     """log p(right answer) - log p(the reply served before) of each held-out prompt, under `adapter` (PEFT)."""
     from jobs.data.preference import normalise_record
-    from jobs.training.preference import pair_margins, pairs_from_records
+    from jobs.training.preference.dpo import pair_margins, pairs_from_records
     from tests.fixtures.real_vllm import load_in_process
 
     model = load_in_process(tiny_model, adapter)

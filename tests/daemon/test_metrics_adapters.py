@@ -124,6 +124,26 @@ def test_a_named_adapters_result_ends_its_live_series_not_the_nights() -> None:
     assert val(reg, catalog.LAST_RUN_OUTCOME, adapter="support", outcome="succeeded") == 1  # stays
 
 
+def test_the_whole_nights_summary_ends_the_run_and_counts_no_run_of_its_own() -> None:
+    """A night of several adapters ends with the night's own summary (adapter "", each adapter's inside): every
+    adapter was counted from its own result, so that one ends the run and counts nothing twice."""
+    reg = CollectorRegistry()
+    m = two(reg)
+    m.on_child_start()
+    each = [summary(adapter=a, run_id=f"r-{a}", outcome=o) for a, o in (("support", "succeeded"),
+                                                                       ("legal", "rejected"))]
+    for s in each:
+        m.on_event(ResultEvent(ts=T0, adapter=s.adapter, summary=s))
+    assert val(reg, catalog.RUN_IN_PROGRESS) == 1
+    night = summary(adapter="", run_id="r-night", outcome="succeeded").model_copy(update={"adapters": each})
+    m.on_event(ResultEvent(ts=T0 + 1, summary=night))
+    assert val(reg, catalog.RUN_IN_PROGRESS) == 0
+    assert val(reg, catalog.RUNS_TOTAL, adapter="support", outcome="succeeded") == 1
+    assert val(reg, catalog.RUNS_TOTAL, adapter="legal", outcome="rejected") == 1
+    assert val(reg, catalog.RUNS_TOTAL, outcome="succeeded") is None  # no run of the night's own
+    assert val(reg, catalog.LAST_RUN_OUTCOME, outcome="succeeded") is None
+
+
 def test_only_configured_adapter_names_become_label_values() -> None:
     """The label's cardinality is the config's: a name nobody configured is logged and dropped, not a new series."""
     reg = CollectorRegistry()
@@ -170,15 +190,37 @@ def test_restore_is_per_adapter() -> None:
 
 
 def test_the_service_labels_its_adapters_and_no_other(tmp_path) -> None:
-    """The service hands the metrics the adapters of its state directory (daemon/report_data.adapter_states)."""
+    """The service hands the metrics the config's adapters (daemon/report_data.adapter_states), and at start
+    restores each one's series from its own ledger."""
     cfg, _ = toml_config(tmp_path, tmp_path / "model")
     settings = load_settings(cfg)
     assert Service(settings, registry=CollectorRegistry()).metrics.adapters == ()  # one adapter: no label
-    for name in ("support", "legal"):
-        root = StatePaths(settings.state_dir).adapters / name
-        root.mkdir(parents=True)
-        Ledger(StatePaths(root).ledger).close()
+    (tmp_path / "inbox2").mkdir()
+    cfg, _ = toml_config(tmp_path, tmp_path / "model", more=f"""
+[[sources]]
+name = "inbox2"
+inbox = "{tmp_path / 'inbox2'}"
+[[adapters]]
+name = "legal"
+sources = ["inbox2"]
+[[adapters]]
+name = "support"
+sources = ["inbox"]
+""")
+    settings = load_settings(cfg)
+    led = Ledger(StatePaths(settings.state_dir).adapter("legal").ledger)  # legal has a night; support none yet
+    try:
+        led.start_run("r1", "2026-11-27", T0 + 3_600)
+        led.finish_run("r1", "rejected", summary=summary(adapter="legal", run_id="r1", outcome="rejected",
+                                                         backlog_samples=7))
+    finally:
+        led.close()
     reg = CollectorRegistry()
-    assert Service(settings, registry=reg).metrics.adapters == ("legal", "support")
+    service = Service(settings, registry=reg)
+    assert service.metrics.adapters == ("legal", "support")
     assert val(reg, catalog.RUNS_TOTAL, adapter="legal", outcome="rejected") == 0  # each adapter's counters at 0
     assert val(reg, catalog.RUNS_TOTAL, outcome="rejected") is None
+    service._restore_metrics()
+    assert val(reg, catalog.LAST_RUN_OUTCOME, adapter="legal", outcome="rejected") == 1
+    assert val(reg, catalog.LAST_RUN_OUTCOME, adapter="support", outcome="rejected") is None
+    assert not StatePaths(settings.state_dir).adapter("support").root.exists()  # reading created nothing

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from jobs.data.preference import normalise_record  # noqa: E402
-from jobs.training.preference import (  # noqa: E402
+from jobs.training.preference.dpo import (  # noqa: E402
     dpo_loss,
     packed_row,
     pair_margins,

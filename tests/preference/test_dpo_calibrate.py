@@ -28,7 +28,7 @@ def gpu_faked(monkeypatch):
     chooses a small step), and a counter of the steps calibrate ran through the preference objective."""
     from jobs.gpu import telemetry
     from jobs.training import load, probe
-    from jobs.training.preference_probe import PairObjective
+    from jobs.training.preference.probe import PairObjective
 
     monkeypatch.setattr(load, "resolve_backend", lambda cfg: "unsloth")
     monkeypatch.setattr(load, "_load_unsloth", lambda path, cfg, adapter, shape, cache_dir:

@@ -1,7 +1,7 @@
 """calibrate's steps for a preference night: what `[train] objective = "dpo"` runs, timed and probed.
 
 `nightshift calibrate` probes memory and times steps through jobs/training/probe.py; with this objective its
-steps are the night's (jobs/training/preference.py): synthetic samples paired in order (chosen, rejected), the
+steps are the night's (jobs/training/preference/dpo.py): synthetic samples paired in order (chosen, rejected), the
 pairs packed into rows by `pair_rows`, and each step the reference forward of its row (no grad) and a DPO
 step through `dpo_step`, with the night's optimizer. A step counts the plan's units: the tokens of its pairs'
 chosen conversations (a pair's normal form, as the ledger counts it), per second of the policy step plus the
@@ -20,7 +20,7 @@ from typing import Any
 from jobs.data.batching import Batch, TokenizedSample
 from jobs.training.config import TrainConfig
 from jobs.training.packing import segment_lengths
-from jobs.training.preference import Pair, dpo_step, packed_row, pair_rows, preference_optimizer, sequence_logps
+from jobs.training.preference.dpo import Pair, dpo_step, packed_row, pair_rows, preference_optimizer, sequence_logps
 from jobs.training.step import StepStat, trainable
 
 
