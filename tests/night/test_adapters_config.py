@@ -156,3 +156,23 @@ def test_webhooks_hear_each_adapters_own_rejection_in_a_night_that_succeeded(tmp
     events = Notifier(HotswapConfig(), Ledger(tmp_path / "ledger.sqlite")).events_of(night)
     assert [(e, f.get("adapter")) for e, _, f in events] == [("rejected", "c")]
     assert "c-v0001 of night n of adapter c was NOT promoted" in events[0][1]
+
+
+def test_a_later_adapter_of_the_same_base_is_not_planned_with_calibrates_first_load():
+    """On an H200 a night of four adapters in a 4-min window, planned from calibrate alone, gave each 45.5 s of
+    overhead (calibrate's first load of the 8B, building its cache, 42.1 s of it; the night's loads took 5–7 s):
+    the first adapter's slice held only its overhead and it trained nothing (RESULTS.md: 2026-11-28, four
+    adapters vs one (H200)). A later adapter of the same base is planned without that load; once a night has
+    measured itself, its own figures stand."""
+    from jobs.contract.calibration import CalibrationRecord
+    from jobs.night.several.night import later_overhead
+
+    cal = CalibrationRecord.model_construct(overhead_seconds=45.5,
+                                            overhead_detail={"load": 35.0, "evaluate": 9.9, "publish": 0.6})
+    assert later_overhead(45.5, [{"origin": "calibrate"}], cal) == pytest.approx(10.5)
+    assert later_overhead(9.5, [{"origin": "run"}, {"origin": "calibrate"}], cal) == 9.5  # measured by a night
+    assert later_overhead(600.0, [], None) == 600.0  # the prior: nothing to take off
+    shares = water_fill(240 - 30, [_share(n, demand=10.1).model_copy(update={"overhead_seconds": o}) for n, o in
+                                   (("task1", 45.5), ("task2", 10.5), ("task3", 10.5), ("task4", 10.5))])
+    first = shares[0]
+    assert first.seconds - first.overhead_seconds >= 10.1  # room to train all it has, after its own overhead

@@ -20,6 +20,7 @@ from pathlib import Path
 import structlog
 
 from jobs.contract import AdapterShare, ChildEvent, Emit, Outcome, ResultEvent, RunSummary, SharesEvent, new_run_id
+from jobs.contract.calibration import CalibrationRecord
 from jobs.contract.crashpoints import declare, reached
 from jobs.learning import plan as budget
 from jobs.night.config import AdapterNight, NightConfig
@@ -190,7 +191,7 @@ def _pull(spec: AdapterNight, model_path: Path, fingerprint: str, *, night: str,
 
 def plan_shares(going: list[_Going], *, start: float, deadline: float) -> list[AdapterShare]:
     """Each adapter's slice of what is left of the window: its pending tokens at its measured rate."""
-    shares = []
+    shares, keys_before = [], set()
     for g in going:
         cfg, ledger = g.ctx.cfg, g.ctx.ledger
         key = run_key(g.ctx, g.pulled)
@@ -200,13 +201,26 @@ def plan_shares(going: list[_Going], *, start: float, deadline: float) -> list[A
         tokens *= cfg.train.epochs
         if ledger.replay_pool():  # replayed samples take their share of the training tokens
             tokens = int(tokens / (1 - cfg.plan.replay_share))
-        tps, overhead, basis, _ = budget.estimate(g.ctx.measures.throughput_history(key, cfg.plan.history_runs),
-                                                  cfg.plan)
+        history = g.ctx.measures.throughput_history(key, cfg.plan.history_runs)
+        tps, overhead, basis, _ = budget.estimate(history, cfg.plan)
+        if key in keys_before and tokens:
+            overhead = later_overhead(overhead, history, g.ctx.measures.calibration(key))
+        keys_before.add(key)
         demand = tokens / (tps * cfg.plan.safety_factor)  # training time; its overhead comes first (share.py)
         shares.append(AdapterShare(adapter=g.spec.name, weight=g.spec.weight, min_share=g.spec.min_share,
                                    pending_samples=samples, pending_tokens=tokens, tokens_per_second=tps,
                                    overhead_seconds=overhead, key=key, basis=basis, demand_seconds=demand))
     return water_fill(deadline - start, shares)
+
+
+def later_overhead(overhead: float, history: list, cal: CalibrationRecord | None) -> float:
+    """An adapter after another of the same base: planned from calibrate alone, its overhead without the base's
+    load, which calibrate measured once with the cache of the quantised base still to build (42.1 of an 8B's 45.5 s,
+    where the night's loads took 5–7 s): four times that starved the first adapter of a 4-min window on an H200,
+    RESULTS.md: 2026-11-28, four adapters vs one (H200). Once a night has measured itself, its own figure."""
+    if cal is None or not history or any(r["origin"] != "calibrate" for r in history):
+        return overhead
+    return max(0.0, overhead - cal.overhead_detail.get("load", 0.0))
 
 
 def _train(g: _Going, end: float, stop: threading.Event) -> RunSummary:
