@@ -132,6 +132,7 @@ def test_units_of_one_reading() -> None:
     ev = events[0]
     assert ev.model_dump() == {
         "event": "gpu",
+        "adapter": "",  # every child event names its adapter: "" in a config of one (63ba576)
         "ts": 1_000.0,
         "power_watts": 250.5,
         "energy_joules_total": 7_000.0,

@@ -22,6 +22,7 @@ from tests.conftest import alpaca, run, write_jsonl
 
 pytestmark = pytest.mark.slow
 METHODS = ("qlora", "lora", "full")
+WINDOW = 10**6  # s: a probe step would need 3 s a token to shrink a 16,384-token step
 
 
 def config(root: Path, model: Path, method: str, **train: Any) -> NightConfig:
@@ -38,15 +39,18 @@ def config(root: Path, model: Path, method: str, **train: Any) -> NightConfig:
 
 @pytest.fixture(scope="module")
 def nights(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, tuple[NightConfig, list[dict]]]:
-    """One night per method on the same data; full gets a second night (it continues the model in service)."""
+    """One night per method on the same data; full gets a second night (it continues the model in service).
+    A window of WINDOW seconds: nothing is measured yet, so each night sizes its step from a timed probe to
+    1/20 of the time left; in an hour's window a busy machine (load 15) shrank one night's step below the
+    configured one and not the other's, a difference of load, not of method."""
     out = {}
     for method in METHODS:
         cfg = config(tmp_path_factory.mktemp(method), tiny_model, method)
         write_jsonl(cfg.sources[0].inbox / "a.jsonl", [alpaca(i) for i in range(30)])
-        summaries = [run(cfg)]
+        summaries = [run(cfg, seconds=WINDOW)]
         if method == "full":
             write_jsonl(cfg.sources[0].inbox / "b.jsonl", [alpaca(i, " please") for i in range(20)])
-            summaries.append(run(cfg, night="2026-11-22"))
+            summaries.append(run(cfg, night="2026-11-22", seconds=WINDOW))
         out[method] = (cfg, summaries)
     return out
 
