@@ -344,3 +344,13 @@ def test_prometheus_alerts_for_the_adapter_at_fault_only(tmp_path: Path) -> None
             assert fired == [("NightshiftBudgetError", "support"), ("NightshiftHotswapFailing", "legal")]
     finally:
         srv.close()
+
+
+def test_the_scrape_snippet_reads_the_capture_where_it_serves_its_counters() -> None:
+    """The capture's counters (captured requests, feedback, records: issue 45) had no scrape job."""
+    from jobs.capture.config import CaptureConfig
+
+    jobs = {j["job_name"]: j for j in yaml.safe_load((PROM_DIR / "scrape.yml").read_text())["scrape_configs"]}
+    capture = jobs["nightshift-capture"]
+    assert capture["metrics_path"] == "/nightshift/metrics"
+    assert capture["static_configs"][0]["targets"] == [f"127.0.0.1:{CaptureConfig.model_fields['port'].default}"]
