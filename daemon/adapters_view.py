@@ -52,16 +52,31 @@ def show_lines(name: str, state: str, manifest: dict[str, Any], extra: Sequence[
             f"\n\n(the whole manifest: nightshift adapters show {name} --json)")
 
 
+# figures of every set under every model: only exact match and loss get a line of their own in `diff` (a diff of
+# two nights printed 92 lines, 45 of them these: issue 42); the rest count in one line each, every key in --json
+_HEADLINE = (".exact_match", ".loss")
+_SUMMED = ("metrics.", "regression_slices.")
+
+
+def _group(key: str) -> str:
+    """The line a differing key is shown on: a list's entries, and the detail of the figures, share one."""
+    if key.startswith(_SUMMED) and not (key.startswith("metrics.") and key.endswith(_HEADLINE)):
+        head = key.split(".", 1)[0]
+        return f"{head} (other figures)" if head == "metrics" else head
+    m = _INDEX.search(key)
+    return key[:m.start()] if m else key
+
+
 def diff_lines(a: str, b: str, rows: list[tuple[str, Any, Any]]) -> str:
-    """One line per differing key; a list's entries (a loss curve) collapse into one line for the list."""
+    """One line per differing key; a list's entries (a loss curve), the per-night slices and the figures other than
+    exact match and loss collapse into one line each."""
     groups: dict[str, list[tuple[str, Any, Any]]] = {}
     for k, va, vb in rows:
-        m = _INDEX.search(k)
-        groups.setdefault(k[:m.start()] if m else k, []).append((k, va, vb))
+        groups.setdefault(_group(k), []).append((k, va, vb))
     out = [f"# {a} -> {b}: {len(groups)} difference(s) (file hashes left out; every key: --json)"]
     width = max((len(k) for k in groups), default=0)
     for key, items in groups.items():
-        if len(items) > 1 or _INDEX.search(items[0][0]):
+        if len(items) > 1 or items[0][0] != key:
             out.append(f"  {key.ljust(width)}  {len(items)} entries differ")
             continue
         _, va, vb = items[0]
