@@ -18,7 +18,7 @@ from jobs.data.prefetch import _seek_line, check_ahead, ranges_of, take
 from jobs.data.readers import Limits, read_jsonl
 from jobs.data.sources import SourceConfig
 from tests.conftest import alpaca
-from tests.data.test_pull_workers import lines, pulled
+from tests.data.test_pull_workers import early_ready, lines, pulled
 
 HOSTILE = (b"\xef\xbb\xbf" + json.dumps(alpaca(1)).encode() + b"\r\n\n   \n{not json\n"
            + b'{"text": "' + b"x" * 300 + b'"}\n'  # longer than the limit below: skipped unread, its size kept
@@ -75,8 +75,7 @@ def ahead_of(tmp_path, name, data, tiny_model):
     inbox = tmp_path / name / "inbox"
     inbox.mkdir(parents=True)
     (inbox / "a.jsonl").write_bytes(data)
-    pool = parallel.start_early(tiny_model, 2)
-    assert pool is not None
+    pool = early_ready(parallel.start_early(tiny_model, 2))
     check_ahead(pool, [SourceConfig(name="s", inbox=inbox, settle_seconds=0)],
                 options=check_options(max_seq_length=64, overlong="reject", special_tokens="escape"),
                 excerpt_bytes=16384, now=2e9)

@@ -12,7 +12,7 @@ from jobs.data.pull import Quarantine, pull
 from jobs.data.sources import SourceConfig
 from jobs.data.token_cache import TokenCache
 from jobs.store.ledger import Ledger
-from tests.conftest import alpaca
+from tests.conftest import alpaca, hang_bound
 
 
 def lines(n):
@@ -157,12 +157,20 @@ def pools_made(monkeypatch) -> list[int]:
     return made
 
 
+def early_ready(pool: parallel.CheckPool | None) -> parallel.CheckPool:
+    """The early workers once they hold their tokenizer: the pull waits READY_SECONDS (120) for them and then
+    starts its own, which at load ~20 on two cores they could take (the pull is right; the test waits)."""
+    assert pool is not None and pool.ready is not None
+    pool.ready.result(timeout=hang_bound(300))
+    return pool
+
+
 def test_workers_started_early_serve_the_pull_and_go_with_it(tmp_path, tokenizer, tiny_model, monkeypatch):
     """A night starts them with its process, each loading the model's tokenizer itself; the pull takes them."""
     monkeypatch.setattr(pull_mod, "PARALLEL_MIN_BYTES", 0)
     made = pools_made(monkeypatch)
     parallel.start_early(tiny_model, 2)
-    early = parallel._early
+    early = early_ready(parallel._early)
     with capture_logs() as logs:
         res = pulled(tmp_path, tokenizer, "early", lines(300), workers=2)
     assert made == [2] and any(e["event"] == "pull_workers_started_early" for e in logs)
