@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from daemon.metrics import catalog as m  # every series is named as m.<CONSTANT>
+import daemon.metrics.catalog as m  # every series is named as m.<CONSTANT>
 from daemon.metrics.exporter import _Scoped
 from jobs.contract import GpuSummary, Outcome, RunSummary
 from jobs.gpu.cost import summary_cost
