@@ -43,6 +43,17 @@ def model_to_read(cfg: NightConfig) -> Iterator[Path]:
         yield build_tiny_llama(Path(tmp) / path.name, demo_corpus(cfg))
 
 
+@contextmanager
+def night_model(cfg: NightConfig, *, plan_only: bool) -> Iterator[Path]:
+    """The model a night (of one adapter or several) runs on: a plan reads it without building anything in the
+    state directory (`model_to_read`); a night builds it where it is missing (`ensure_model`)."""
+    if plan_only:
+        with model_to_read(cfg) as path:
+            yield path
+    else:
+        yield ensure_model(cfg)
+
+
 def ensure_model(cfg: NightConfig) -> Path:
     path = Path(cfg.model.path)
     if (path / "config.json").exists():

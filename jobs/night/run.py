@@ -27,7 +27,7 @@ from jobs.night.context import RunContext, open_context
 from jobs.night.intake import plan_night, pull_new_data
 from jobs.night.isolate import rescore_held
 from jobs.night.measure import keep_candidate_scores
-from jobs.night.model import ensure_model, model_fingerprint, model_to_read, throughput_key
+from jobs.night.model import model_fingerprint, night_model, throughput_key
 from jobs.night.preference import judge_preferences
 from jobs.night.publish import announce_version, close_run, finish_published, judge, publish_candidate
 from jobs.night.ranks import share_prepared
@@ -47,12 +47,9 @@ def run_night(cfg: NightConfig, *, night: str, deadline: float, emit: Emit, stop
     no model built in the state directory). `run_id`: the id the supervisor logs under (a new run only).
     `process_started`: when the child process started (the summary's wake -> first step).
     `group`: the night's ranks (this process is rank 0; one process: SOLO)."""
-    if plan_only:
-        with model_to_read(cfg) as model_path:
-            return _run(cfg, model_path, night=night, deadline=deadline, emit=emit, stop=stop, clock=clock,
-                        plan_only=True, run_id=run_id, process_started=process_started, group=group)
-    return _run(cfg, ensure_model(cfg), night=night, deadline=deadline, emit=emit, stop=stop, clock=clock,
-                plan_only=False, run_id=run_id, process_started=process_started, group=group)
+    with night_model(cfg, plan_only=plan_only) as model_path:
+        return _run(cfg, model_path, night=night, deadline=deadline, emit=emit, stop=stop, clock=clock,
+                    plan_only=plan_only, run_id=run_id, process_started=process_started, group=group)
 
 
 def _run(cfg: NightConfig, model_path: Path, *, night: str, deadline: float, emit: Emit, stop: threading.Event,

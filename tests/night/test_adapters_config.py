@@ -54,9 +54,7 @@ def test_a_config_without_adapters_is_todays(tmp_path):
     assert cfg.adapters == [] and cfg.shared_dir is None and cfg.state_dir == s.state_dir
 
 
-def test_every_problem_of_the_adapters_is_named_at_once(tmp_path):
-    with pytest.raises(ConfigError) as e:
-        load_settings(_config(tmp_path, """
+WRONG = """
 [[adapters]]
 name = "alpha"
 sources = ["a-in", "c-in"]
@@ -66,6 +64,12 @@ hotswap = ["nowhere"]
 name = "alpha"
 sources = ["a-in", "b-inn"]
 min_share = 0.6
+"""  # two adapters with every problem one can have
+
+
+def test_every_problem_of_the_adapters_is_named_at_once(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_settings(_config(tmp_path, WRONG + """
 [[adapters]]
 name = "Bad Name"
 sources = ["a-in"]
@@ -75,16 +79,7 @@ sources = ["a-in"]
     s = load_settings(_config(tmp_path, "", sources=("a-in",)))  # (the others, checked when the names are right)
     assert s.adapters == []
     with pytest.raises(ConfigError) as e:
-        load_settings(_config(tmp_path, """
-[[adapters]]
-name = "alpha"
-sources = ["a-in", "c-in"]
-train = { lora_rnk = 4, epochs = 0 }
-hotswap = ["nowhere"]
-[[adapters]]
-name = "alpha"
-sources = ["a-in", "b-inn"]
-min_share = 0.6
+        load_settings(_config(tmp_path, WRONG + """
 [[adapters]]
 name = "gamma"
 sources = ["a-in"]

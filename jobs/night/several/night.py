@@ -25,7 +25,7 @@ from jobs.contract.crashpoints import declare, reached
 from jobs.learning import plan as budget
 from jobs.night.config import AdapterNight, NightConfig
 from jobs.night.context import RunContext, open_context
-from jobs.night.model import ensure_model, model_fingerprint, model_to_read
+from jobs.night.model import model_fingerprint, night_model
 from jobs.night.run import Pulled, close_context, failure_text, pull_step, record_failure, run_key, train_step
 from jobs.night.several.share import slice_ends, water_fill
 from jobs.store.cleanup import close_run
@@ -55,12 +55,9 @@ def run_adapters(cfg: NightConfig, *, night: str, deadline: float, emit: Emit, s
                  process_started: float | None = None, group: Solo = SOLO) -> RunSummary:
     """The night of every adapter of `cfg.adapters`; the summary lists each one's (`adapters`) and the plan
     that shared the window (`shares`). Arguments as jobs.night.run.run_night's."""
-    if plan_only:
-        with model_to_read(cfg) as model_path:
-            return _night(cfg, model_path, night=night, deadline=deadline, emit=emit, stop=stop, clock=clock,
-                          plan_only=True, run_id=run_id, process_started=process_started, group=group)
-    return _night(cfg, ensure_model(cfg), night=night, deadline=deadline, emit=emit, stop=stop, clock=clock,
-                  plan_only=False, run_id=run_id, process_started=process_started, group=group)
+    with night_model(cfg, plan_only=plan_only) as model_path:
+        return _night(cfg, model_path, night=night, deadline=deadline, emit=emit, stop=stop, clock=clock,
+                      plan_only=plan_only, run_id=run_id, process_started=process_started, group=group)
 
 
 def _night(cfg: NightConfig, model_path: Path, *, night: str, deadline: float, emit: Emit, stop: threading.Event,
