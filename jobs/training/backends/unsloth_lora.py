@@ -66,19 +66,7 @@ def attach_lora(model: Any, tokenizer: Any, *, lora: LoraSpec, parent_adapter: P
 
     from jobs.training.step import UNSLOTH_FLAG
 
-    # the parent's shape when continuing, else the configured one
-    spec = lora
-    if parent_adapter is not None:
-        pcfg = json.loads((Path(parent_adapter) / "adapter_config.json").read_text())
-        tm = pcfg.get("target_modules") or lora.modules()
-        tm = sorted(tm) if isinstance(tm, list | set) else tm
-        spec = LoraSpec(
-            r=int(pcfg.get("r", lora.r)),
-            alpha=int(pcfg.get("lora_alpha", lora.alpha)),
-            dropout=float(pcfg.get("lora_dropout", lora.dropout)),
-            target_modules=tm,
-            seed=lora.seed,
-        )
+    spec = spec_for(lora, parent_adapter)
     t3 = time.perf_counter()
     model = FastLanguageModel.get_peft_model(
         model,
@@ -91,6 +79,9 @@ def attach_lora(model: Any, tokenizer: Any, *, lora: LoraSpec, parent_adapter: P
         random_state=spec.seed,
         max_seq_length=max_seq_length,
     )
+    from jobs.training import resident
+
+    info["lora_init"] = resident.snapshot(model)  # the draw a held LoRA restarts from (popped by load.py)
     if parent_adapter is not None:
         info["parent_adapter"] = str(parent_adapter)
         info["parent_keys_loaded"] = load_adapter_weights(model, Path(parent_adapter))
@@ -102,6 +93,36 @@ def attach_lora(model: Any, tokenizer: Any, *, lora: LoraSpec, parent_adapter: P
     info["target_parameters"] = list(getattr(model.peft_config["default"], "target_parameters", None) or [])
     info["gradient_checkpointing"] = gc_arg
     info["max_seq_length"] = max_seq_length
+    info["load_seconds"] = round(time.perf_counter() - t0, 2)
+    return model, tokenizer, info
+
+
+def spec_for(lora: LoraSpec, parent_adapter: Path | str | None) -> LoraSpec:
+    """The parent's shape when continuing (its adapter_config.json), else the configured one."""
+    if parent_adapter is None:
+        return lora
+    pcfg = json.loads((Path(parent_adapter) / "adapter_config.json").read_text())
+    tm = pcfg.get("target_modules") or lora.modules()
+    tm = sorted(tm) if isinstance(tm, list | set) else tm
+    return LoraSpec(r=int(pcfg.get("r", lora.r)), alpha=int(pcfg.get("lora_alpha", lora.alpha)),
+                    dropout=float(pcfg.get("lora_dropout", lora.dropout)), target_modules=tm, seed=lora.seed)
+
+
+def restart_lora(model: Any, tokenizer: Any, *, init: dict[str, Any], parent_adapter: Path | str | None,
+                 gc_arg: bool | str, info: dict[str, Any], t0: float) -> tuple[Any, Any, dict[str, Any]]:
+    """(model, tokenizer, info): the held PEFT model of the same LoRA shape, its LoRA set in place to the fresh
+    draw and the parent's weights (jobs/training/resident.py `restart`), made ready to train as attach_lora does;
+    its FP8-patched base (if any) untouched."""
+    from unsloth import FastLanguageModel
+
+    from jobs.training import resident
+    from jobs.training.step import UNSLOTH_FLAG
+
+    info.update(resident.restart(model, init, Path(parent_adapter) if parent_adapter is not None else None))
+    FastLanguageModel.for_training(model, use_gradient_checkpointing=gc_arg)
+    setattr(model, UNSLOTH_FLAG, True)
+    info.update(parameter_counts(model))
+    info["gradient_checkpointing"] = gc_arg
     info["load_seconds"] = round(time.perf_counter() - t0, 2)
     return model, tokenizer, info
 
