@@ -156,8 +156,6 @@ def _load_hf(model_path: Path, cfg: TrainConfig, adapter: Path | None,
     from peft import get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
 
-    from jobs.training.backends.unsloth_lora import load_adapter_weights
-
     torch.manual_seed(cfg.seed)
     cuda = torch.cuda.is_available()
     full = cfg.method is Method.full
@@ -204,7 +202,7 @@ def _load_hf(model_path: Path, cfg: TrainConfig, adapter: Path | None,
         put_on = resident.LoraShape.of_config(model.peft_config["default"])
         hold = resident.Hold(key, frozenset({lshape, put_on}), cfg.seed, resident.snapshot(model))
         if adapter is not None:
-            info["parent_keys_loaded"] = load_adapter_weights(model, Path(adapter))
+            info["parent_keys_loaded"] = resident.load_adapter_weights(model, Path(adapter))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     info.update({"trainable_parameters": trainable, "total_parameters": total, "quantized_4bit": quantized,

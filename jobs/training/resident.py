@@ -113,6 +113,8 @@ def take(key: tuple[Any, ...], shape_of: Callable[[Any], LoraShape], seed: int) 
     same = shape_of(held.model.get_base_model()) in held.hold.shapes and seed == held.hold.seed
     if not same and held.hold.fp8 is not None:
         log.info("base_not_reused", why="another LoRA shape on an FP8-patched base: loaded again")
+        del held
+        release()  # its memory back to the card before the base is loaded again
         return None
     model = held.model if same else held.model.unload()  # unload: the LoRA layers replaced by the base's own
     _state["reused"] += 1
@@ -142,8 +144,6 @@ def restart(model: Any, init: dict[str, Any], parent: Path | None) -> dict[str, 
     optimizer-in-backward left on its parameters go (a fresh LoRA has neither). Returns load-info keys."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-    from jobs.training.backends.unsloth_lora import load_adapter_weights
-
     current = get_peft_model_state_dict(model)
     if set(init) != set(current) or any(tuple(init[k].shape) != tuple(current[k].shape) for k in current):
         raise ValueError("the held LoRA is not the one its fresh draw was kept for")
@@ -161,6 +161,28 @@ def restart(model: Any, init: dict[str, Any], parent: Path | None) -> dict[str, 
         if hooks:
             hooks.clear()
     return info
+
+
+def load_adapter_weights(model: Any, adapter_dir: Path) -> int:
+    """Load a saved adapter's LoRA weights into the model's (same-shaped) adapter; all keys must land."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    f = adapter_dir / "adapter_model.safetensors"
+    state = load_file(str(f)) if f.exists() else _load_bin(adapter_dir / "adapter_model.bin")
+    res = set_peft_model_state_dict(model, state, adapter_name="default")
+    unexpected = list(getattr(res, "unexpected_keys", []) or [])
+    if unexpected:
+        raise ValueError(
+            f"parent adapter {adapter_dir} has {len(unexpected)} keys this model lacks, e.g. {unexpected[:3]}"
+        )
+    return len(state)
+
+
+def _load_bin(path: Path) -> dict[str, Any]:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def reused() -> int:

@@ -84,7 +84,7 @@ def attach_lora(model: Any, tokenizer: Any, *, lora: LoraSpec, parent_adapter: P
     info["lora_init"] = resident.snapshot(model)  # the draw a held LoRA restarts from (popped by load.py)
     if parent_adapter is not None:
         info["parent_adapter"] = str(parent_adapter)
-        info["parent_keys_loaded"] = load_adapter_weights(model, Path(parent_adapter))
+        info["parent_keys_loaded"] = resident.load_adapter_weights(model, Path(parent_adapter))
     info["peft_seconds"] = round(time.perf_counter() - t3, 2)
     FastLanguageModel.for_training(model, use_gradient_checkpointing=gc_arg)
     setattr(model, UNSLOTH_FLAG, True)
@@ -125,25 +125,3 @@ def restart_lora(model: Any, tokenizer: Any, *, init: dict[str, Any], parent_ada
     info["gradient_checkpointing"] = gc_arg
     info["load_seconds"] = round(time.perf_counter() - t0, 2)
     return model, tokenizer, info
-
-
-def load_adapter_weights(model: Any, adapter_dir: Path) -> int:
-    """Load a saved adapter's LoRA weights into the model's (same-shaped) adapter; all keys must land."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    f = adapter_dir / "adapter_model.safetensors"
-    state = load_file(str(f)) if f.exists() else _load_bin(adapter_dir / "adapter_model.bin")
-    res = set_peft_model_state_dict(model, state, adapter_name="default")
-    unexpected = list(getattr(res, "unexpected_keys", []) or [])
-    if unexpected:
-        raise ValueError(
-            f"parent adapter {adapter_dir} has {len(unexpected)} keys this model lacks, e.g. {unexpected[:3]}"
-        )
-    return len(state)
-
-
-def _load_bin(path: Path) -> dict[str, Any]:
-    import torch
-
-    return torch.load(path, map_location="cpu", weights_only=True)
