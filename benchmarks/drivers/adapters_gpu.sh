@@ -202,7 +202,7 @@ else
 fi
 
 # 6. the figures
-PARALLEL=$PARALLEL "$PY" - "$R" <<'EOF'
+PARALLEL=$PARALLEL CPU=$cpu "$PY" - "$R" <<'EOF'
 import json, sqlite3, sys
 from pathlib import Path
 R = Path(sys.argv[1])
@@ -246,7 +246,8 @@ for name in ("one", "four"):
     md.append(f"| {name} | {x['exit']} | {x['outcome']} | {x['wall_seconds']} | {x['trained_tokens']:,} | "
               f"{x['train_seconds']} ({x['predicted_train_seconds']}) | {x['plan_error']} |")
 md.append(f"\nfour / one (wall): {out['ratio_wall']}; the same tokens trained: {out['same_tokens']}"
-          + ("; the two nights ran at the same time, each on its own card" if out["parallel"] else ""))
+          + ("; the two nights ran at the same time, " + ("both on the CPU" if os.environ.get("CPU") == "1" else
+                                                             "each on its own card") if out["parallel"] else ""))
 (R / "result.md").write_text("\n".join(md) + "\n")
 print("\n".join(md))
 EOF
