@@ -35,7 +35,7 @@ def _night(small_model, root, monkeypatch, *, hold: bool, train: dict | None = N
     from jobs.training import resident
 
     for k, n in enumerate("ab"):
-        write_jsonl(root / f"{n}-in" / "d.jsonl", [alpaca(100 * k + i, f" {n}") for i in range(40)])
+        write_jsonl(root / f"{n}-in" / "d.jsonl", [alpaca(100 * k + i, f" {n}") for i in range(160)])
     base = NightConfig.model_validate({
         "state_dir": root / "state", "model": {"path": small_model, "name": "gpu"},
         "sources": [{"name": f"{n}-in", "inbox": root / f"{n}-in", "settle_seconds": 0} for n in "ab"],
