@@ -18,6 +18,9 @@
 #   WINDOW_MIN=8         minutes each night's window lasts (`once --until`): long enough for all of N
 #   CAL_SECONDS=15       `calibrate --seconds`
 #   BACKEND=auto METHOD=qlora MAX_VRAM_GB=40 BATCHING=packed
+#   PARALLEL=0           1: the two nights at the same time, one (CUDA_VISIBLE_DEVICES=0) and four
+#                        (CUDA_VISIBLE_DEVICES=1), after calibrate on GPU 0: needs 2 GPUs (refused otherwise;
+#                        with --cpu both run on the CPU). Each night's wall seconds are its own, as sequentially.
 # On the device (see COMMON.md): install the wheels and export PYTHONPATH first. Building the 8B, calibrating and the
 # two nights can take more than one call's 10 minutes: start it in the background and collect it in a later call,
 #   benchmarks/drivers/device_run.sh --background --timeout 1700 /tmp/ad -- benchmarks/drivers/adapters_gpu.sh /tmp/ad/run
@@ -27,7 +30,7 @@ set -uo pipefail
 
 cpu=0
 [ "${1:-}" = "--cpu" ] && { cpu=1; shift; }
-[ $# -eq 1 ] || { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+[ $# -eq 1 ] || { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 R=$(mkdir -p "$1" && cd "$1" && pwd)
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$repo" || exit 1
@@ -40,7 +43,12 @@ fi
 ARCH=${ARCH:-llama3.1-8b} MODELS_DIR=${MODELS_DIR:-/tmp/models} RECORDS=${RECORDS:-8000} WINDOW_MIN=${WINDOW_MIN:-8}
 CAL_SECONDS=${CAL_SECONDS:-15} BACKEND=${BACKEND:-auto} METHOD=${METHOD:-qlora} MAX_VRAM_GB=${MAX_VRAM_GB:-40}
 BATCHING=${BATCHING:-packed} PRIOR_OVERHEAD=${PRIOR_OVERHEAD:-60}
+PARALLEL=${PARALLEL:-0}
 say() { echo "[adapters_gpu $(date -u +%T)] $*" | tee -a "$R/driver.log"; }
+if [ "$PARALLEL" = 1 ] && [ "$cpu" = 0 ]; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+  [ "${gpus:-0}" -ge 2 ] || { say "PARALLEL=1 needs 2 GPUs (one night on each), found ${gpus:-0}: run without it"; exit 2; }
+fi
 
 {
   echo "date: $(date -u +%F)"
@@ -51,7 +59,7 @@ say() { echo "[adapters_gpu $(date -u +%T)] $*" | tee -a "$R/driver.log"; }
     echo "card: none (CPU: $(nproc) cores)"
   fi
   "$PY" -c 'import sys, torch; print("torch:", torch.__version__, "| python:", sys.version.split()[0])' 2>/dev/null
-  echo "arch=$ARCH records=$RECORDS window_min=$WINDOW_MIN backend=$BACKEND method=$METHOD batching=$BATCHING"
+  echo "arch=$ARCH records=$RECORDS window_min=$WINDOW_MIN backend=$BACKEND method=$METHOD batching=$BATCHING parallel=$PARALLEL"
 } > "$R/meta.txt"
 
 # 1. the model: random-initialised (GPU), or the demo's tiny Llama (--cpu)
@@ -151,7 +159,8 @@ EOF2
 elif [ "$cpu" = 0 ]; then
   rm -rf "$R/four/state"; mkdir -p "$R/one/state" "$R/four/state"
   t0=$(date +%s)
-  "$PY" -m daemon --config "$R/four.toml" calibrate --seconds "$CAL_SECONDS" --no-checkpointing-line \
+  gpu0=(); [ "$PARALLEL" = 1 ] && gpu0=(env CUDA_VISIBLE_DEVICES=0)  # the nights' throughput key: one card's
+  "${gpu0[@]}" "$PY" -m daemon --config "$R/four.toml" calibrate --seconds "$CAL_SECONDS" --no-checkpointing-line \
     --out "$R/calibrate" > "$R/calibrate.log" 2>&1
   say "calibrate exit $? in $(( $(date +%s) - t0 )) s"
   "$PY" - "$R/four/state/ledger.sqlite" "$R/one/state/ledger.sqlite" <<'EOF' || exit 1
@@ -178,11 +187,22 @@ night() {
   echo "$rc" > "$R/night-$1.rc"
   say "night of $1: exit $rc in $(cat "$R/night-$1.seconds") s"
 }
-night one
-night four
+if [ "$PARALLEL" = 1 ]; then  # each on its own card at the same time (--cpu: both on the CPU)
+  if [ "$cpu" = 0 ]; then
+    CUDA_VISIBLE_DEVICES=0 night one & p1=$!
+    CUDA_VISIBLE_DEVICES=1 night four & p4=$!
+  else
+    night one & p1=$!
+    night four & p4=$!
+  fi
+  wait "$p1" "$p4"
+else
+  night one
+  night four
+fi
 
 # 6. the figures
-"$PY" - "$R" <<'EOF'
+PARALLEL=$PARALLEL CPU=$cpu "$PY" - "$R" <<'EOF'
 import json, sqlite3, sys
 from pathlib import Path
 R = Path(sys.argv[1])
@@ -197,7 +217,8 @@ def plan_error(runs):
     act = sum(r.get("actual_train_seconds") or 0 for r in runs)
     return None if not pred else round(act / pred - 1, 4)
 
-out = {"meta": (R / "meta.txt").read_text().splitlines()}
+import os
+out = {"meta": (R / "meta.txt").read_text().splitlines(), "parallel": os.environ.get("PARALLEL", "0") == "1"}
 for name in ("one", "four"):
     runs = summaries(R / name / "state")
     night = runs[-1] if runs else {}
@@ -224,7 +245,9 @@ for name in ("one", "four"):
     x = out[name]
     md.append(f"| {name} | {x['exit']} | {x['outcome']} | {x['wall_seconds']} | {x['trained_tokens']:,} | "
               f"{x['train_seconds']} ({x['predicted_train_seconds']}) | {x['plan_error']} |")
-md.append(f"\nfour / one (wall): {out['ratio_wall']}; the same tokens trained: {out['same_tokens']}")
+md.append(f"\nfour / one (wall): {out['ratio_wall']}; the same tokens trained: {out['same_tokens']}"
+          + ("; the two nights ran at the same time, " + ("both on the CPU" if os.environ.get("CPU") == "1" else
+                                                             "each on its own card") if out["parallel"] else ""))
 (R / "result.md").write_text("\n".join(md) + "\n")
 print("\n".join(md))
 EOF

@@ -28,3 +28,17 @@ def test_the_driver_runs_one_night_of_one_and_one_of_four_on_the_same_records(tm
     # every record trained or held out in both: the same records, dealt to one inbox or to four
     assert one["trained_samples"] > 0 and four["trained_samples"] > 0
     assert result["ratio_wall"] > 0 and (out / "result.md").read_text().count("| one |") == 1
+
+
+def test_parallel_nights_need_two_cards(tmp_path):
+    """PARALLEL=1 puts each night on its own card: with fewer than two it is refused before anything is built."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-x)'\n")  # one card
+    smi.chmod(0o755)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PARALLEL": "1", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    r = subprocess.run(["bash", str(REPO / "benchmarks" / "drivers" / "adapters_gpu.sh"), str(tmp_path / "out")],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=hang_bound(60))
+    assert r.returncode == 2 and "PARALLEL=1 needs 2 GPUs" in r.stdout + r.stderr and "found 1" in r.stdout
+    assert not (tmp_path / "out" / "meta.txt").exists()

@@ -66,19 +66,7 @@ def attach_lora(model: Any, tokenizer: Any, *, lora: LoraSpec, parent_adapter: P
 
     from jobs.training.step import UNSLOTH_FLAG
 
-    # the parent's shape when continuing, else the configured one
-    spec = lora
-    if parent_adapter is not None:
-        pcfg = json.loads((Path(parent_adapter) / "adapter_config.json").read_text())
-        tm = pcfg.get("target_modules") or lora.modules()
-        tm = sorted(tm) if isinstance(tm, list | set) else tm
-        spec = LoraSpec(
-            r=int(pcfg.get("r", lora.r)),
-            alpha=int(pcfg.get("lora_alpha", lora.alpha)),
-            dropout=float(pcfg.get("lora_dropout", lora.dropout)),
-            target_modules=tm,
-            seed=lora.seed,
-        )
+    spec = spec_for(lora, parent_adapter)
     t3 = time.perf_counter()
     model = FastLanguageModel.get_peft_model(
         model,
@@ -91,9 +79,12 @@ def attach_lora(model: Any, tokenizer: Any, *, lora: LoraSpec, parent_adapter: P
         random_state=spec.seed,
         max_seq_length=max_seq_length,
     )
+    from jobs.training import resident
+
+    info["lora_init"] = resident.snapshot(model)  # the draw a held LoRA restarts from (popped by load.py)
     if parent_adapter is not None:
         info["parent_adapter"] = str(parent_adapter)
-        info["parent_keys_loaded"] = load_adapter_weights(model, Path(parent_adapter))
+        info["parent_keys_loaded"] = resident.load_adapter_weights(model, Path(parent_adapter))
     info["peft_seconds"] = round(time.perf_counter() - t3, 2)
     FastLanguageModel.for_training(model, use_gradient_checkpointing=gc_arg)
     setattr(model, UNSLOTH_FLAG, True)
@@ -106,23 +97,31 @@ def attach_lora(model: Any, tokenizer: Any, *, lora: LoraSpec, parent_adapter: P
     return model, tokenizer, info
 
 
-def load_adapter_weights(model: Any, adapter_dir: Path) -> int:
-    """Load a saved adapter's LoRA weights into the model's (same-shaped) adapter; all keys must land."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    f = adapter_dir / "adapter_model.safetensors"
-    state = load_file(str(f)) if f.exists() else _load_bin(adapter_dir / "adapter_model.bin")
-    res = set_peft_model_state_dict(model, state, adapter_name="default")
-    unexpected = list(getattr(res, "unexpected_keys", []) or [])
-    if unexpected:
-        raise ValueError(
-            f"parent adapter {adapter_dir} has {len(unexpected)} keys this model lacks, e.g. {unexpected[:3]}"
-        )
-    return len(state)
+def spec_for(lora: LoraSpec, parent_adapter: Path | str | None) -> LoraSpec:
+    """The parent's shape when continuing (its adapter_config.json), else the configured one."""
+    if parent_adapter is None:
+        return lora
+    pcfg = json.loads((Path(parent_adapter) / "adapter_config.json").read_text())
+    tm = pcfg.get("target_modules") or lora.modules()
+    tm = sorted(tm) if isinstance(tm, list | set) else tm
+    return LoraSpec(r=int(pcfg.get("r", lora.r)), alpha=int(pcfg.get("lora_alpha", lora.alpha)),
+                    dropout=float(pcfg.get("lora_dropout", lora.dropout)), target_modules=tm, seed=lora.seed)
 
 
-def _load_bin(path: Path) -> dict[str, Any]:
-    import torch
+def restart_lora(model: Any, tokenizer: Any, *, init: dict[str, Any], parent_adapter: Path | str | None,
+                 gc_arg: bool | str, info: dict[str, Any], t0: float) -> tuple[Any, Any, dict[str, Any]]:
+    """(model, tokenizer, info): the held PEFT model of the same LoRA shape, its LoRA set in place to the fresh
+    draw and the parent's weights (jobs/training/resident.py `restart`), made ready to train as attach_lora does;
+    its FP8-patched base (if any) untouched."""
+    from unsloth import FastLanguageModel
 
-    return torch.load(path, map_location="cpu", weights_only=True)
+    from jobs.training import resident
+    from jobs.training.step import UNSLOTH_FLAG
+
+    info.update(resident.restart(model, init, Path(parent_adapter) if parent_adapter is not None else None))
+    FastLanguageModel.for_training(model, use_gradient_checkpointing=gc_arg)
+    setattr(model, UNSLOTH_FLAG, True)
+    info.update(parameter_counts(model))
+    info["gradient_checkpointing"] = gc_arg
+    info["load_seconds"] = round(time.perf_counter() - t0, 2)
+    return model, tokenizer, info
