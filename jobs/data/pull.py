@@ -48,9 +48,9 @@ from jobs.data.parallel import (
     CheckPool,
     check_options,
     chunked,
-    close_early,
     default_workers,
     pool_for,
+    pull_done,
 )
 from jobs.data.prefetch import take
 from jobs.data.quarantine import Quarantine
@@ -161,9 +161,7 @@ def pull(
         try:
             quarantine.close()
         finally:
-            if p.pool is not None:
-                p.pool.close()
-            close_early()
+            pull_done(p.pool)  # kept where it checked another adapter's files ahead
     return p.result
 
 

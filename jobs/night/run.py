@@ -105,7 +105,12 @@ class Pulled:
 
 
 def _steps(ctx: RunContext) -> None:
-    pulled = pull_step(ctx)
+    from jobs.data.parallel import close_early
+
+    try:
+        pulled = pull_step(ctx)
+    finally:
+        close_early()  # the night's one pull is over
     if pulled is not None:
         train_step(ctx, pulled)
 

@@ -22,6 +22,7 @@ import structlog
 from jobs.contract import AdapterShare, ChildEvent, Emit, Outcome, ResultEvent, RunSummary, SharesEvent, new_run_id
 from jobs.contract.calibration import CalibrationRecord
 from jobs.contract.crashpoints import declare, reached
+from jobs.data.parallel import close_early
 from jobs.learning import plan as budget
 from jobs.night.config import AdapterNight, NightConfig
 from jobs.night.context import RunContext, open_context
@@ -88,6 +89,7 @@ def _night(cfg: NightConfig, model_path: Path, *, night: str, deadline: float, e
                 done[spec.name] = got
             else:
                 going.append(got)
+        close_early()  # the workers that checked the adapters' files ahead (jobs/data/parallel.py: pull_done)
         shares = plan_shares(going, start=clock(), deadline=deadline)
         summary.shares = shares
         emit(SharesEvent(shares=shares))
