@@ -6,6 +6,7 @@ from jobs.data.batching import TokenizedSample
 from jobs.learning.evaluate import SampleScore
 from jobs.night.scores import LoadIdentity, ScoreCache
 from tests.conftest import alpaca, run, write_jsonl
+from tests.fixtures.night_events import StopAtProgress
 
 
 def test_night_two_scores_only_what_no_model_was_scored_on_before(night_env, monkeypatch):
@@ -214,7 +215,7 @@ def test_a_resumed_night_two_still_scores_the_adapter_in_service_after_training(
     assert run(cfg)["promoted"]
     write_jsonl(inbox / "b.jsonl", [alpaca(i, " please") for i in range(20)])
     stop = threading.Event()
-    first = run(cfg, night="2026-11-22", stop=stop, events=_StopAfterFirstStep(stop))
+    first = run(cfg, night="2026-11-22", stop=stop, events=StopAtProgress(stop))
     assert first["outcome"] == "interrupted" and first["metrics"].get("heldout_before") is None
     assert first["steps"] == 1 and first["stopped"] == "signal"  # stopped by the event, after one step
     kept = json.loads(next((cfg.state_dir / "checkpoints").glob("*/before.json")).read_text())
@@ -224,20 +225,6 @@ def test_a_resumed_night_two_still_scores_the_adapter_in_service_after_training(
     assert second["outcome"] in ("succeeded", "rejected") and second["run_id"] == first["run_id"]
     assert m["heldout_before"]["samples"] == m["heldout_after"]["samples"] > 0
     assert m["heldout_reference"] == m["heldout_before"] != m["heldout_after"]
-
-
-class _StopAfterFirstStep(list):
-    """A night's event sink that asks the night to stop on its first progress event (the loop emits it once
-    the first step is counted): the stop follows an event, whatever the load makes of the clock."""
-
-    def __init__(self, stop):
-        super().__init__()
-        self.stop = stop
-
-    def append(self, ev):
-        super().append(ev)
-        if ev["event"] == "progress":
-            self.stop.set()
 
 
 def test_a_service_file_damaged_since_the_load_costs_its_figures_not_the_night_nor_the_candidate(tiny_model,
