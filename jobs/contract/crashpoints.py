@@ -6,6 +6,9 @@ production nothing is set and the call is one dict lookup. A test sets `NIGHTSHI
 `name@N`: the N-th time the point is reached, counting from 1) in the environment of the process it starts;
 that process then kills itself with SIGKILL at that point, as a power cut would, without running `finally`
 blocks or flushing buffers. `NIGHTSHIFT_CRASH_RANK` limits it to one rank of a several-process night.
+`NIGHTSHIFT_CRASH_HOW=stop` makes the process stop itself there (SIGSTOP) instead: it keeps what a live process
+holds (the night lock, an open run) for as long as the test needs, however busy the machine, until the test
+kills it or lets it go on (SIGCONT) - where a test must hold a night open, not time it.
 
 `POINTS` lists every point the product declares, so a test can kill a night at each point in turn and
 prove the list is complete (a point reached that is not declared raises in tests).
@@ -18,6 +21,8 @@ import signal
 
 ENV = "NIGHTSHIFT_CRASH_AT"
 ENV_RANK = "NIGHTSHIFT_CRASH_RANK"
+ENV_HOW = "NIGHTSHIFT_CRASH_HOW"
+HOW = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
 POINTS: dict[str, str] = {}
 """name -> what has just happened (or is about to) when the point is reached; filled by `declare`."""
@@ -40,7 +45,8 @@ def _target() -> tuple[str, int] | None:
 
 
 def reached(name: str) -> None:
-    """Die here with SIGKILL if a test asked for this point (and this rank); otherwise return at once."""
+    """Die here with SIGKILL (or stop, `NIGHTSHIFT_CRASH_HOW=stop`) if a test asked for this point (and this
+    rank); otherwise return at once."""
     target = _target()
     if target is None:
         return
@@ -51,4 +57,7 @@ def reached(name: str) -> None:
         return
     _counts[name] = _counts.get(name, 0) + 1
     if target == (name, _counts[name]):
-        os.kill(os.getpid(), signal.SIGKILL)
+        how = os.environ.get(ENV_HOW, "kill")
+        if how not in HOW:
+            raise ValueError(f"{ENV_HOW}={how!r}: expected one of {', '.join(HOW)}")
+        os.kill(os.getpid(), HOW[how])

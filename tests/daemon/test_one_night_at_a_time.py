@@ -10,25 +10,38 @@ import signal
 import subprocess
 import sys
 import threading
-import time
+from pathlib import Path
 
 import pytest
 
-from jobs.contract import ExitCode
+from jobs.contract import ExitCode, crashpoints
 from jobs.store.ledger import Ledger
 from jobs.store.locking import StateLock, night_lock
-from tests.conftest import REPO, alpaca, toml_config, write_jsonl
+from tests.conftest import REPO, alpaca, hang_bound, toml_config, write_jsonl
 from tests.fixtures.daemon_proc import child_pids, runs, start, wait_for, write_config
 from tests.store.test_adapters import craft
 
 pytestmark = pytest.mark.slow
-SHORT_WINDOW = """
+LONG_WINDOW = """
 [window]
 start = "00:00"
-end = "00:02"
+end = "12:00"
 save_margin_minutes = 0.1
 min_run_minutes = 0.1
-"""  # `once` trains until now + the window's length: two minutes at most, whatever happens
+"""  # `once` trains until now + the window's length: twelve hours, so a busy machine's night reaches its first step
+HOLD = {crashpoints.ENV: "train.counted", crashpoints.ENV_HOW: "stop"}
+"""A night given this environment stops itself once its first step is counted (jobs/contract/crashpoints.py): it
+holds the night lock and its open run until the test kills it. The night is held open by an event, not timed
+(a two-minute window with 1000 epochs had ended, at load ~20, before the test's second `once` started)."""
+
+
+def stopped(pid):
+    """The process stopped itself (state T in /proc/PID/stat): held at its crash point."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] in ("T", "t")
 
 
 def nightshift(*args, env=None, timeout=120):
@@ -36,9 +49,10 @@ def nightshift(*args, env=None, timeout=120):
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
-def popen_once(cfg):
+def popen_once(cfg, env=None):
     proc = subprocess.Popen([sys.executable, "-m", "daemon", "--config", str(cfg), "once"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
     proc.lines = []
     threading.Thread(target=lambda: proc.lines.extend(proc.stderr), daemon=True).start()
     return proc
@@ -50,9 +64,9 @@ def kill(pid):
 
 
 def test_two_onces_one_runs_the_other_exits_busy_and_the_lock_outlives_a_killed_supervisor(tmp_path, tiny_model):
-    cfg, inbox = toml_config(tmp_path, tiny_model, epochs=1000, more=SHORT_WINDOW)
+    cfg, inbox = toml_config(tmp_path, tiny_model, epochs=3, more=LONG_WINDOW)
     write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(8)])
-    a, b = popen_once(cfg), popen_once(cfg)  # started together
+    a, b = popen_once(cfg, HOLD), popen_once(cfg, HOLD)  # started together
     wait_for(lambda: a.poll() is not None or b.poll() is not None, 90, "one of them to give way")
     loser, winner = (a, b) if a.poll() is not None else (b, a)
     loser.wait()
@@ -61,20 +75,23 @@ def test_two_onces_one_runs_the_other_exits_busy_and_the_lock_outlives_a_killed_
     assert "held by another nightshift process" in err and "nightshift once" in err and "Traceback" not in err
     wait_for(lambda: child_pids(winner), 90, "the winner's night to start", winner)
     child = child_pids(winner)[0]
-    wait_for(lambda: (tmp_path / "state" / "ledger.sqlite").exists() and runs(tmp_path / "state"), 90,
-             "the winner's run to open", winner)
-    winner.kill()  # kill -9 of the supervisor: its child goes on, and keeps the state directory
-    winner.wait()
     try:
-        r = nightshift("--config", str(cfg), "once")
+        wait_for(lambda: stopped(child), 90, "the winner's night to hold at its first step", winner)
+        assert len(runs(tmp_path / "state")) == 1
+        winner.kill()  # kill -9 of the supervisor: its child lives on, and keeps the state directory
+        winner.wait()
+        r = nightshift("--config", str(cfg), "once")  # without HOLD: were it let in, it would run a night
         assert r.returncode == ExitCode.BUSY, r.stderr[-2000:]
         assert f"pid {winner.pid}" in r.stderr  # who holds it, as the lock file says
     finally:
+        kill(winner.pid)
         kill(child)
     wait_for(lambda: _free(tmp_path / "state"), 30, "the lock to be released with the last holder")
     led = Ledger(tmp_path / "state" / "ledger.sqlite")
     assert len(led.last_runs()) == 1 and "trained" not in led.sample_counts()  # one night, nothing trained twice
-    assert led.versions() == [] and not list((tmp_path / "state" / "adapters").iterdir())
+    # held after its first step: the version its plan reserved is still training, nothing was published
+    assert [v["status"] for v in led.versions()] == ["training"]
+    assert not list((tmp_path / "state" / "adapters").iterdir())
 
 
 def _free(state):
@@ -86,17 +103,24 @@ def _free(state):
 
 
 def test_once_while_the_service_runs_its_night_exits_busy(tmp_path, tiny_model):
-    cfg, inbox = write_config(tmp_path, tiny_model, opens_in=1, lasts=120, epochs=1000)
+    """The service's night is held at its first step (HOLD) while `once` tries, then let go and stopped."""
+    cfg, inbox = write_config(tmp_path, tiny_model, opens_in=1, lasts=3600, epochs=3)
     write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(8)])
-    daemon = start(cfg)
+    daemon = start(cfg, env=HOLD)
+    child = None
     try:
         wait_for(lambda: child_pids(daemon), 90, "the service's night", daemon)
+        child = child_pids(daemon)[0]
+        wait_for(lambda: stopped(child), 90, "the service's night to hold at its first step", daemon)
         r = nightshift("--config", str(cfg), "once")
         assert r.returncode == ExitCode.BUSY, r.stderr[-2000:]
         assert "nightshift run: night" in r.stderr and "Traceback" not in r.stderr
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(timeout=120)
+        daemon.send_signal(signal.SIGTERM)  # passed on to the night, which saves and stops once it goes on
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGCONT)
+        daemon.wait(timeout=hang_bound(120))
     [run] = runs(tmp_path / "state")
     assert not run["night"].startswith("manual")  # the service's night only: `once` never opened one
     assert [v["status"] for v in Ledger(tmp_path / "state" / "ledger.sqlite").versions()] in ([], ["training"])
@@ -139,17 +163,29 @@ def test_once_and_calibrate_exit_busy_or_wait_as_configured_and_plan_reads_meanw
     state = tmp_path / "state"
     with night_lock(state, what="nightshift run: night 2026-11-23"):
         for cmd in ("once", "calibrate"):
-            t0 = time.time()
             r = nightshift("--config", str(cfg), cmd)
             assert r.returncode == ExitCode.BUSY, (cmd, r.stderr[-2000:])
             assert "nightshift run: night 2026-11-23" in r.stderr and "Traceback" not in r.stderr
-            assert time.time() - t0 < 60
+            assert "(not waiting for " in r.stderr  # gave up at its first try (the default), not after a wait
         r = nightshift("--config", str(cfg), "plan", "--json")  # read-only: no lock needed
         assert r.returncode == 0 and json.loads(r.stdout)["train_ids"] == [], r.stderr[-2000:]
     held = night_lock(state, what="nightshift once").__enter__()
-    threading.Timer(3.0, lambda: held.__exit__(None, None, None)).start()
-    r = nightshift("--config", str(cfg), "once", env={"NIGHTSHIFT_DAEMON__LOCK_WAIT_SECONDS": "120"})
-    assert r.returncode == 0, r.stderr[-2000:]
+    proc = subprocess.Popen([sys.executable, "-m", "daemon", "--config", str(cfg), "once"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "NIGHTSHIFT_DAEMON__LOCK_WAIT_SECONDS": "3600"})
+    try:  # released once `once` has the state directory open to lock it (it cannot get further while held)
+        wait_for(lambda: _opened(proc.pid, state), 60, "`once` to wait for the night lock", proc)
+    finally:
+        held.__exit__(None, None, None)
+    err = proc.communicate(timeout=hang_bound(120))[1]
+    assert proc.returncode == 0, err[-2000:]
+
+
+def _opened(pid, path):
+    """`pid` has `path` open (the night lock is taken on the state directory itself)."""
+    with contextlib.suppress(OSError):
+        return any(os.readlink(f) == str(path) for f in Path(f"/proc/{pid}/fd").iterdir())
+    return False
 
 
 def test_registry_commands_wait_for_the_registry_lock_then_exit_busy(tmp_path):

@@ -6,6 +6,7 @@ from jobs.data.batching import TokenizedSample
 from jobs.learning.evaluate import SampleScore
 from jobs.night.scores import LoadIdentity, ScoreCache
 from tests.conftest import alpaca, run, write_jsonl
+from tests.fixtures.night_events import StopAtProgress
 
 
 def test_night_two_scores_only_what_no_model_was_scored_on_before(night_env, monkeypatch):
@@ -199,32 +200,26 @@ def test_the_service_scored_after_training_is_the_service_and_the_candidate_is_p
     assert score_samples(model, samples, **kw) != expected
 
 
-def test_a_resumed_night_two_still_scores_the_adapter_in_service_after_training(night_env, monkeypatch):
+def test_a_resumed_night_two_still_scores_the_adapter_in_service_after_training(night_env):
     """What the first attempt owed (the service's scores) is kept beside its checkpoints: the attempt that
     resumes from them measures it after training, against the service's own file."""
     import json
     import threading
 
-    import jobs.training.loop as loop_mod
-
     inbox, make = night_env
-    cfg = make(eval={"min_eval_samples": 1}, plan={"heldout_share": 0.2},
-               train={"batch_size": 4, "epochs": 2, "checkpoint_every_seconds": 0.001})
+    # no periodic save (the interval stays the default's): the stop's own checkpoint is the one resumed from.
+    # A save every 0.001 s made night 1's measured save time part of night 2's plan (one save a millisecond of
+    # training): on a loaded box that plan fitted no sample and the night ended `skipped`, never started
+    cfg = make(eval={"min_eval_samples": 1}, plan={"heldout_share": 0.2}, train={"batch_size": 4, "epochs": 2})
     write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(30)])
     assert run(cfg)["promoted"]
     write_jsonl(inbox / "b.jsonl", [alpaca(i, " please") for i in range(20)])
-    stop, real_save = threading.Event(), loop_mod.save_checkpoint
-
-    def save_then_stop(*a, **k):
-        real_save(*a, **k)
-        stop.set()
-
-    monkeypatch.setattr(loop_mod, "save_checkpoint", save_then_stop)
-    first = run(cfg, night="2026-11-22", stop=stop)
+    stop = threading.Event()
+    first = run(cfg, night="2026-11-22", stop=stop, events=StopAtProgress(stop))
     assert first["outcome"] == "interrupted" and first["metrics"].get("heldout_before") is None
+    assert first["steps"] == 1 and first["stopped"] == "signal"  # stopped by the event, after one step
     kept = json.loads(next((cfg.state_dir / "checkpoints").glob("*/before.json")).read_text())
     assert kept["owed"] == ["before"] and kept["metrics"] == {}
-    monkeypatch.setattr(loop_mod, "save_checkpoint", real_save)
     second = run(cfg, night="2026-11-22")
     m = second["metrics"]
     assert second["outcome"] in ("succeeded", "rejected") and second["run_id"] == first["run_id"]
