@@ -17,7 +17,7 @@ from jobs.data.parallel import check_options
 from jobs.data.prefetch import _seek_line, check_ahead, ranges_of, take
 from jobs.data.readers import Limits, read_jsonl
 from jobs.data.sources import SourceConfig
-from tests.conftest import alpaca
+from tests.conftest import alpaca, hang_bound
 from tests.data.test_pull_workers import early_ready, lines, pulled
 
 HOSTILE = (b"\xef\xbb\xbf" + json.dumps(alpaca(1)).encode() + b"\r\n\n   \n{not json\n"
@@ -98,7 +98,7 @@ def test_a_file_checked_ahead_is_recorded_as_the_pull_records_it(tmp_path, token
 def test_a_file_that_changed_after_it_was_checked_ahead_is_checked_again(tmp_path, tokenizer, tiny_model, large):
     inbox, pool = ahead_of(tmp_path, "changed", lines(400), tiny_model)
     for fut in next(iter(pool.ahead.values())).futures:
-        assert fut is not None and fut.result(timeout=120)
+        assert fut is not None and fut.result(timeout=hang_bound(300))
     with open(inbox / "a.jsonl", "ab") as f:  # a record more since: another size, mtime and ctime
         f.write(json.dumps(alpaca(99999)).encode() + b"\n")
     data = (inbox / "a.jsonl").read_bytes()

@@ -289,7 +289,7 @@ def test_workers_run_behind_the_nights_own_process(tokenizer):
 
     pool = parallel.CheckPool(tokenizer, 2)
     try:
-        niceness, parallelism = pool.submit(_how_a_worker_runs).result(timeout=120)
+        niceness, parallelism = pool.submit(_how_a_worker_runs).result(timeout=hang_bound(300))
     finally:
         pool.close()
     assert niceness == min(19, os.nice(0) + parallel.WORKER_NICENESS) and parallelism == "false"

@@ -9,7 +9,7 @@ from daemon.settings import load_settings
 from daemon.supervisor import NightChild
 from jobs.contract import ExitCode, Outcome
 from jobs.store.ledger import Ledger
-from tests.conftest import alpaca, toml_config, write_jsonl
+from tests.conftest import alpaca, hang_bound, toml_config, write_jsonl
 
 
 def start_child(tmp_path, tiny_model, lead):
@@ -126,6 +126,6 @@ def test_the_pull_workers_start_from_the_night_config_before_any_import(tmp_path
     start_pull_workers(json.dumps({**night, "model": {"path": str(tiny_model)}}))
     try:
         assert parallel._early is not None and parallel._early.workers == 2
-        assert parallel._early.ready is not None and parallel._early.ready.result(timeout=120)
+        assert parallel._early.ready is not None and parallel._early.ready.result(timeout=hang_bound(300))
     finally:
         parallel.close_early()
