@@ -228,19 +228,21 @@ class CaptureServer:
                 self.send_header("Connection", "close")
                 self.end_headers()
                 kept, complete = bytearray(), True
-                try:
-                    while chunk := resp.read1(65536):
-                        self.wfile.write(chunk)
-                        self.wfile.flush()
-                        if complete and len(kept) + len(chunk) <= server.cfg.max_body_bytes:
-                            kept += chunk
-                        else:
-                            complete = False
-                finally:
-                    conn.close()
-                self.close_connection = True
+                # in flight from the reply's first byte: a client that has it all may send feedback on it before
+                # this thread gets to capture it (on a busy machine it did, and was told 404), and that waits
                 server.store.begin()
                 try:
+                    try:
+                        while chunk := resp.read1(65536):
+                            self.wfile.write(chunk)
+                            self.wfile.flush()
+                            if complete and len(kept) + len(chunk) <= server.cfg.max_body_bytes:
+                                kept += chunk
+                            else:
+                                complete = False
+                    finally:
+                        conn.close()
+                    self.close_connection = True
                     with contextlib.suppress(OSError):
                         self.connection.shutdown(socket.SHUT_WR)  # the client has all of it: capture after
                     server.captured(self.path, body if len(body) <= server.cfg.max_body_bytes else b"",

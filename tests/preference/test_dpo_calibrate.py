@@ -85,5 +85,7 @@ def test_calibrate_measures_the_dpo_step_under_its_key_and_the_plan_uses_that_fi
     assert all(r > 0 for r in rates)
     s = run_night(cfg, night="2026-11-21", deadline=time.time() + 3600, emit=lambda ev: None,
                   stop=threading.Event(), plan_only=True).model_dump(mode="json")
-    assert s["plan"]["tokens_per_second"] in rates, (s["plan"], doc)  # calibrate's figure, not the prior (2,000)
+    # calibrate's figure, not the prior (2,000); through the ledger it may come back one ulp off (45.81639340495135
+    # against 45.81639340495134 in a whole run)
+    assert any(s["plan"]["tokens_per_second"] == pytest.approx(r, rel=1e-12) for r in rates), (s["plan"], doc)
     assert "calibrate" in s["plan_basis"], s["plan_basis"]
