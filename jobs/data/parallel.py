@@ -152,8 +152,8 @@ def close_early() -> None:
 def pull_done(pool: CheckPool | None) -> None:
     """A pull is over: its pool, and an early one it did not take, stop; unless one still holds files checked
     ahead for a later pull of the same night ([[adapters]]: each adapter's pull in turn, the night closes it
-    after the last with close_early). Closed, the four pulls of a night of four adapters after the first
-    started workers of their own and checked their files again: 5.6-7.9 s each on an H200 host
+    after the last with close_early). Closed, the pulls of adapters 2-4 of a night of four started workers of
+    their own and checked their files again: 5.6-7.9 s each on an H200 host
     (RESULTS.md: 2026-11-28, four adapters vs one, equal tokens (2x H200))."""
     global _early
     early, _early = _early, None
