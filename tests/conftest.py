@@ -18,6 +18,15 @@ REPO = Path(__file__).resolve().parents[1]
 SAMPLE_INBOX = REPO / "config" / "sample-inbox"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files marked `long` first: the two workers take them at the start and end together (issue 42).
+
+    xdist hands out whole files (`--dist loadfile`) in this order (`--no-loadscope-reorder`); its own order,
+    most tests first, left a one-test file of 26 minutes for last at load ~15 while the other worker idled.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: within a group, as collected
+
+
 def hang_bound(seconds: float) -> float:
     """A timeout that only catches a hang: `seconds` on an idle machine, stretched by how busy it is now (load
     per core; a 2-core CI box at load 15: x7.5, at most 30 minutes). A test never asserts on it."""

@@ -20,6 +20,8 @@ from jobs.data.sources import SourceConfig
 from tests.conftest import alpaca, hang_bound
 from tests.data.test_pull_workers import early_ready, lines, pulled
 
+pytestmark = pytest.mark.long
+
 HOSTILE = (b"\xef\xbb\xbf" + json.dumps(alpaca(1)).encode() + b"\r\n\n   \n{not json\n"
            + b'{"text": "' + b"x" * 300 + b'"}\n'  # longer than the limit below: skipped unread, its size kept
            + b'{"text": "\xff\xfe bad"}\n' + json.dumps(alpaca(2)).encode() + b"\n\n"

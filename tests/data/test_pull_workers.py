@@ -4,6 +4,7 @@ their order, token ids, quarantine reasons — is the same as when this process 
 import json
 import pickle
 
+import pytest
 from structlog.testing import capture_logs
 
 import jobs.data.parallel as parallel
@@ -13,6 +14,8 @@ from jobs.data.sources import SourceConfig
 from jobs.data.token_cache import TokenCache
 from jobs.store.ledger import Ledger
 from tests.conftest import alpaca, hang_bound
+
+pytestmark = pytest.mark.long
 
 
 def lines(n):

@@ -22,7 +22,7 @@ from jobs.store import learning
 from jobs.store.ledger import Ledger
 from tests.conftest import alpaca, run, write_jsonl
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def night_samples(led: Ledger, night: int) -> list[int]:

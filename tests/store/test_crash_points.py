@@ -21,7 +21,7 @@ from jobs.store.ledger import Ledger
 from tests.conftest import REPO, alpaca, write_jsonl
 from tests.store.crash_harness import NIGHT_POINTS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 GOOD_A, GOOD_B = 8, 6  # valid records of a.jsonl and b.jsonl (c.jsonl: b's content under another name)
 
