@@ -72,7 +72,7 @@ def worker_tokenizer() -> Any:
     return _tokenizer
 
 
-def _in_background() -> None:
+def _in_background(niceness: int) -> None:
     """A worker is one of several beside the night's own process, which comes first: one thread each (the
     tokenizer's batch encode otherwise starts one per CPU in every worker) at a lower priority. With neither,
     one H200 host's imports took 25.7-30.9 s beside 8 workers checking ahead (whether that host was slow or the
@@ -80,22 +80,22 @@ def _in_background() -> None:
     29.3-31.1 s alone (RESULTS.md: 2026-11-26, wake bytecode)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     with contextlib.suppress(OSError):
-        os.nice(WORKER_NICENESS)
+        os.nice(niceness)
 
 
-def _start(tokenizer: bytes) -> None:
+def _start(tokenizer: bytes, niceness: int) -> None:
     global _tokenizer
-    _in_background()
+    _in_background(niceness)
     _tokenizer = pickle.loads(tokenizer)
 
 
-def _start_from(model_path: str) -> None:
+def _start_from(model_path: str, niceness: int) -> None:
     """A worker started before its night has a tokenizer (the night's process imports Unsloth before
     transformers) loads it from the model's directory itself."""
     global _tokenizer
     from jobs.training.loaded import load_tokenizer
 
-    _in_background()
+    _in_background(niceness)
     _tokenizer = load_tokenizer(Path(model_path))
 
 
@@ -181,7 +181,9 @@ class CheckPool:
         try:
             if model_path is None:
                 self.blob = pickle.dumps(tokenizer)
-            start, args = (_start, (self.blob,)) if model_path is None else (_start_from, (str(model_path),))
+            # the niceness as the creating process has it (a worker's own import would read the default)
+            start, args = ((_start, (self.blob, WORKER_NICENESS)) if model_path is None
+                           else (_start_from, (str(model_path), WORKER_NICENESS)))
             self.pool = ProcessPoolExecutor(
                 max_workers=workers, mp_context=multiprocessing.get_context("spawn"),  # no fork of a CUDA process
                 initializer=start, initargs=args)

@@ -20,7 +20,7 @@ from jobs.data.sources import SourceConfig
 from tests.conftest import alpaca, hang_bound
 from tests.data.test_pull_workers import early_ready, lines, pulled
 
-pytestmark = pytest.mark.long
+pytestmark = [pytest.mark.long, pytest.mark.usefixtures("workers_at_our_priority")]
 
 HOSTILE = (b"\xef\xbb\xbf" + json.dumps(alpaca(1)).encode() + b"\r\n\n   \n{not json\n"
            + b'{"text": "' + b"x" * 300 + b'"}\n'  # longer than the limit below: skipped unread, its size kept

@@ -15,7 +15,9 @@ from jobs.data.token_cache import TokenCache
 from jobs.store.ledger import Ledger
 from tests.conftest import alpaca, hang_bound
 
-pytestmark = pytest.mark.long
+SHIPPED_NICENESS = parallel.WORKER_NICENESS  # read at import, before a fixture sets it
+
+pytestmark = [pytest.mark.long, pytest.mark.usefixtures("workers_at_our_priority")]
 
 
 def lines(n):
@@ -286,10 +288,12 @@ def _how_a_worker_runs():
     return os.nice(0), os.environ.get("TOKENIZERS_PARALLELISM")
 
 
-def test_workers_run_behind_the_nights_own_process(tokenizer):
+def test_workers_run_behind_the_nights_own_process(tokenizer, monkeypatch):
     """Checking the inbox ahead, they run beside the night's imports: one thread each, at a lower priority."""
     import os
 
+    monkeypatch.setattr(parallel, "WORKER_NICENESS", SHIPPED_NICENESS)  # the module's fixture set it to 0
+    assert SHIPPED_NICENESS == 10
     pool = parallel.CheckPool(tokenizer, 2)
     try:
         niceness, parallelism = pool.submit(_how_a_worker_runs).result(timeout=hang_bound(300))

@@ -5,6 +5,8 @@ import json
 import threading
 import time
 
+import pytest
+
 from daemon.settings import load_settings
 from daemon.supervisor import NightChild
 from jobs.contract import ExitCode, Outcome
@@ -112,6 +114,7 @@ def test_unsloth_is_imported_with_its_cache_locations_already_set(tmp_path, monk
     assert seen["offline"] == "1"
 
 
+@pytest.mark.usefixtures("workers_at_our_priority")
 def test_the_pull_workers_start_from_the_night_config_before_any_import(tmp_path, tiny_model, monkeypatch):
     """The child starts them before it imports Unsloth (~20 s on an H200 host), from the config's JSON: each
     worker loads the model's tokenizer itself, as this process may not import transformers before Unsloth."""
