@@ -1,8 +1,8 @@
 """Before/after of the FP8 8B step's host-side changes in one process (issue 44): one load, then calibrate's own
 timed windows (jobs.training.probe.time_profiles) with each change switched off and on by its variable, in
-turns (off, on, off, on), then 3 profiled steps of each (benchmarks.profiling: idle stretches, host waits,
-the timeline). One load, so the variants see the same card, clocks and kernels; `nightshift calibrate` gives
-the product's figure.
+turns (off, on, off, on), then 3 profiled steps of each (`--profile-variants`; benchmarks.profiling: idle
+stretches, host waits, the timeline). One load, so the variants see the same card, clocks and kernels;
+`nightshift calibrate` gives the product's figure.
 
   python -m benchmarks.drivers.fp8_step_ab OUT_DIR [--arch llama3.1-8b] [--tokens 6912] [--seconds 6]
 """
@@ -15,8 +15,10 @@ import os
 import time
 from pathlib import Path
 
-# variable -> (value that turns the change off, on)
-SWITCHES = {"NIGHTSHIFT_FP8_CAST_CACHE": ("0", "1"), "NIGHTSHIFT_PACKED_LABELS_SYNC": ("1", "0")}
+# variable -> (value that turns the change off, on): the LoRA casts after the optimizer step, the packed labels'
+# lengths without a stream sync, train_step without a synchronize at its end
+SWITCHES = {"NIGHTSHIFT_FP8_CAST_CACHE": ("0", "1"), "NIGHTSHIFT_PACKED_LABELS_SYNC": ("1", "0"),
+            "NIGHTSHIFT_STEP_SYNC": ("1", "0")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--profiles", default="alpaca,wiki")
+    ap.add_argument("--profile-variants", default="off,on", help="variants to run under torch.profiler after")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
 
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                    "stalls": {p: x.stalls for p, x in rates.items()}}
             print(json.dumps(row), flush=True)
             results.append(row)
-    for variant in ("off", "on"):
+    for variant in a.profile_variants.split(","):
         for var, vals in SWITCHES.items():
             os.environ[var] = vals[variant == "on"]
         for p in profiles:

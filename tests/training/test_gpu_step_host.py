@@ -33,7 +33,7 @@ def test_packed_labels_reach_the_gpu_without_draining_its_stream():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     want = labels.clone().view(-1)
-    want[[7, 27]] = -100  # the first token of each following sample (the last cumsum is past the end)
+    want[[7, 27, 0]] = -100  # each following sample's first token; the last cumsum (40) goes to 0, as shipped
     assert torch.equal(got.view(-1), want)
 
 
@@ -72,3 +72,42 @@ def test_cached_lora_casts_train_exactly_as_casting_in_each_forward_on_the_card(
     before, after = run("0"), run("1")
     assert all(torch.equal(a, b) for a, b in zip(before[0], after[0], strict=True))
     assert all(torch.equal(a, b) for a, b in zip(before[1], after[1], strict=True))
+
+
+class _Heavy(torch.nn.Module):
+    """Long GPU work per forward and backward, little host work: a step the host queues far ahead of the GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 4096, device="cuda", dtype=torch.bfloat16)
+        self.w = torch.nn.Parameter(torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.01)
+
+    def forward(self, input_ids, labels, use_cache=False, position_ids=None, attention_mask=None):  # type: ignore[no-untyped-def]
+        from types import SimpleNamespace
+
+        h = self.emb(input_ids).expand(8, -1, -1).reshape(-1, 4096)
+        for _ in range(24):
+            h = torch.tanh(h @ self.w)
+        return SimpleNamespace(loss=h.float().pow(2).mean())
+
+
+@pytest.mark.parametrize("sync", ["0", "1"])
+def test_the_step_returns_with_its_loss_while_the_gpu_still_runs_its_backward(sync, monkeypatch):
+    from jobs.data.batching import Batch
+    from jobs.training.step import make_optimizer, model_inputs, train_step
+
+    monkeypatch.setenv("NIGHTSHIFT_STEP_SYNC", sync)
+    torch.manual_seed(0)
+    model = _Heavy()
+    ids = [[i % 60 for i in range(2048)]]
+    batch = Batch(input_ids=ids, labels=ids, attention_mask=None, position_ids=None, sample_ids=[0])
+    opt = make_optimizer(model)
+    train_step(model, batch, opt)  # warm-up (cuBLAS, allocator)
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        want = float(model(**model_inputs(batch, "cuda")).loss)
+    st = train_step(model, batch, opt)
+    pending = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert st.loss == pytest.approx(want, rel=1e-6)  # the loss of this step's forward, before its update
+    assert pending == (sync == "0")
