@@ -123,5 +123,5 @@ def test_the_window_ends_after_the_gpu_has_run_its_last_step(monkeypatch: pytest
     monkeypatch.setattr(probe, "_synchronize", lambda torch: events.append("sync"))
     real = probe.time.perf_counter
     monkeypatch.setattr(probe.time, "perf_counter", lambda: events.append("clock") or real())
-    _, calls = _run(monkeypatch, [1.0])
-    assert events[-2:] == ["sync", "clock"]
+    got, _ = _run(monkeypatch, [1.0])
+    assert got.steps == 5 and events[-2:] == ["sync", "clock"]
