@@ -85,26 +85,3 @@ def test_the_product_path_uses_the_kernel_and_counts_no_fallback():
     cat = torch.cat([d.float() * c for d, c in zip(dy, sc, strict=True)], 1)
     assert_same_but_exact_ties(*quant_scaled(dy, sc), cat)
     assert "quant_rows" not in STATS.compile_fallbacks
-
-
-@pytest.mark.parametrize(("widths", "scaled"), [([14336], False), ([14336, 14336], True), ([4096], True),
-                                               ([5000, 3000], True)])
-def test_every_candidate_launch_computes_the_same_bits_and_the_fastest_is_kept(widths, scaled, monkeypatch):
-    """The launches a signature chooses from (issue 44: the MLP's wide rows read once) differ in speed alone."""
-    from jobs.training.fp8 import quant_kernel as qk
-
-    ts = _inputs(2100, widths, seed=3)
-    g = torch.Generator(device="cuda").manual_seed(2)
-    ss = [torch.rand(1, w, device="cuda", generator=g) * 1e-3 for w in widths] if scaled else None
-    cands = qk.candidates(widths, scaled)
-    assert len(cands) == 3 and cands[0] == qk.Launch(*qk._launch_shape(widths, scaled))
-    q0, s0 = qk.quant_rows(ts, ss, launch=cands[0])
-    cat = torch.cat([t.float() * c for t, c in zip(ts, ss, strict=True)], 1) if ss else torch.cat(ts, 1)
-    assert_same_but_exact_ties(q0, s0, cat)
-    for c in cands[1:]:
-        q, s = qk.quant_rows(ts, ss, launch=c)
-        assert torch.equal(s, s0) and torch.equal(q.view(torch.uint8), q0.view(torch.uint8)), c
-    monkeypatch.setattr(qk, "_CHOSEN", {})
-    q, s = qk.quant_rows(ts, ss)  # 2,100 rows: a step's size, so a launch is chosen (and this call's output kept)
-    assert qk.chosen_launch(widths, scaled) in cands
-    assert torch.equal(s, s0) and torch.equal(q.view(torch.uint8), q0.view(torch.uint8))

@@ -8,11 +8,6 @@ re-reads the row — from L2, a row is at most tens of kB — scales, clamps and
 inputs of a concatenated row (the dgrad operand [dy_1 s_1 | dy_2 s_2 | dy_3 s_3]) are read in place:
 no `cat`, no `.contiguous()` copy when the last dimension is already contiguous.
 
-Issue 44: the MLP's wide rows (h, 14,336 wide, and the input gradient's [df | de], 2 x 14,336) ran the two-pass loop
-at ~1.7 TB/s on the H200 (164 and 359 us a layer at 6,912 rows). The first call of each signature with a step's rows
-times the default launch beside reading each input once in registers (16 or 32 warps) and keeps the fastest
-(`_choose`); all compute the same bits.
-
 The arithmetic is `quant_rows_ref`'s on CUDA, in the same order (fp32 multiply by the column scale,
 amax clamped at MIN_AMAX, scale = amax * fp32(1/448) as torch divides by a scalar, x / scale in IEEE
 division, clamped to +-448, rounded once to the nearest e4m3).
@@ -21,10 +16,8 @@ division, clamped to +-448, rounded once to the nearest e4m3).
 from __future__ import annotations
 
 import functools
-import os
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -99,21 +92,12 @@ def _jit() -> Any:
                                    ONE_LOAD: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         out_row = row * out_stride
-        if ONE_LOAD and NUM == 1:  # one input that fits one block: read once, keep the row in registers
+        if ONE_LOAD:  # one input that fits one block: read once, keep the row in registers
             cols = tl.arange(0, BLOCK)
             v = _load_scaled(a_ptr, a_stride, a_n, a_sc, row, 0, BLOCK, HAS_SCALE)
             s = tl.maximum(tl.max(tl.abs(v), axis=0), min_amax) * inv_fmax
             tl.store(scale_ptr + row, s)
             tl.store(out_ptr + out_row + cols, _to_e4m3(v, s, fmax), mask=cols < a_n)
-        elif ONE_LOAD:  # two inputs, each within one block: both read once (the MLP's [df | de], issue 44)
-            cols = tl.arange(0, BLOCK)
-            va = _load_scaled(a_ptr, a_stride, a_n, a_sc, row, 0, BLOCK, HAS_SCALE)
-            vb = _load_scaled(b_ptr, b_stride, b_n, b_sc, row, 0, BLOCK, HAS_SCALE)
-            amax = tl.maximum(tl.max(tl.abs(va), axis=0), tl.max(tl.abs(vb), axis=0))
-            s = tl.maximum(amax, min_amax) * inv_fmax
-            tl.store(scale_ptr + row, s)
-            tl.store(out_ptr + out_row + cols, _to_e4m3(va, s, fmax), mask=cols < a_n)
-            tl.store(out_ptr + out_row + a_n + cols, _to_e4m3(vb, s, fmax), mask=cols < b_n)
         else:  # first the row's amax, then a second read (from L2) to scale and cast
             amax = tl.zeros([BLOCK], dtype=tl.float32)
             amax = _segment_amax(amax, a_ptr, a_stride, a_n, a_sc, row, BLOCK, HAS_SCALE)
@@ -150,80 +134,8 @@ def _launch_shape(widths: Sequence[int], scaled: bool) -> tuple[int, bool]:
     return (1024 if narrowest < 2048 else 2048 if narrowest < 8192 else 4096), False
 
 
-@dataclass(frozen=True)
-class Launch:
-    """How one call is launched: BLOCK, whether each input is read once (in registers), warps. Every launch computes
-    the same bits (the amax is a max, the cast per element): they differ in speed alone."""
-
-    block: int
-    one_load: bool
-    warps: int = 8
-
-
-TUNE_MIN_ROWS = 2048  # a launch is chosen on a call of a step's size, not on the self-test's few rows
-_CHOSEN: dict[tuple[tuple[int, ...], bool], Launch] = {}
-_TIMINGS: dict[str, dict[str, float]] = {}  # signature -> launch -> best microseconds (the load info reports it)
-
-
-def candidates(widths: Sequence[int], scaled: bool) -> list[Launch]:
-    """The default launch (`_launch_shape`) first, then, for the wide rows of the MLP (h [M, 14336] and the input
-    gradient's [df | de], 2 x 14336, which ran at ~1.7 TB/s in the two-pass loop on the H200: RESULTS.md,
-    2026-11-28, FP8 step host waits), each input read once in a block of the next power of two, over 16 or 32
-    warps; also a scaled single input within 8192."""
-    block, one = _launch_shape(widths, scaled)
-    out = [Launch(block, one)]
-    if not one and len(widths) <= 2 and max(widths) <= 16384:
-        b = max(16, 1 << (max(widths) - 1).bit_length())
-        out += [Launch(b, True, w) for w in ((8, 16) if b <= 8192 else (16, 32))]
-    return out
-
-
-def chosen_launch(widths: Sequence[int], scaled: bool) -> Launch | None:
-    """The launch picked for this signature, None until a call of at least TUNE_MIN_ROWS rows picked one."""
-    return _CHOSEN.get((tuple(widths), scaled))
-
-
-def _run(launch: Launch, m: int, out: torch.Tensor, scale: torch.Tensor, args: list[object], n: int,
-         scaled: bool) -> None:
-    _jit()[(m,)](out, out.stride(0), scale, *args, MIN_AMAX, INV_FMAX, FMAX, NUM=n, HAS_SCALE=scaled,
-                 BLOCK=launch.block, ONE_LOAD=launch.one_load, num_warps=launch.warps)
-
-
-def _choose(widths: list[int], scaled: bool, m: int, out: torch.Tensor, scale: torch.Tensor, args: list[object],
-            n: int) -> Launch:
-    """Time each candidate launch on this call's own operands (CUDA events, best of 3 after a warm-up) and keep the
-    fastest for the signature; a candidate that fails to compile is left out. The last run's output is the call's
-    (they are all the same bits)."""
-    cands = candidates(widths, scaled)
-    if len(cands) == 1:
-        _run(cands[0], m, out, scale, args, n, scaled)
-        return cands[0]
-    times: dict[Launch, float] = {}
-    for c in cands:
-        try:
-            _run(c, m, out, scale, args, n, scaled)
-        except Exception:
-            if c == cands[0]:
-                raise
-            continue
-        best = float("inf")
-        for _ in range(3):
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-            _run(c, m, out, scale, args, n, scaled)
-            t1.record()
-            t1.synchronize()
-            best = min(best, t0.elapsed_time(t1) * 1e3)
-        times[c] = best
-    pick = min(times, key=lambda c: times[c])
-    _TIMINGS[f"{'+'.join(map(str, widths))}{' scaled' if scaled else ''} at {m} rows"] = {
-        f"block {c.block}{' once' if c.one_load else ''} {c.warps} warps": round(t, 1) for c, t in times.items()}
-    _run(pick, m, out, scale, args, n, scaled)
-    return pick
-
-
-def quant_rows(ts: Sequence[torch.Tensor], col_scales: Sequence[torch.Tensor] | None = None, *,
-               launch: Launch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_rows(ts: Sequence[torch.Tensor], col_scales: Sequence[torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """cat(t_i * s_i, dim=1) [M, sum N_i] -> (e4m3 row-major, fp32 [M, 1]); 1 to 3 inputs [M, N_i] with
     one row count, each with its last dimension contiguous (other strides are read as they are), and
     fp32 column scales [1, N_i] (contiguous)."""
@@ -242,11 +154,8 @@ def quant_rows(ts: Sequence[torch.Tensor], col_scales: Sequence[torch.Tensor] | 
     for i in range(MAX_INPUTS):
         j = i if i < n else 0  # unused slots: any valid pointer, width 0
         args += [ts[j], ts[j].stride(0), widths[j] if i < n else 0, scs[j]]
-    scaled = col_scales is not None
-    if launch is None and os.environ.get("NIGHTSHIFT_FP8_QUANT_TUNE") != "0":  # 0: the default (the A/B before)
-        launch = _CHOSEN.get((tuple(widths), scaled))
-        if launch is None and m >= TUNE_MIN_ROWS:
-            _CHOSEN[(tuple(widths), scaled)] = _choose(widths, scaled, m, out, scale, args, n)
-            return out, scale
-    _run(launch or Launch(*_launch_shape(widths, scaled)), m, out, scale, args, n, scaled)
+    block, one_load = _launch_shape(widths, col_scales is not None)
+    _jit()[(m,)](out, out.stride(0), scale, *args, MIN_AMAX, INV_FMAX, FMAX, NUM=n,
+                                     HAS_SCALE=col_scales is not None, BLOCK=block, ONE_LOAD=one_load,
+                                     num_warps=8)
     return out, scale
