@@ -59,7 +59,7 @@ def model_inputs(batch: Batch, device: Any, *, unsloth: bool = False) -> dict[st
 @dataclass
 class StepStat:
     tokens: int  # real (non-padding) tokens
-    seconds: float  # wall time of the step, device synchronised
+    seconds: float  # host time to queue the step and read its loss; step after step, the GPU's time a step
     loss: float
     split: bool = False  # retried as two halves after an out-of-memory
 
@@ -117,8 +117,9 @@ def train_step(
     """One optimizer step over one batch; on CUDA OOM, the batch in two halves (gradients accumulated).
 
     Returns once the step is queued and its loss read, not once the GPU has run it: the next step's forward is
-    queued while the GPU still runs this one's backward (a caller that times a window synchronises at its end,
-    as jobs/training/probe.py does; every step still waits for the previous one's forward, at the loss).
+    queued while the GPU still runs this one's backward. Reading the loss waits for this step's forward, and so for
+    the step before it: the host runs at most about a backward ahead, and a caller that times a window synchronises
+    at its end, as jobs/training/probe.py does.
     NIGHTSHIFT_STEP_SYNC=1 waits for the whole step, as before (the bench's before/after)."""
     import torch
 
