@@ -80,6 +80,10 @@ class Window:
 
     def _end(self) -> None:
         if self.t_end is None:
+            import torch
+
+            if torch.cuda.is_available():  # train_step returns before the GPU has run the step (jobs/training/step.py)
+                torch.cuda.synchronize()
             self.t_end = time.perf_counter()
         if self.sampler is not None:
             self.gpu = self.sampler.stop()

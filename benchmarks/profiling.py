@@ -9,11 +9,15 @@ a little, so the idle share it shows is an upper bound of the unprofiled one.
 
 from __future__ import annotations
 
+import gzip
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
+         "cudaMemcpyAsync")  # host calls that may wait for the GPU (a copy waits when it is blocking or to the host)
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 
@@ -63,6 +67,22 @@ def by_category(kernels: Sequence[tuple[str, float]]) -> list[dict[str, Any]]:
             for c, us in sorted(sums.items(), key=lambda kv: kv[1], reverse=True)]
 
 
+def idle_gaps(kernels: Sequence[tuple[str, float, float]], min_us: float = 20.0, top: int = 12) -> dict[str, Any]:
+    """The GPU's idle stretches between kernels [(name, start, end)] (microseconds): how many, their total, and the
+    longest with the kernels either side (where in the step the GPU waited for the host)."""
+    ks = sorted(kernels, key=lambda k: k[1])
+    gaps: list[tuple[float, str, str]] = []
+    end, prev = None, ""
+    for name, s, e in ks:
+        if end is not None and s - end >= min_us:
+            gaps.append((s - end, prev, name))
+        if end is None or e > end:
+            end, prev = e, name
+    gaps.sort(reverse=True)
+    return {"count": len(gaps), "ms": round(sum(g for g, _, _ in gaps) / 1e3, 2), "min_us": min_us,
+            "longest": [{"us": round(g, 1), "after": a[:80], "before": b[:80]} for g, a, b in gaps[:top]]}
+
+
 def profile_steps(model: Any, batches: Sequence[Any], optimizer: Any, *, path: Path | None, title: str,
                   top: int = 25) -> dict[str, Any]:
     """One warm-up step, then `batches[1:]` under the profiler. Writes a text report to `path`."""
@@ -85,6 +105,8 @@ def profile_steps(model: Any, batches: Sequence[Any], optimizer: Any, *, path: P
     on_gpu = [e for e in events if e.device_type == DeviceType.CUDA]  # kernels (the ops' rows repeat them)
     gpu = [(e.time_range.start, e.time_range.end) for e in on_gpu]
     launches = sum(1 for e in events if e.name in LAUNCHES)
+    syncs = {n: sum(1 for e in events if e.name == n) / steps for n in SYNCS}
+    gaps = idle_gaps([(e.name, e.time_range.start, e.time_range.end) for e in on_gpu])
     span = (max(e for _, e in gpu) - min(s for s, _ in gpu)) if gpu else 0.0
     busy = busy_time(gpu)
     ka = p.key_averages()
@@ -96,6 +118,7 @@ def profile_steps(model: Any, batches: Sequence[Any], optimizer: Any, *, path: P
         "gpu_span_ms": round(span / 1e3, 1), "gpu_busy_ms": round(busy / 1e3, 1),
         "gpu_idle_share": round(1 - busy / span, 4) if span else None,
         "kernels_per_step": round(len(gpu) / steps), "launches_per_step": round(launches / steps),
+        "host_waits_per_step": {k: v for k, v in syncs.items() if v}, "idle_gaps": gaps,
         "categories": by_category([(e.name, e.time_range.end - e.time_range.start) for e in on_gpu]),
         "top_kernels": [{"name": k.key[:120], "calls": k.count, "ms": round(k.self_device_time_total / 1e3, 2),
                          "share": round(k.self_device_time_total / total_dev, 4)} for k in kernels[:top]],
@@ -107,6 +130,15 @@ def profile_steps(model: Any, batches: Sequence[Any], optimizer: Any, *, path: P
                 f"{summary['launches_per_step']} launch calls per step")
         cats = "\n".join(f"  {c['share']:6.1%}  {c['ms']:10.1f} ms  {c['category']}" for c in summary["categories"])
         head += "\n\ntime by category (kernel names):\n" + cats
+        head += f"\n\nhost calls that may wait for the GPU, per step: {summary['host_waits_per_step']}"
+        head += (f"\nidle stretches of >= {gaps['min_us']:g} us: {gaps['count']} in {steps} steps, {gaps['ms']} ms; "
+                 "longest:\n" + "\n".join(f"  {g['us']:9.1f} us  after {g['after']}  before {g['before']}"
+                                         for g in gaps["longest"]))
         path.write_text(head + "\n\n" + ka.table(sort_by="self_device_time_total", row_limit=top,
                                                   max_name_column_width=90))
+        trace = path.with_suffix(".trace.json")
+        p.export_chrome_trace(str(trace))  # the timeline itself, for where the idle stretches fall
+        with open(trace, "rb") as f, gzip.open(f"{trace}.gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        trace.unlink()
     return summary

@@ -37,6 +37,7 @@ def run(s: BenchSettings, job: Job) -> None:
         t0 = time.perf_counter()
         for b in packed_batches(samples, tokens_per_step=budget):
             train_step(model, b, opt)
+        torch.cuda.synchronize()  # train_step returns before the GPU has run its last step
         actual = time.perf_counter() - t0
         r = {
             "profile": prof,

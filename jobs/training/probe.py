@@ -197,6 +197,7 @@ def timed_steps(model: Any, samples: Sequence[TokenizedSample], tokens_per_step:
         done = (max_steps is not None and len(timed) >= max_steps) or time.perf_counter() - started >= seconds
         if (group.agree(done)[0] if group is not None else done):  # every rank ends at the same step
             break
+    _synchronize(torch)  # the window's last steps run on after train_step returns (jobs/training/step.py)
     wall = time.perf_counter() - started if started else 0.0
     if window is not None:
         window.end()

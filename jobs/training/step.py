@@ -13,6 +13,7 @@ The night's loop (jobs/training/loop.py), calibration's probe and the benchmark 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,17 +59,41 @@ def model_inputs(batch: Batch, device: Any, *, unsloth: bool = False) -> dict[st
 @dataclass
 class StepStat:
     tokens: int  # real (non-padding) tokens
-    seconds: float  # wall time of the step, device synchronised
+    seconds: float  # host time to queue the step and read its loss; step after step, the GPU's time a step
     loss: float
     split: bool = False  # retried as two halves after an out-of-memory
 
 
-def _one(model: Any, batch: Batch, device: Any, unsloth: bool, scale: float) -> Any:
-    """The batch's forward and backward; its loss as a tensor, read after the optimizer step (reading it here
-    would wait for the backward and leave the GPU idle while the host then clips and steps)."""
+class HostLoss:
+    """A step's loss, copied to pinned host memory right after the forward, before the backward is queued: reading
+    it waits for that copy only, not for the backward and the optimizer step, so `train_step` returns while the GPU
+    still runs them and the host queues the next step's forward meanwhile (the FP8 8B step's forward is bound by
+    the host: RESULTS.md, 2026-11-28, FP8 step host waits). Off CUDA the tensor itself."""
+
+    def __init__(self, loss: Any) -> None:
+        import torch
+
+        self.t, self.event = loss.detach(), None
+        if self.t.is_cuda:
+            host = torch.empty(self.t.shape, dtype=self.t.dtype, pin_memory=True)
+            host.copy_(self.t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+            self.t = host
+
+    def value(self) -> float:
+        if self.event is not None:
+            self.event.synchronize()
+        return float(self.t)
+
+
+def _one(model: Any, batch: Batch, device: Any, unsloth: bool, scale: float) -> HostLoss:
+    """The batch's forward and backward; its loss, on its way to the host before the backward is queued (reading
+    it after the backward would wait for the backward and the optimizer step)."""
     out = model(**model_inputs(batch, device, unsloth=unsloth))
+    loss = HostLoss(out.loss)
     (out.loss * scale).backward()
-    return out.loss.detach()
+    return loss
 
 
 def trainable(optimizer: Any) -> list[Any]:
@@ -89,22 +114,27 @@ def train_step(
     on_event: Emit = lambda _: None,
     halve: bool = False,
 ) -> StepStat:
-    """One optimizer step over one batch; on CUDA OOM, the batch in two halves (gradients accumulated)."""
+    """One optimizer step over one batch; on CUDA OOM, the batch in two halves (gradients accumulated).
+
+    Returns once the step is queued and its loss read, not once the GPU has run it: the next step's forward is
+    queued while the GPU still runs this one's backward. Reading the loss waits for this step's forward, and so for
+    the step before it: the host runs at most about a backward ahead, and a caller that times a window synchronises
+    at its end, as jobs/training/probe.py does.
+    NIGHTSHIFT_STEP_SYNC=1 waits for the whole step, as before (the bench's before/after)."""
     import torch
 
     unsloth = is_unsloth(model)
     cuda = str(device).startswith("cuda")
     t0 = time.perf_counter()
-    loss: Any = 0.0
+    losses: list[tuple[float, HostLoss]] = []
 
     def whole() -> None:
-        nonlocal loss
-        loss = _one(model, batch, device, unsloth, 1.0)
+        losses.append((1.0, _one(model, batch, device, unsloth, 1.0)))
 
     halves = whole_or_halves(batch, whole, optimizer, halve=halve, on_event=on_event)
     for h in halves:  # token-weighted, so the step equals the whole batch's step
         w = h.real_tokens / batch.real_tokens
-        loss = loss + w * _one(model, h, device, unsloth, w)
+        losses.append((w, _one(model, h, device, unsloth, w)))
     reached(BACKWARD)
     if max_grad_norm:
         torch.nn.utils.clip_grad_norm_(params if params is not None else trainable(optimizer), max_grad_norm)
@@ -112,8 +142,8 @@ def train_step(
     if scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    value = float(loss)  # waits for the step's work
-    if cuda:
+    value = losses[0][1].value() if len(losses) == 1 else sum(w * x.value() for w, x in losses)
+    if cuda and os.environ.get("NIGHTSHIFT_STEP_SYNC") == "1":
         torch.cuda.synchronize()
     return StepStat(batch.real_tokens, time.perf_counter() - t0, value, bool(halves))
 

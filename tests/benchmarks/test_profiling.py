@@ -22,3 +22,12 @@ def test_categories_sum_the_device_time_largest_first():
     cats = by_category([("flash_fwd_kernel", 3000.0), ("nvjet_sm90_tst_x", 5000.0), ("flash_bwd_kernel", 2000.0)])
     assert cats == [{"category": "attention", "ms": 5.0, "share": 0.5}, {"category": "gemm", "ms": 5.0, "share": 0.5}]
     assert by_category([]) == []
+
+
+def test_idle_gaps_are_the_stretches_between_kernels_with_their_neighbours():
+    from benchmarks.profiling import idle_gaps
+
+    ks = [("a", 0.0, 10.0), ("b", 5.0, 30.0), ("c", 100.0, 110.0), ("d", 115.0, 120.0), ("e", 300.0, 301.0)]
+    g = idle_gaps(ks, min_us=20.0)
+    assert g["count"] == 2 and g["ms"] == 0.25  # 70 us after b, 180 us after d; the 5 us one is below the floor
+    assert [(x["us"], x["after"], x["before"]) for x in g["longest"]] == [(180.0, "d", "e"), (70.0, "b", "c")]

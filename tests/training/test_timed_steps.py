@@ -114,3 +114,14 @@ def test_without_a_step_cap_the_window_lasts_its_seconds_reusing_the_rows(monkey
     assert got.tokens_per_second == pytest.approx(1000.0, rel=1e-3)
     with pytest.raises(ValueError, match="not one step"):
         probe.timed_steps(None, [], 1024, None, seconds=1.0)
+
+
+def test_the_window_ends_after_the_gpu_has_run_its_last_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """train_step returns while the GPU still runs the step's backward (jobs/training/step.py): the window's wall
+    time is read after a synchronise that follows its last step, not at that step's return."""
+    events: list[str] = []
+    monkeypatch.setattr(probe, "_synchronize", lambda torch: events.append("sync"))
+    real = probe.time.perf_counter
+    monkeypatch.setattr(probe.time, "perf_counter", lambda: events.append("clock") or real())
+    got, _ = _run(monkeypatch, [1.0])
+    assert got.steps == 5 and events[-2:] == ["sync", "clock"]

@@ -140,6 +140,38 @@ def enable_varlen_attention() -> str:
     return "patched"
 
 
+def enable_async_packed_labels() -> str:
+    """Move packed rows' segment lengths to the GPU without draining its stream (issue 44).
+
+    Unsloth 2026.10.9 masks each packed sample's boundary label in the CausalLM forward, after the last layer
+    (`mask_packed_boundary_labels` -> `_normalize_packed_lengths`), by `lengths.to(cuda)` from the host tensor
+    `packed_seq_lengths` (jobs/training/step.py): a pageable, blocking copy, which waits for every queued kernel
+    of the forward and then leaves the GPU idle while the host enqueues the loss and the first backward kernels.
+    Here a host tensor goes through pinned memory, non-blocking (what Unsloth's own attention metadata does,
+    `_pinned_to_device`); the same lengths, so the same labels. Returns "patched", "native" (already done)
+    or "unavailable" (another Unsloth: left as shipped).
+    """
+    import torch
+    from unsloth.utils import packing as up
+
+    orig = getattr(up, "_normalize_packed_lengths", None)
+    if orig is None:
+        return "unavailable"
+    if getattr(orig, "_nightshift", False):
+        return "native"
+
+    def normalize(seq_lengths: Any, *, device: Any) -> Any:
+        if (isinstance(seq_lengths, torch.Tensor) and seq_lengths.device.type == "cpu"
+                and torch.device(device).type == "cuda" and not torch.compiler.is_compiling()
+                and os.environ.get("NIGHTSHIFT_PACKED_LABELS_SYNC") != "1"):  # 1: as shipped (the bench's before)
+            seq_lengths = seq_lengths.pin_memory().to(device, non_blocking=True)
+        return orig(seq_lengths, device=device)
+
+    normalize._nightshift = True  # type: ignore[attr-defined]
+    up._normalize_packed_lengths = normalize
+    return "patched"
+
+
 def rank_device_map() -> dict[str, Any]:
     """[distributed] A rank of several loads onto its own card (bound by the group before Unsloth's import);
     one process: Unsloth's own default, as before."""
@@ -185,6 +217,7 @@ def load_unsloth(
     info: dict[str, Any] = {"backend": "unsloth", "import_seconds": round(t_import, 2),
                             "trl_trainer_rewrite": "skipped" if trl_skipped else "as shipped"}
     info["packed_attention"] = enable_varlen_attention() if varlen else "unsloth-as-shipped"
+    info["packed_labels"] = enable_async_packed_labels()
 
     gc_arg: bool | str = "unsloth" if gradient_checkpointing is True else gradient_checkpointing
     if method == "full":

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from jobs.training.fp8.lora_cast import CACHE as CAST
 from jobs.training.fp8.matmul import STATS, FP8Group, fp8_dgrad, fp8_forward, lora_add_, quant_x
 
 _fwd = torch.amp.custom_fwd(device_type="cuda")
@@ -40,8 +41,12 @@ def _weights(As: Sequence[Tensor], Bs: Sequence[Tensor], dt: torch.dtype) -> tup
     """([A_1; A_2; ...] [sum r_i, K], the ranks, each B_i) in the activations' dtype, made once in the forward and
     saved for the backward: PEFT keeps LoRA weights in fp32 (autocast_adapter_dtype), and casting them at each use
     (forward and backward) was ~25 launches a layer, counted from the code."""
+    ranks = [a.shape[0] for a in As]
+    cached = CAST.get(As, Bs, dt)  # cast after the last optimizer step (jobs/training/fp8/lora_cast.py)
+    if cached is not None:
+        return cached[0], ranks, cached[1]
     a_cat = (As[0] if len(As) == 1 else torch.cat(list(As))).to(dt)
-    return a_cat, [a.shape[0] for a in As], [b.to(dt) for b in Bs]
+    return a_cat, ranks, [b.to(dt) for b in Bs]
 
 
 def _lora_add(outs: Sequence[Tensor], x2: Tensor, a_cat: Tensor, ranks: Sequence[int], bs: Sequence[Tensor],
