@@ -109,7 +109,8 @@ def run_one_night(work: Path, model: Path, over: dict[str, Any], records: list[d
             "failed": s.gate.failed() if s.gate else "", "compute": (s.step_shape.compute if s.step_shape else None),
             "step_shape_basis": s.step_shape.basis if s.step_shape else None, "method": s.method,
             "fp8": {k: fp8.get(k) for k in ("compute", "error", "numerics_passed", "conversion")} if fp8 else None,
-            "loss_curve": curve, "seconds": round(time.time() - t0, 1), "gpu_memory_gb": _gpu_memory()}
+            "loss_curve": curve, "seconds": round(time.time() - t0, 1), "train_seconds": s.actual_train_seconds,
+            "gpu_memory_gb": _gpu_memory()}
 
 
 def _gpu_memory() -> float | None:
@@ -122,36 +123,35 @@ def _gpu_memory() -> float | None:
     return round(torch.cuda.memory_allocated() / 1e9, 2)
 
 
-def run_paths(out: Path, model: Path, paths: Sequence[str], sizes: Sequence[int], *, test_per_key: int,
-              tokens_per_step: int, max_vram_gb: float, budget_s: float, started: float,
-              on_row: Any = None) -> dict[str, list[dict[str, Any]]]:
-    """Night by night, every path in turn (so a run cut short by `budget_s` still compares like with like)."""
+def run_path(out: Path, model: Path, path: str, sizes: Sequence[int], *, test_per_key: int, tokens_per_step: int,
+             max_vram_gb: float, budget_s: float, started: float, on_row: Any = None) -> list[dict[str, Any]]:
+    """One path's nights in order, from nothing (no adapter, no ledger); a night that would end past
+    `budget_s` is not started (its row is absent: the table shows it as not run, not as a miss)."""
     import torch
 
     cuda = torch.cuda.is_available()
     sections = shipped_sections()
-    rows: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}
-    for path in paths:  # every path starts from nothing: no adapter, no ledger of an earlier run
-        shutil.rmtree(out / "work" / path, ignore_errors=True)
-    last = 0.0  # seconds the last round (every path's night) took
+    work = out / "work" / path
+    shutil.rmtree(work, ignore_errors=True)
+    over = path_over(path, cuda=cuda, tokens_per_step=tokens_per_step, max_vram_gb=max_vram_gb)
+    rows: list[dict[str, Any]] = []
     for night, n in enumerate(sizes, start=1):
-        guess = last * (0.5 + 0.5 * n / sizes[night - 2]) if night > 1 else 0.0  # half of it grows with the data
-        if time.time() - started + guess > budget_s:  # a whole round or none: every path has the same nights
-            print(f"parity: night {night} would end past the budget of {budget_s:.0f} s: not run", flush=True)
-            return rows
+        if rows:  # the last night's time: its training grows with the data, the rest (load, evaluate) does not
+            train = rows[-1].get("train_seconds") or 0.0
+            guess = rows[-1].get("seconds", 0.0) - train + train * n / sizes[night - 2]
+            if time.time() - started + guess > budget_s:
+                print(f"parity: {path} night {night} would end past the budget of {budget_s:.0f} s: not run",
+                      flush=True)
+                break
         records = night_records(night, n, test_per_key=test_per_key)
-        t0 = time.time()
-        for path in paths:
-            over = path_over(path, cuda=cuda, tokens_per_step=tokens_per_step, max_vram_gb=max_vram_gb)
-            try:
-                row = run_one_night(out / "work" / path, model, over, records, night, sections)
-            except Exception as e:  # one path failing must not cost the others their figures
-                row = {"night": night, "outcome": "failed", "error": f"{type(e).__name__}: {e}", "steps": 0,
-                       "candidate": None, "loss_curve": []}
-            rows[path].append(row)
-            if on_row:
-                on_row(path, row)
-        last = time.time() - t0
+        try:
+            row = run_one_night(work, model, over, records, night, sections)
+        except Exception as e:  # recorded: a failed night is a miss, not a crash of the benchmark
+            row = {"night": night, "outcome": "failed", "error": f"{type(e).__name__}: {e}", "steps": 0,
+                   "candidate": None, "loss_curve": []}
+        rows.append(row)
+        if on_row:
+            on_row(path, row)
     return rows
 
 
@@ -176,15 +176,12 @@ def write(out: Path, doc: dict[str, Any]) -> None:
     (out / "parity.json").write_text(json.dumps(doc, indent=2, default=str))
 
 
-def read_rows(path: Path, paths: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
-    """The nights' child's rows so far (one JSON line per night and path)."""
-    rows: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                rows[r["path"]].append(r)
-    return rows
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """A path's nights so far (one JSON line each, written by its child)."""
+    if not path.exists():
+        return []
+    whole = path.read_text().split("\n")[:-1]  # a line still being written has no newline yet
+    return [json.loads(line) for line in whole if line.strip()]
 
 
 def report(doc: dict[str, Any], rows: dict[str, list[dict[str, Any]]], scores: dict[str, dict[str, float]],
@@ -198,9 +195,10 @@ def report(doc: dict[str, Any], rows: dict[str, list[dict[str, Any]]], scores: d
     return str(doc["table"])
 
 
-def nights_child(args: argparse.Namespace, paths: Sequence[str], sizes: Sequence[int], started: float) -> int:
-    """The nights, in a process of their own: Unsloth patches transformers' classes at import, and the
-    scorer (this process's parent) must run plain transformers + PEFT."""
+def nights_child(args: argparse.Namespace, path: str, sizes: Sequence[int], started: float) -> int:
+    """One path's nights, in a process of their own: the paths train side by side (the card has room for
+    all three), and Unsloth, which patches transformers' classes at import, stays out of the scorer's
+    process (the parent: plain transformers + PEFT)."""
     from jobs.runtime import logs
 
     logs.configure("WARNING")
@@ -211,9 +209,8 @@ def nights_child(args: argparse.Namespace, paths: Sequence[str], sizes: Sequence
         with args.nights_child.open("a") as f:
             f.write(json.dumps({"path": path, **r}, default=str) + "\n")
 
-    run_paths(args.out, args.model, paths, sizes, test_per_key=args.test_per_key,
-              tokens_per_step=args.tokens_per_step, max_vram_gb=args.max_vram_gb, budget_s=args.budget_seconds,
-              started=started, on_row=emit)
+    run_path(args.out, args.model, path, sizes, test_per_key=args.test_per_key, tokens_per_step=args.tokens_per_step,
+             max_vram_gb=args.max_vram_gb, budget_s=args.budget_seconds, started=started, on_row=emit)
     return 0
 
 
@@ -231,6 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="start no round of nights that would end after this many seconds (the model's build counted)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--nights-child", type=Path, help=argparse.SUPPRESS)  # internal: run the nights, rows here
+    ap.add_argument("--only", help=argparse.SUPPRESS)  # internal: the child's path
     args = ap.parse_args(argv)
     paths = [p for p in args.paths.split(",") if p]
     if paths[:1] != ["bf16"] or any(p not in PATHS for p in paths):
@@ -238,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = [int(x) for x in args.per_night.split(",") if x]
     started = time.time()
     if args.nights_child:
-        return nights_child(args, paths, sizes, started)
+        return nights_child(args, args.only, sizes, started)
     import torch
 
     from jobs.training.models.architectures import build_random_model
@@ -251,20 +249,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "card": torch.cuda.get_device_name(0) if cuda else "cpu",
                            "build_seconds": round(time.time() - started, 1)}
     print(f"parity: {args.arch} at {model} ({doc['build_seconds']} s), paths {', '.join(paths)}", flush=True)
-    rows_file = args.out / "nights.jsonl"
     args.out.mkdir(parents=True, exist_ok=True)
-    rows_file.unlink(missing_ok=True)
-    child_argv = list(argv if argv is not None else sys.argv[1:])
     left = args.budget_seconds - (time.time() - started)  # the budget counts from here: the build is spent
-    child = subprocess.Popen([sys.executable, "-m", "benchmarks.parity", *child_argv, "--model", str(model),
-                              "--nights-child", str(rows_file), "--budget-seconds", str(left)])
+    child_argv = list(argv if argv is not None else sys.argv[1:])
+    children, files = {}, {}
+    for path in paths:
+        files[path] = args.out / f"nights-{path}.jsonl"
+        files[path].unlink(missing_ok=True)
+        children[path] = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.parity", *child_argv, "--model", str(model), "--only", path,
+             "--nights-child", str(files[path]), "--budget-seconds", str(left)])
     tests = test_sets(args.test_per_key)
     scorer = greedy.Scorer(model, device="cuda" if cuda else "cpu", batch=256 if cuda else 64)  # meanwhile
     scores: dict[str, dict[str, float]] = {"base": scorer.score(None, tests)}
     print(f"base (no adapter): {scores['base']}", flush=True)
     while True:  # score each night's candidate as it comes, while the next nights train
-        running = child.poll() is None
-        rows = read_rows(rows_file, paths)
+        running = any(c.poll() is None for c in children.values())
+        rows = {p: read_rows(f) for p, f in files.items()}
         for path, nights in rows.items():
             for r in nights:
                 label = f"{path}/{r['night']}"
@@ -272,13 +273,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     scores[label] = scorer.score(Path(r["candidate"]), tests)
                     print(f"  scored {label}: {scores[label]}", flush=True)
         report(doc, rows, scores, paths)
-        write(args.out, {**doc, "seconds": round(time.time() - started, 1), "child_exit": child.poll()})
+        write(args.out, {**doc, "seconds": round(time.time() - started, 1),
+                         "child_exit": {p: c.poll() for p, c in children.items()}})
         if not running:
             break
         time.sleep(2)
     print(doc["table"])
-    print(f"nights exit {child.returncode}; written: {args.out / 'parity.json'}")
-    return child.returncode
+    codes = {p: c.returncode for p, c in children.items()}
+    print(f"nights exit {codes}; written: {args.out / 'parity.json'}")
+    return max(abs(c) for c in codes.values())
 
 
 if __name__ == "__main__":

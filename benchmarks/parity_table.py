@@ -2,8 +2,10 @@
 
 A path (`fp8`, `nf4`) is judged against `bf16` at every scored point of the curve (after each night):
 its exact match may be higher, or lower by at most `PARITY_POINTS`; one point lower by more is a miss
-(issue 44 item 7: "within 1 point"). A bf16 curve that never leaves the floor or sits at the ceiling from
-its first point compares nothing: the table says so instead of calling it parity.
+(issue 44 item 7: "within 1 point"), and so is a night the path failed or left unscored. A night the path
+never started (the run's time budget: benchmarks/parity.py) is shown as not run, compared with nothing.
+A bf16 curve that never leaves the floor or sits at the ceiling from its first point compares nothing: the
+table says so instead of calling it parity.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ class Verdict:
     passed: bool
     worst: float | None  # the most negative difference to bf16 along the curve, points
     final: float | None  # the difference at the last night both have
-    misses: tuple[int, ...]  # nights where the path fell more than PARITY_POINTS below bf16
+    misses: tuple[int, ...]  # nights where the path fell more than PARITY_POINTS below bf16, or failed
     note: str = ""
+    not_run: tuple[int, ...] = ()  # nights bf16 was scored on that this path never started
 
 
 def exact_match(replies: Sequence[str], answers: Sequence[str]) -> float:
@@ -65,15 +68,20 @@ def informative(points: Sequence[Point]) -> str:
 
 
 def judge(points: Sequence[Point], path: str) -> Verdict:
-    """`path` against bf16 at every night both were scored; a night where only bf16 was scored is a miss."""
+    """`path` against bf16 at every night both were scored; a night the path failed (no figure where bf16
+    has one) is a miss; a night it never started is only listed."""
     ref, mine = by_night(points, REFERENCE), by_night(points, path)
     diffs: list[tuple[int, float]] = []
     misses: list[int] = []
+    not_run: list[int] = []
     for night, r in sorted(ref.items()):
         if r.exact_match is None:
             continue
         m = mine.get(night)
-        if m is None or m.exact_match is None:
+        if m is None:
+            not_run.append(night)
+            continue
+        if m.exact_match is None:
             misses.append(night)  # bf16 has a figure, this path none: not parity
             continue
         d = m.exact_match - r.exact_match
@@ -82,8 +90,10 @@ def judge(points: Sequence[Point], path: str) -> Verdict:
             misses.append(night)
     why = informative(points)
     if not diffs:
-        return Verdict(path, False, None, None, tuple(misses), why or "no night scored on both paths")
-    return Verdict(path, not misses and not why, min(d for _, d in diffs), diffs[-1][1], tuple(misses), why)
+        return Verdict(path, False, None, None, tuple(misses), why or "no night scored on both paths",
+                       tuple(not_run))
+    return Verdict(path, not misses and not why, min(d for _, d in diffs), diffs[-1][1], tuple(misses), why,
+                   tuple(not_run))
 
 
 def accuracy_table(points: Sequence[Point], paths: Sequence[str]) -> str:
@@ -97,7 +107,7 @@ def accuracy_table(points: Sequence[Point], paths: Sequence[str]) -> str:
         for path in paths:
             p = by_night(points, path).get(n)
             if p is None or p.exact_match is None:
-                row.append("—")
+                row.append("not run" if p is None else "failed ✗")
                 continue
             cell = f"{p.exact_match:.1f} % ({p.steps})"
             if path != REFERENCE and ref is not None and ref.exact_match is not None:
@@ -118,6 +128,7 @@ def verdict_lines(points: Sequence[Point], paths: Sequence[str]) -> list[str]:
         final = "—" if v.final is None else f"{v.final:+.1f}"
         state = "within 1 point" if v.passed else "MISS"
         extra = f"; misses at night {', '.join(map(str, v.misses))}" if v.misses else ""
+        extra += f"; night {', '.join(map(str, v.not_run))} not run (time budget)" if v.not_run else ""
         extra += f"; {v.note}" if v.note else ""
         out.append(f"{path}: {state} of bf16 (final {final} points, worst along the curve {worst}{extra})")
     return out

@@ -40,11 +40,13 @@ def test_a_path_more_than_a_point_below_bf16_anywhere_on_the_curve_is_a_miss():
     assert "misses at night 2" in lines[1]
 
 
-def test_a_path_that_failed_a_night_bf16_trained_is_a_miss_and_unscored_bf16_judges_nothing():
+def test_a_failed_night_is_a_miss_a_night_never_started_is_listed_and_unscored_bf16_judges_nothing():
     failed = judge(curve("bf16", [20.0, 60.0]) + curve("fp8", [20.0, None]), "fp8")
     assert not failed.passed and failed.misses == (2,)
-    missing = judge(curve("bf16", [20.0, 60.0]) + curve("fp8", [20.0]), "fp8")
-    assert not missing.passed and missing.misses == (2,)
+    missing = judge(curve("bf16", [20.0, 60.0]) + curve("fp8", [20.0]), "fp8")  # night 2 never started
+    assert missing.passed and missing.misses == () and missing.not_run == (2,)
+    assert "failed ✗" in accuracy_table(curve("bf16", [20.0, 60.0]) + curve("fp8", [20.0, None]), ["bf16", "fp8"])
+    assert "not run" in verdict_lines(curve("bf16", [20.0, 60.0]) + curve("fp8", [20.0]), ["bf16", "fp8"])[0]
     assert not judge(curve("fp8", [20.0]), "fp8").passed
 
 
