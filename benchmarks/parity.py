@@ -1,8 +1,8 @@
 """`python -m benchmarks parity`: does speed cost learning? The same task trained through bf16, NF4 and FP8.
 
-Each path runs the same nights (jobs/night/run.py's run_night, in this process, as benchmarks/chain.py does)
-on the same random-initialised model of a real architecture, with the same data, seed, step size and
-hyper-parameters; only `[train] method` / `compute` differ (PATHS):
+Each path runs the same nights (jobs/night/run.py's run_night, as benchmarks/chain.py does; one process per
+path, the paths side by side on one card) on the same random-initialised model of a real architecture, with
+the same data, seed, step size and hyper-parameters; only `[train] method` / `compute` differ (PATHS):
 
 - bf16: `method = "lora"`, `compute = "bf16"`: 16-bit LoRA on a bf16 base (the reference);
 - nf4:  `method = "qlora"`, `compute = "bf16"`: QLoRA, the base in NF4;
@@ -30,6 +30,7 @@ import gc
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -123,13 +124,13 @@ def _gpu_memory() -> float | None:
     return round(torch.cuda.memory_allocated() / 1e9, 2)
 
 
-def run_path(out: Path, model: Path, path: str, sizes: Sequence[int], *, test_per_key: int, tokens_per_step: int,
-             max_vram_gb: float, budget_s: float, started: float, on_row: Any = None) -> list[dict[str, Any]]:
+def run_path(out: Path, model: Path, path: str, sizes: Sequence[int], *, cuda: bool, test_per_key: int,
+             tokens_per_step: int, max_vram_gb: float, budget_s: float, started: float,
+             on_row: Any = None) -> list[dict[str, Any]]:
     """One path's nights in order, from nothing (no adapter, no ledger); a night that would end past
-    `budget_s` is not started (its row is absent: the table shows it as not run, not as a miss)."""
-    import torch
-
-    cuda = torch.cuda.is_available()
+    `budget_s` is not started (its row is absent: the table shows it as not run, not as a miss).
+    `cuda` comes from the caller: torch is first imported by the night, after it points the compile
+    caches into the state directory (jobs/training/backends/unsloth.py)."""
     sections = shipped_sections()
     work = out / "work" / path
     shutil.rmtree(work, ignore_errors=True)
@@ -209,8 +210,9 @@ def nights_child(args: argparse.Namespace, path: str, sizes: Sequence[int], star
         with args.nights_child.open("a") as f:
             f.write(json.dumps({"path": path, **r}, default=str) + "\n")
 
-    run_path(args.out, args.model, path, sizes, test_per_key=args.test_per_key, tokens_per_step=args.tokens_per_step,
-             max_vram_gb=args.max_vram_gb, budget_s=args.budget_seconds, started=started, on_row=emit)
+    run_path(args.out, args.model, path, sizes, cuda=args.cuda, test_per_key=args.test_per_key,
+             tokens_per_step=args.tokens_per_step, max_vram_gb=args.max_vram_gb, budget_s=args.budget_seconds,
+             started=started, on_row=emit)
     return 0
 
 
@@ -229,6 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--nights-child", type=Path, help=argparse.SUPPRESS)  # internal: run the nights, rows here
     ap.add_argument("--only", help=argparse.SUPPRESS)  # internal: the child's path
+    ap.add_argument("--cuda", action="store_true", help=argparse.SUPPRESS)  # internal: the parent saw a GPU
     args = ap.parse_args(argv)
     paths = [p for p in args.paths.split(",") if p]
     if paths[:1] != ["bf16"] or any(p not in PATHS for p in paths):
@@ -252,13 +255,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     left = args.budget_seconds - (time.time() - started)  # the budget counts from here: the build is spent
     child_argv = list(argv if argv is not None else sys.argv[1:])
-    children, files = {}, {}
+    children: dict[str, subprocess.Popen[bytes]] = {}
+    files: dict[str, Path] = {}
     for path in paths:
         files[path] = args.out / f"nights-{path}.jsonl"
         files[path].unlink(missing_ok=True)
         children[path] = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.parity", *child_argv, "--model", str(model), "--only", path,
-             "--nights-child", str(files[path]), "--budget-seconds", str(left)])
+             "--nights-child", str(files[path]), "--budget-seconds", str(left), *(["--cuda"] if cuda else [])])
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's TERM: the children go too
+    try:
+        return score_while_training(args, doc, paths, model, cuda, children, files, started)
+    finally:
+        for c in children.values():
+            if c.poll() is None:
+                c.terminate()
+
+
+def score_while_training(args: argparse.Namespace, doc: dict[str, Any], paths: Sequence[str], model: Path,
+                         cuda: bool, children: dict[str, subprocess.Popen[bytes]], files: dict[str, Path],
+                         started: float) -> int:
     tests = test_sets(args.test_per_key)
     scorer = greedy.Scorer(model, device="cuda" if cuda else "cpu", batch=256 if cuda else 64)  # meanwhile
     scores: dict[str, dict[str, float]] = {"base": scorer.score(None, tests)}
