@@ -19,6 +19,10 @@ MAX_NEW_TOKENS = 6  # the answers are one or two tokens, then the end of the tur
 
 def load(model: Path, adapter: Path | None, *, device: str = "cpu") -> tuple[Any, Any]:
     import torch
+
+    from jobs.training.backends.peft_env import hide_torchao_peft_refuses
+
+    hide_torchao_peft_refuses()  # as a night does: an older torchao beside Unsloth makes PEFT refuse every LoRA
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging

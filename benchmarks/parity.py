@@ -127,13 +127,12 @@ def _gpu_memory() -> float | None:
 def run_path(out: Path, model: Path, path: str, sizes: Sequence[int], *, cuda: bool, test_per_key: int,
              tokens_per_step: int, max_vram_gb: float, budget_s: float, started: float,
              on_row: Any = None) -> list[dict[str, Any]]:
-    """One path's nights in order, from nothing (no adapter, no ledger); a night that would end past
+    """One path's nights in order, in `out/work/<path>`; a night that would end past
     `budget_s` is not started (its row is absent: the table shows it as not run, not as a miss).
     `cuda` comes from the caller: torch is first imported by the night, after it points the compile
     caches into the state directory (jobs/training/backends/unsloth.py)."""
     sections = shipped_sections()
     work = out / "work" / path
-    shutil.rmtree(work, ignore_errors=True)
     over = path_over(path, cuda=cuda, tokens_per_step=tokens_per_step, max_vram_gb=max_vram_gb)
     rows: list[dict[str, Any]] = []
     for night, n in enumerate(sizes, start=1):
@@ -200,9 +199,14 @@ def nights_child(args: argparse.Namespace, path: str, sizes: Sequence[int], star
     """One path's nights, in a process of their own: the paths train side by side (the card has room for
     all three), and Unsloth, which patches transformers' classes at import, stays out of the scorer's
     process (the parent: plain transformers + PEFT)."""
+    from jobs.night.child import _import_unsloth_first
     from jobs.runtime import logs
 
     logs.configure("WARNING")
+    state = args.out / "work" / path / "state"
+    shutil.rmtree(state.parent, ignore_errors=True)  # from nothing: no adapter, no ledger of an earlier run
+    if args.cuda:  # as the night's child process does: Unsloth before transformers, its caches in the state
+        _import_unsloth_first({"train": {**PATHS[path], **GPU_TRAIN}, "state_dir": str(state)})
 
     def emit(path: str, r: dict[str, Any]) -> None:
         print(f"  night {r['night']} {path}: {r['outcome']} {r.get('steps')} steps, loss {r.get('train_loss')}, "
@@ -240,6 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
     if args.nights_child:
         return nights_child(args, args.only, sizes, started)
+    from jobs.training.backends.peft_env import hide_torchao_peft_refuses
+
+    hide_torchao_peft_refuses()  # before anything imports torchao: the scorer's PEFT (benchmarks/greedy.py)
     import torch
 
     from jobs.training.models.architectures import build_random_model
