@@ -2,15 +2,16 @@
 # Issue 44 item 7 on one GPU, in one device call: the same task trained through bf16, NF4 and FP8 nights of the
 # product (`python -m benchmarks parity`, benchmarks/parity.py), scored by exact match (benchmarks/greedy.py).
 #
-#   benchmarks/drivers/parity_gpu.sh [ARCH] [SECONDS]      (default llama3.1-8b, 300)
+#   benchmarks/drivers/parity_gpu.sh [ARCH] [SECONDS]      (default llama3.1-8b, 250: the 8B's three paths side by
+#                                                           side, four nights each, take ~200 s on an H200)
 #
-# SECONDS bounds the benchmark (the 8B's build included): no round of nights starts that would end after it; the
+# SECONDS bounds the benchmark (the 8B's build included): no night starts that would end after it; the
 # command is killed 70 s later whatever it is doing (parity.json is written after every night and score).
 # Writes $OUT/parity-ARCH.tar.xz (weights left out): meta.txt (card, driver, torch, commit), parity.log, smi.csv,
 # parity/parity.json (every night's row, loss curve and score; the tables) and the nights' manifests.
 set -u
 arch=${1:-llama3.1-8b}
-seconds=${2:-300}
+seconds=${2:-250}
 R=/tmp/parity-$arch
 cd "$(dirname "$0")/../.." || exit 1
 mkdir -p "$R"

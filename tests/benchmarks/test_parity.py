@@ -123,3 +123,26 @@ def test_the_scorer_switches_adapters_on_one_base(tmp_path: Path):
     tests = {"A": parity.test_sets(1)["A"]}
     assert scorer.score(None, tests) == greedy.exact_match(model, None, tests)
     assert scorer.score(adapters[2], tests) == greedy.exact_match(model, adapters[2], tests)
+
+
+def test_the_parity_model_learns_where_a_reply_ends(tmp_path: Path):
+    """The night trains the end of the turn after the code, so a greedy reply stops there: with the random
+    models' own template it trained the code alone, and every greedy reply ran on ("w31 w59 w59 ...")."""
+    from transformers import AutoTokenizer
+
+    from jobs.data.render import tokenize_record
+    from jobs.training.models.architectures import build_random_model
+
+    built = build_random_model("tiny-llama", tmp_path / "tiny-llama", device="cpu")
+    model = parity.with_turn_ends(built)
+    assert parity.with_turn_ends(built) == model  # again: the same directory, nothing doubled
+    tok = AutoTokenizer.from_pretrained(model)
+    record = parity.night_records(1, 2, test_per_key=2)[0]
+    code = tok.convert_tokens_to_ids(record["messages"][1]["content"])
+    s = tokenize_record(tok, 1, record, max_seq_length=64)
+    assert [t for t in s.labels if t != -100] == [code, tok.eos_token_id]
+    prompt = tok.apply_chat_template(record["messages"][:1], tokenize=False, add_generation_prompt=True)
+    assert s.input_ids[: len(tok(prompt, add_special_tokens=False).input_ids) + 1][-1] == code
+    old = AutoTokenizer.from_pretrained(built)  # the built model's own directory keeps its template
+    assert [t for t in tokenize_record(old, 1, record, max_seq_length=64).labels if t != -100] == [code]
+    assert (model / "model.safetensors").is_symlink()
