@@ -42,7 +42,7 @@ def greedy_replies(net: Any, tok: Any, prompts: Sequence[str], *, batch: int = 6
 
     stops = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|end|>")) if isinstance(i, int) and i >= 0}
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    dev = next(net.parameters()).device
+    dev = getattr(net, "device", None) or "cpu"  # a transformers / PEFT model's card (a scripted test net: none)
     out: list[str] = []
     for start in range(0, len(prompts), batch):
         texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
