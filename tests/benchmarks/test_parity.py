@@ -146,3 +146,12 @@ def test_the_parity_model_learns_where_a_reply_ends(tmp_path: Path):
     old = AutoTokenizer.from_pretrained(built)  # the built model's own directory keeps its template
     assert [t for t in tokenize_record(old, 1, record, max_seq_length=64).labels if t != -100] == [code]
     assert (model / "model.safetensors").is_symlink()
+
+
+def test_the_command_is_wired_and_refuses_paths_without_bf16_first(tmp_path: Path):
+    from benchmarks.cli import main
+
+    with pytest.raises(SystemExit, match="bf16 first"):
+        main(["parity", "--paths", "nf4,bf16", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="bf16 first"):
+        main(["parity", "--paths", "bf16,fp16", "--out", str(tmp_path)])
