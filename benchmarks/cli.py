@@ -245,6 +245,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from benchmarks.acceptance.run import main as acceptance
 
         return acceptance(args[1:])
+    if args[:1] == ["parity"]:  # bf16 / NF4 / FP8 nights of one task, scored by exact match (its own options)
+        from benchmarks.parity import main as parity
+
+        return parity(args[1:])
     if args[:1] == ["fp8-quant"]:  # a kernel micro-benchmark, no worker processes
         from benchmarks.fp8_quant import main as fp8_quant
 
