@@ -68,7 +68,7 @@ class HostLoss:
     """A step's loss, copied to pinned host memory right after the forward, before the backward is queued: reading
     it waits for that copy only, not for the backward and the optimizer step, so `train_step` returns while the GPU
     still runs them and the host queues the next step's forward meanwhile (the FP8 8B step's forward is bound by
-    the host: RESULTS.md, 2026-11-28, FP8 step host waits). Off CUDA the tensor itself."""
+    the host: RESULTS.md: 2026-11-28, FP8 step host waits). Off CUDA the tensor itself."""
 
     def __init__(self, loss: Any) -> None:
         import torch
