@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         args.config = args.file
     needs = getattr(args, "needs_settings", None)
     if needs is not None and not needs(args):
-        return args.func(args, None)
+        return one_line(args.cmd, lambda: args.func(args, None))  # `config --schema | head -1` too
     try:
         args.config, args.config_how = config_cli.resolve_config_path(args.config)
         s = load_settings(args.config)
