@@ -16,42 +16,47 @@ from typing import Any
 from pydantic import BaseModel
 
 
-def rebase_paths(model: type[BaseModel], data: dict[str, Any], base: Path) -> dict[str, Any]:
-    """`data` (a TOML table for `model`) with each relative path under `base`; everything else as it was."""
+def rebase_paths(model: type[BaseModel], data: dict[str, Any], base: Path, blank: list[tuple[Any, ...]] | None = None,
+                 loc: tuple[Any, ...] = ()) -> dict[str, Any]:
+    """`data` (a TOML table for `model`) with each relative path under `base`; everything else as it was.
+    `blank` collects where a path is an empty string (pydantic reads "" as ".": the working directory)."""
     out = dict(data)
+    blank = [] if blank is None else blank
     by_key = {(f.alias or n).lower(): f for n, f in model.model_fields.items()}
     for key, value in data.items():
         field = by_key.get(key.lower()) if isinstance(key, str) else None
         section = next((m.section_model for m in field.metadata if hasattr(m, "section_model")), None) \
             if field is not None else None
         if section is not None and isinstance(value, dict):  # some keys of a section ([[adapters]] eval = {...})
-            out[key] = rebase_paths(section, value, base)
+            out[key] = rebase_paths(section, value, base, blank, (*loc, key))
         elif field is not None:
-            out[key] = _rebase(field.annotation, value, base)
+            out[key] = _rebase(field.annotation, value, base, blank, (*loc, key))
     return out
 
 
-def _rebase(tp: Any, value: Any, base: Path) -> Any:
+def _rebase(tp: Any, value: Any, base: Path, blank: list[tuple[Any, ...]], loc: tuple[Any, ...]) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Annotated:
-        return _rebase(args[0], value, base)
+        return _rebase(args[0], value, base, blank, loc)
     if tp is Path:
-        if isinstance(value, str) and value:
+        if isinstance(value, str) and value.strip():
             p = Path(value).expanduser()
             return str(p if p.is_absolute() else base / p)
+        if isinstance(value, str):
+            blank.append(loc)
         return value
     if isinstance(tp, type) and issubclass(tp, BaseModel):
-        return rebase_paths(tp, value, base) if isinstance(value, dict) else value
+        return rebase_paths(tp, value, base, blank, loc) if isinstance(value, dict) else value
     if origin in (list, tuple, set, frozenset) and isinstance(value, list) and args:
-        return [_rebase(args[0], v, base) for v in value]
+        return [_rebase(args[0], v, base, blank, (*loc, i)) for i, v in enumerate(value)]
     if origin in (typing.Union, types.UnionType):
         for member in args:  # the member the value's shape fits (a str for a Path, a table for a model)
             if member is Path and isinstance(value, str):
-                return _rebase(member, value, base)
+                return _rebase(member, value, base, blank, loc)
             if isinstance(member, type) and issubclass(member, BaseModel) and isinstance(value, dict):
-                return _rebase(member, value, base)
+                return _rebase(member, value, base, blank, loc)
             if typing.get_origin(member) in (list, tuple) and isinstance(value, list):
-                return _rebase(member, value, base)
+                return _rebase(member, value, base, blank, loc)
     return value
 
 

@@ -139,8 +139,10 @@ def key_name(loc: tuple[Any, ...]) -> tuple[str, str]:
     parts = [str(p) for p in loc]
     if not parts:
         return "(top level)", ENV_PREFIX
-    if len(parts) >= 2 and parts[1].isdigit():  # a table in an array: [[sources]] #2 inbox
-        name = f"[[{parts[0]}]] #{int(parts[1]) + 1}" + (f" {'.'.join(parts[2:])}" if parts[2:] else "")
+    at = next((i for i, p in enumerate(parts) if i and p.isdigit()), None)
+    if at is not None:  # a table in an array: [[sources]] #2 inbox, [[hotswap.targets]] #1 name
+        name = f"[[{'.'.join(parts[:at])}]] #{int(parts[at]) + 1}" + (f" {'.'.join(parts[at + 1:])}"
+                                                                        if parts[at + 1:] else "")
     elif len(parts) == 1:
         name = parts[0]
     else:
@@ -163,38 +165,54 @@ def merge_problems(problems: list[str]) -> list[str]:
     return [f"{n}: " + "; or: ".join(dict.fromkeys(r)) if any(r) else n for n, r in merged.items()]
 
 
-def known_keys(loc: tuple[Any, ...]) -> list[str]:
-    """The keys the table at `loc` accepts (for "did you mean"): the Settings model walked along it."""
-    model: Any = Settings
-    for part in loc:
+def user_loc(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[str], list[Any]]:
+    """`loc` as the user wrote it, the keys its table accepts (for "did you mean") and the models it may be:
+    Settings walked along it. A tagged union's tag (`vllm` in hotswap.targets.0.vllm.nmae) is not a key."""
+    models: list[Any] = [Settings]
+    out: list[Any] = []
+    for i, part in enumerate(loc):
         if isinstance(part, int) or (isinstance(part, str) and part.isdigit()):
+            out.append(part)
             continue
-        field = getattr(model, "model_fields", {}).get(part)
+        field = next((m.model_fields[part] for m in models if part in getattr(m, "model_fields", {})), None)
+        tagged = [m for m in models if part in _tags(m)] if i + 1 < len(loc) else []  # the last: the key
+        if field is None and tagged:
+            models = tagged
+            continue
+        out.append(part)
         if field is None:
-            return []
-        model = _model_in(field.annotation)
-        if model is None:
-            return []
-    return sorted(getattr(model, "model_fields", {}))
+            return (*out, *loc[i + 1:]), [], []
+        models = _models_in(field.annotation)
+    return tuple(out), sorted({k for m in models for k in getattr(m, "model_fields", {})}), models
 
 
-def _model_in(tp: Any) -> Any:
-    """The pydantic model inside an annotation (Model, Model | None, list[Model]), or None."""
+def _tags(model: Any) -> set[str]:
+    """The values a model's `kind` discriminator takes (a member of a tagged union)."""
+    field = getattr(model, "model_fields", {}).get("kind")
+    return {str(a) for a in typing.get_args(field.annotation)} if field is not None else set()
+
+
+def _models_in(tp: Any) -> list[Any]:
+    """The pydantic models inside an annotation (Model, Model | None, list[Model], a union of models)."""
     if isinstance(tp, type) and issubclass(tp, BaseModel):
-        return tp
-    for arg in typing.get_args(tp):
-        if (found := _model_in(arg)) is not None:
-            return found
-    return None
+        return [tp]
+    return [m for arg in typing.get_args(tp) for m in _models_in(arg)]
 
 
 def format_error(err: dict[str, Any]) -> str:
-    loc = tuple(x for x in err["loc"] if not _union_member(x))
+    loc = user_loc(tuple(x for x in err["loc"] if not _union_member(x)))[0]
     name, env = key_name(loc)
     in_list = any(isinstance(x, int) for x in loc)
     if err["type"] == "extra_forbidden":
-        hint = difflib.get_close_matches(str(loc[-1]).lower(), known_keys(loc[:-1]), n=1) if loc else []
+        hint = difflib.get_close_matches(str(loc[-1]).lower(), user_loc(loc[:-1])[1], n=1) if loc else []
         return f"{name}: unknown key" + (f" (did you mean '{hint[0]}'?)" if hint else "")
+    if err["type"] in ("union_tag_not_found", "union_tag_invalid"):  # [[hotswap.targets]] kind = "vlm"
+        key, tag = str(err["ctx"]["discriminator"]).strip("'"), err["ctx"].get("tag")
+        tags = sorted({t for m in user_loc(loc)[2] for t in _tags(m)})
+        hint = difflib.get_close_matches(str(tag), tags, n=1) if tag is not None else []
+        said = "required key is missing" if tag is None else f"{tag!r} is not a kind"
+        return (f"{name} {key}: {said} (one of {', '.join(map(repr, tags))})"
+                + (f"; did you mean {hint[0]!r}?" if hint else ""))
     if err["type"] == "missing":
         return f"{name}: required key is missing" + ("" if in_list else f" (or set {env})")
     msg = str(err["msg"]).removeprefix("Value error, ")
@@ -208,12 +226,15 @@ def format_error(err: dict[str, Any]) -> str:
 
 def load_settings(path: Path | None = DEFAULT_CONFIG, **overrides: Any) -> Settings:
     """Read TOML + environment; raise ConfigError listing every problem."""
+    blank: list[tuple[Any, ...]] = []
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(path, ["a directory, not a config file: give the TOML file in it"])
         if not path.is_file():
             raise ConfigError(path, ["config file not found"])
         try:
-            tomllib.loads(path.read_text(encoding="utf-8"))
+            rebase_paths(Settings, tomllib.loads(path.read_text(encoding="utf-8")), config_base(path), blank)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(path, [f"not valid TOML: {e}"]) from None
         except UnicodeDecodeError as e:
@@ -223,17 +244,19 @@ def load_settings(path: Path | None = DEFAULT_CONFIG, **overrides: Any) -> Setti
     config = SettingsConfigDict(**{**Settings.model_config, "toml_file": path})
     cls = type("FileSettings", (Settings,), {"model_config": config, "__module__": __name__})
     problems, masked = env_problems(os.environ)
+    empty = dict.fromkeys(key_name(loc)[0] for loc in blank)  # read as "." (the working directory) if let through
+    problems += [f"{name}: empty (a path is needed; a relative one starts at this file's folder)" for name in empty]
     for _ in range(8):  # a variable pydantic-settings cannot parse stops it: report it, leave it out, go on
         try:
             with _without(masked):
                 s = cls(**overrides)
             if problems:
-                raise ConfigError(path, problems + check_paths(s))
+                raise ConfigError(path, problems + [p for p in check_paths(s) if p.split(":")[0] not in empty])
             return s
-        except ValidationError as e:
-            errors = merge_problems([format_error(x) for x in e.errors()])
+        except ValidationError as e:  # a validator's several problems are several lines ([[adapters]])
+            errors = merge_problems([p for x in e.errors() for p in format_error(x).split("\n  - ")])
             with _without(masked):
-                more = raw_path_problems(path, bad={p.split(":")[0] for p in errors})
+                more = raw_path_problems(path, bad={p.split(":")[0] for p in errors} | set(empty))
             raise ConfigError(path, problems + errors + more) from None
         except SettingsError as e:
             found = _unparsable(str(e), masked)
