@@ -77,6 +77,9 @@ def test_no_read_only_command_creates_or_changes_a_state_directory(relative_conf
         cli(relative_config, argv)
         assert tree(home, elsewhere) == before, f"{argv} with no state directory"
         assert not (home / "state").exists() and not (elsewhere / "state").exists(), argv
+    cli(relative_config, ["report"])  # the page goes to the working directory (it was <state_dir>/report.html)
+    assert tree(home) == {k: v for k, v in before.items() if k.startswith(str(home))}
+    assert not (home / "state").exists() and (elsewhere / "nightshift-report.html").is_file()
     capsys.readouterr()
 
     s = load_settings(relative_config)
@@ -92,5 +95,7 @@ def test_no_read_only_command_creates_or_changes_a_state_directory(relative_conf
         after = tree(home, elsewhere)
         changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
         assert not changed, f"{argv} changed the state directory: {changed}"
+    cli(relative_config, ["report"])
+    assert tree(home) == {k: v for k, v in before.items() if k.startswith(str(home))}
     out = capsys.readouterr().out
     assert "tiny-v0001" in out and json.dumps("succeeded") in out
