@@ -267,9 +267,10 @@ def load_settings(path: Path | None = DEFAULT_CONFIG, **overrides: Any) -> Setti
     raise ConfigError(path, problems)
 
 
-def check_paths(s: Settings) -> list[str]:
-    """Problems a config can have beyond its types: things on disk it points at."""
-    return path_problems(state_dir=s.state_dir, model_path=s.model.path, build=s.model.build,
+def check_paths(s: Settings, *, writes: bool = True) -> list[str]:
+    """Problems a config can have beyond its types: things on disk it points at (`writes=False`: a command
+    that only reads the state directory, as `plan`, runs on one this user may not write)."""
+    return path_problems(state_dir=s.state_dir, writes=writes, model_path=s.model.path, build=s.model.build,
                          inboxes=[src.inbox for src in s.sources], regression_set=s.eval.regression_set,
                          canary_set=s.eval.canary_set)
 
@@ -278,7 +279,7 @@ NOT_CONFIG = {"NIGHTSHIFT_LOG_LEVEL", "NIGHTSHIFT_LOG_FORMAT", "NIGHTSHIFT_CONFI
 _MISSING = object()
 
 
-def path_problems(*, state_dir: Any = _MISSING, model_path: Any = _MISSING, build: Any = None,
+def path_problems(*, state_dir: Any = _MISSING, writes: bool = True, model_path: Any = _MISSING, build: Any = None,
                   inboxes: list[Any] | None = None, regression_set: Any = None, canary_set: Any = None) -> list[str]:
     """What the config points at on disk; a value left _MISSING (or not a path) is not checked."""
     problems = []
@@ -287,7 +288,7 @@ def path_problems(*, state_dir: Any = _MISSING, model_path: Any = _MISSING, buil
         base = next((p for p in (sd, *sd.absolute().parents) if p.exists()), sd)
         if sd.exists() and not sd.is_dir():
             problems.append(f"state_dir: {sd} is not a directory")
-        elif not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
+        elif writes and (not base.is_dir() or not os.access(base, os.W_OK | os.X_OK)):
             problems.append(f"state_dir: {sd} is not writable" if base == sd
                             else f"state_dir: {sd} cannot be created ({base} is not writable)")
     if isinstance(model_path, str | Path) and build is None and not (Path(model_path) / "config.json").is_file():

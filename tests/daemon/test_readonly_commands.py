@@ -99,3 +99,23 @@ def test_no_read_only_command_creates_or_changes_a_state_directory(relative_conf
     assert tree(home) == {k: v for k, v in before.items() if k.startswith(str(home))}
     out = capsys.readouterr().out
     assert "tiny-v0001" in out and json.dumps("succeeded") in out
+
+
+def test_plan_reads_a_state_directory_this_user_may_not_write(relative_config, monkeypatch, capsys):
+    """`plan` refused with "state_dir: ... is not writable" (exit 2) for an operator who is not the service's user,
+    though it writes nothing. The kernel's answer to such a user stands in as os.access (the tests run as root)."""
+    import os
+
+    home, real_access = relative_config.parent, os.access
+
+    def refuse(path, mode, *a, **k):
+        if str(path).startswith(str(home)) and mode & os.W_OK:
+            return False
+        return real_access(path, mode, *a, **k)
+
+    monkeypatch.setattr(os, "access", refuse)
+    before = tree(home)
+    assert main(["--config", str(relative_config), "plan", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inbox"]["new_samples"] == 12
+    assert tree(home) == before
+    assert main(["--config", str(relative_config), "check-config"]) == 2  # a night would need to write
