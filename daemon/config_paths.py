@@ -41,7 +41,11 @@ def _rebase(tp: Any, value: Any, base: Path, blank: list[tuple[Any, ...]], loc: 
     if tp is Path:
         if isinstance(value, str) and value.strip():
             p = Path(value).expanduser()
-            return str(p if p.is_absolute() else base / p)
+            if p.is_absolute():
+                return str(p)
+            # "../state" from config/ is the checkout's state/, shown so (not ".../config/../state"), as the kernel
+            # would walk it (a symbolic link before the "..": its target's parent)
+            return str((base / p).resolve() if ".." in p.parts else base / p)
         if isinstance(value, str):
             blank.append(loc)
         return value
