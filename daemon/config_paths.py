@@ -4,10 +4,13 @@
 ./state here. The rebasing walks the Settings model's field types, so every Path-typed key (state_dir, [model]
 path, [[sources]] inbox, [eval] regression_set, the hot-swap secret files...) is covered, including ones added
 later. Values from the environment or the command line keep the working directory (a shell's convention).
+`path_problems` checks what the paths point at, each check in its own guard: a name the kernel refuses (too
+long, a loop of links) is a problem of that key, not a traceback.
 """
 
 from __future__ import annotations
 
+import os
 import types
 import typing
 from pathlib import Path
@@ -67,3 +70,49 @@ def _rebase(tp: Any, value: Any, base: Path, blank: list[tuple[Any, ...]], loc: 
 def config_base(path: Path) -> Path:
     """The folder a config file's relative paths start from (absolute: the process may change directory)."""
     return Path(path).absolute().parent
+
+
+UNSET: Any = object()
+
+
+def shorter(text: str, limit: int = 120) -> str:
+    """A value as a message quotes it: a 5 MB string is not echoed whole."""
+    return text if len(text) <= limit else f"{text[:limit - 40]}…{text[-20:]} ({len(text):,} characters)"
+
+
+def path_problems(*, state_dir: Any = UNSET, writes: bool = True, model_path: Any = UNSET, build: Any = None,
+                  inboxes: list[Any] | None = None, regression_set: Any = None, canary_set: Any = None) -> list[str]:
+    """What the config points at on disk; a value left UNSET (or not a path) is not checked."""
+    problems: list[str] = []
+
+    def check(label: str, value: Any, problem: Any) -> None:
+        if not isinstance(value, str | Path):
+            return
+        try:
+            said = problem(Path(value))
+        except OSError as e:  # ENAMETOOLONG, ELOOP...: the kernel's word for this key's path
+            said = f"cannot be used: {e.strerror or e}"
+        if said:
+            problems.append(f"{label}: {shorter(str(value))} {said}")
+
+    def state(sd: Path) -> str | None:
+        base = next((p for p in (sd, *sd.absolute().parents) if p.exists()), sd)
+        if sd.exists() and not sd.is_dir():
+            return "is not a directory"
+        if writes and (not base.is_dir() or not os.access(base, os.W_OK | os.X_OK)):
+            return "is not writable" if base == sd else f"cannot be created ({shorter(str(base))} is not writable)"
+        return None
+
+    check("state_dir", state_dir, state)
+    if build is None:
+        check("[model] path", model_path, lambda p: None if (p / "config.json").is_file()
+              else "is not a local model directory (no config.json)")
+    for i, inbox in enumerate(inboxes or [], start=1):
+        check(f"[[sources]] #{i} inbox", inbox, lambda p: "is not a directory" if not p.is_dir()
+              else None if os.access(p, os.R_OK | os.X_OK) else "is not readable")
+    check("[eval] regression_set", regression_set, lambda p: None if p.is_file() else "does not exist")
+    if canary_set != regression_set:
+        check("[eval] canary_set", canary_set, lambda p: None if p.is_file() else "does not exist")
+    if inboxes is not None and not inboxes:
+        problems.append("[[sources]]: no source configured: nothing would ever be trained")
+    return problems

@@ -27,7 +27,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from daemon.config_paths import config_base, rebase_paths
+from daemon.config_paths import UNSET, config_base, path_problems, rebase_paths, shorter
 from daemon.metrics import MetricsConfig
 from daemon.window import WindowConfig
 from jobs.contract.redact import redact_text
@@ -120,8 +120,9 @@ class Settings(BaseSettings):
 class _RelativeToml(TomlConfigSettingsSource):
     """The TOML file, its relative paths made relative to the file (daemon/config_paths.py)."""
 
-    def _read_file(self, file_path: Path) -> dict[str, Any]:
-        return rebase_paths(Settings, super()._read_file(file_path), config_base(file_path))
+    def _read_file(self, file_path: Path) -> dict[str, Any]:  # utf-8-sig: a byte order mark (Notepad) is no error
+        return rebase_paths(Settings, tomllib.loads(Path(file_path).read_text(encoding="utf-8-sig")),
+                            config_base(file_path))
 
 
 class ConfigError(ValueError):
@@ -219,7 +220,7 @@ def format_error(err: dict[str, Any]) -> str:
     if msg.startswith("["):  # a validator that already names the key the user's way
         return msg
     got = err.get("input")
-    shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
+    shown = "" if isinstance(got, dict | list) else f" (got {shorter(repr(got))})"
     origin = f" [from the environment: {env}]" if not in_list and env.upper() in map(str.upper, os.environ) else ""
     return f"{name}: {msg}{shown}{origin}"
 
@@ -234,7 +235,7 @@ def load_settings(path: Path | None = DEFAULT_CONFIG, **overrides: Any) -> Setti
         if not path.is_file():
             raise ConfigError(path, ["config file not found"])
         try:
-            rebase_paths(Settings, tomllib.loads(path.read_text(encoding="utf-8")), config_base(path), blank)
+            rebase_paths(Settings, tomllib.loads(path.read_text(encoding="utf-8-sig")), config_base(path), blank)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(path, [f"not valid TOML: {e}"]) from None
         except UnicodeDecodeError as e:
@@ -276,44 +277,11 @@ def check_paths(s: Settings, *, writes: bool = True) -> list[str]:
 
 
 NOT_CONFIG = {"NIGHTSHIFT_LOG_LEVEL", "NIGHTSHIFT_LOG_FORMAT", "NIGHTSHIFT_CONFIG", "NIGHTSHIFT_NIGHT_LOCK_FD"}
-_MISSING = object()
-
-
-def path_problems(*, state_dir: Any = _MISSING, writes: bool = True, model_path: Any = _MISSING, build: Any = None,
-                  inboxes: list[Any] | None = None, regression_set: Any = None, canary_set: Any = None) -> list[str]:
-    """What the config points at on disk; a value left _MISSING (or not a path) is not checked."""
-    problems = []
-    if isinstance(state_dir, str | Path):
-        sd = Path(state_dir)
-        base = next((p for p in (sd, *sd.absolute().parents) if p.exists()), sd)
-        if sd.exists() and not sd.is_dir():
-            problems.append(f"state_dir: {sd} is not a directory")
-        elif writes and (not base.is_dir() or not os.access(base, os.W_OK | os.X_OK)):
-            problems.append(f"state_dir: {sd} is not writable" if base == sd
-                            else f"state_dir: {sd} cannot be created ({base} is not writable)")
-    if isinstance(model_path, str | Path) and build is None and not (Path(model_path) / "config.json").is_file():
-        problems.append(f"[model] path: {model_path} is not a local model directory (no config.json)")
-    for i, inbox in enumerate(inboxes or [], start=1):
-        if not isinstance(inbox, str | Path):
-            continue
-        if not Path(inbox).is_dir():
-            problems.append(f"[[sources]] #{i} inbox: {inbox} is not a directory")
-        elif not os.access(inbox, os.R_OK | os.X_OK):
-            problems.append(f"[[sources]] #{i} inbox: {inbox} is not readable")
-    if isinstance(regression_set, str | Path) and not Path(regression_set).is_file():
-        problems.append(f"[eval] regression_set: {regression_set} does not exist")
-    if isinstance(canary_set, str | Path) and canary_set != regression_set and not Path(canary_set).is_file():
-        problems.append(f"[eval] canary_set: {canary_set} does not exist")
-    if inboxes is not None and not inboxes:
-        problems.append("[[sources]]: no source configured: nothing would ever be trained")
-    return problems
-
-
 def raw_path_problems(path: Path | None, *, bad: set[str]) -> list[str]:
     """The path checks on the raw config (TOML, then the environment) when it does not validate, so
     `check-config` reports types and paths together. Keys with a type problem of their own are skipped."""
     try:
-        raw: dict[str, Any] = tomllib.loads(path.read_text(encoding="utf-8")) if path is not None else {}
+        raw: dict[str, Any] = tomllib.loads(path.read_text(encoding="utf-8-sig")) if path is not None else {}
         raw = rebase_paths(Settings, raw, config_base(path)) if path is not None else raw
     except (OSError, ValueError):
         raw = {}
@@ -321,12 +289,12 @@ def raw_path_problems(path: Path | None, *, bad: set[str]) -> list[str]:
 
     def pick(section: str | None, key: str, label: str) -> Any:
         if label in bad:
-            return _MISSING
+            return UNSET
         name = ENV_PREFIX + (f"{section}__{key}" if section else key).upper()
         if name in env:
             return env[name]
         table = raw.get(section, {}) if section else raw
-        return table.get(key, _MISSING) if isinstance(table, dict) else _MISSING
+        return table.get(key, UNSET) if isinstance(table, dict) else UNSET
 
     sources = raw.get("sources")
     inboxes = None
@@ -335,9 +303,9 @@ def raw_path_problems(path: Path | None, *, bad: set[str]) -> list[str]:
                    for i, s in enumerate(sources, start=1)]
     build = pick("model", "build", "[model] build")
     state_dir = pick(None, "state_dir", "state_dir")
-    return path_problems(state_dir="state" if state_dir is _MISSING and "state_dir" not in bad else state_dir,
+    return path_problems(state_dir="state" if state_dir is UNSET and "state_dir" not in bad else state_dir,
                          model_path=pick("model", "path", "[model] path"),
-                         build=None if build is _MISSING else build, inboxes=inboxes,
+                         build=None if build is UNSET else build, inboxes=inboxes,
                          regression_set=pick("eval", "regression_set", "[eval] regression_set"),
                          canary_set=pick("eval", "canary_set", "[eval] canary_set"))
 

@@ -61,6 +61,28 @@ def test_an_empty_path_is_named_not_read_as_the_working_directory(tmp_path, monk
     assert all(": empty (a path is needed" in p for p in e.value.problems), e.value.problems
 
 
+def test_a_config_saved_with_a_byte_order_mark_and_crlf_reads_as_any_other(tmp_path):
+    """Notepad's UTF-8 starts with a BOM: it was "not valid TOML: Invalid statement (at line 1, column 1)"."""
+    (tmp_path / "inbox").mkdir()
+    text = 'state_dir = "state"\n[model]\npath = "m"\nbuild = "tiny-llama"\n[[sources]]\nname = "a"\ninbox = "inbox"\n'
+    cfg = tmp_path / "c.toml"
+    cfg.write_bytes(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode())
+    s = load_settings(cfg)
+    assert (s.state_dir, s.sources[0].inbox) == (tmp_path / "state", tmp_path / "inbox")
+
+
+def test_a_huge_value_is_quoted_short_and_a_path_the_kernel_refuses_is_a_problem_not_a_traceback(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{"s" * 100_000}"\n[model]\npath = "{tmp_path}"\n'
+                   f'[train]\nlora_rank = "{"x" * 10**6}"\n')
+    with pytest.raises(ConfigError) as e:  # was OSError: [Errno 36] File name too long, and a 1 MB message
+        load_settings(cfg)
+    assert len(str(e.value)) < 2000, len(str(e.value))
+    said = {p.split(":")[0]: p for p in e.value.problems}
+    assert "(1,000,002 characters)" in said["[train] lora_rank"]
+    assert said["state_dir"].endswith(" characters) cannot be used: File name too long")
+
+
 def test_a_directory_given_as_the_config_is_named_so(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_settings(tmp_path)
