@@ -69,7 +69,7 @@ class DaemonConfig(BaseModel):
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid",
-                                      case_sensitive=False)
+                                      case_sensitive=False, env_ignore_empty=True)  # `VAR=` unsets, as in systemd
 
     state_dir: Path = Path("state")
     model: ModelConfig

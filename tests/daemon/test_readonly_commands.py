@@ -69,6 +69,8 @@ def test_relative_paths_in_a_config_file_are_relative_to_it(relative_config, mon
     up = home / "up.toml"
     up.write_text(relative_config.read_text().replace('state_dir = "state"', 'state_dir = "../ns/./state"'))
     assert str(load_settings(up).state_dir) == str(home.resolve() / "state")  # shown without "..": the demo's
+    monkeypatch.setenv("NIGHTSHIFT_STATE_DIR", "")  # empty: unset (it was "", the working directory)
+    assert load_settings(relative_config).state_dir == home / "state"
     monkeypatch.setenv("NIGHTSHIFT_STATE_DIR", "mine")  # the environment keeps the shell's convention
     assert load_settings(relative_config).state_dir == Path("mine")
 
