@@ -187,7 +187,7 @@ def cmd_plan(args: argparse.Namespace, s: Settings) -> int:
     # samples when the plan was seeded "plan" and timed to the window's very end)
     window = manual_window(args, s)
     night, deadline = window.night, window.deadline(s.window.save_margin).timestamp()
-    problems = check_paths(s)  # no night lock: a plan only reads, so it also works while a night runs
+    problems = check_paths(s, writes=False)  # no lock, no write: also while a night runs, and as another user
     if problems:
         raise ConfigError(args.config, problems)
     with NightProgress(choose_mode(json_output=args.json, log_format=s.log.format)) as progress:
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         args.config = args.file
     needs = getattr(args, "needs_settings", None)
     if needs is not None and not needs(args):
-        return args.func(args, None)
+        return one_line(args.cmd, lambda: args.func(args, None))  # `config --schema | head -1` too
     try:
         args.config, args.config_how = config_cli.resolve_config_path(args.config)
         s = load_settings(args.config)

@@ -96,10 +96,13 @@ class NightProgress:
     # ---- output --------------------------------------------------------------------------------
     def print(self, text: str) -> None:
         """A block of text (a table) above the display, or as is."""
-        if self._bar is not None:
-            self._bar.console.print(text, highlight=False, markup=False)
-        else:
-            print(text, file=self.stream, flush=True)
+        try:
+            if self._bar is not None:
+                self._bar.console.print(text, highlight=False, markup=False)
+            else:
+                print(text, file=self.stream, flush=True)
+        except BrokenPipeError:  # the reader left (`once | head -1`): the night goes on, shown no more
+            self.mode = "off"
 
     def on_event(self, ev: ChildEvent) -> None:
         if self.mode == "off":

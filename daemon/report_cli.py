@@ -12,7 +12,8 @@ from typing import Any
 from daemon.report_data import adapter_states, collect_adapters
 from daemon.report_html import render
 from daemon.settings import Settings
-from jobs.store.paths import StatePaths
+
+DEFAULT_OUT = "nightshift-report.html"
 
 
 def add_command(sub: Any) -> None:
@@ -24,7 +25,8 @@ def add_command(sub: Any) -> None:
     p.add_argument("--nights", type=int, default=14, metavar="N",
                    help="how many of the last runs (of each adapter; default: 14)")
     p.add_argument("--out", type=Path, metavar="FILE",
-                   help="where the HTML goes (default: <state_dir>/report.html; - for stdout)")
+                   help=f"where the HTML goes (default: ./{DEFAULT_OUT}, in the working directory: a report "
+                        "only reads the state directory; - for stdout)")
     p.add_argument("--json", action="store_true", help="print the same data as JSON instead of writing HTML")
     p.set_defaults(func=cmd_report)
 
@@ -55,7 +57,7 @@ def cmd_report(args: argparse.Namespace, s: Settings) -> int:
     if str(args.out) == "-":
         sys.stdout.write(html)
         return 0
-    out = args.out or StatePaths(s.state_dir).report
+    out = args.out or Path(DEFAULT_OUT)
     write_atomically(out, html)
     of = f" of {len(report.adapters)} adapters" if report.adapters else ""
     print(f"{out}: {report.night_count()} night(s){of}")

@@ -27,7 +27,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from daemon.config_paths import config_base, rebase_paths
+from daemon.config_paths import UNSET, config_base, path_problems, rebase_paths, shorter
 from daemon.metrics import MetricsConfig
 from daemon.window import WindowConfig
 from jobs.contract.redact import redact_text
@@ -69,7 +69,7 @@ class DaemonConfig(BaseModel):
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid",
-                                      case_sensitive=False)
+                                      case_sensitive=False, env_ignore_empty=True)  # `VAR=` unsets, as in systemd
 
     state_dir: Path = Path("state")
     model: ModelConfig
@@ -120,8 +120,9 @@ class Settings(BaseSettings):
 class _RelativeToml(TomlConfigSettingsSource):
     """The TOML file, its relative paths made relative to the file (daemon/config_paths.py)."""
 
-    def _read_file(self, file_path: Path) -> dict[str, Any]:
-        return rebase_paths(Settings, super()._read_file(file_path), config_base(file_path))
+    def _read_file(self, file_path: Path) -> dict[str, Any]:  # utf-8-sig: a byte order mark (Notepad) is no error
+        return rebase_paths(Settings, tomllib.loads(Path(file_path).read_text(encoding="utf-8-sig")),
+                            config_base(file_path))
 
 
 class ConfigError(ValueError):
@@ -139,8 +140,10 @@ def key_name(loc: tuple[Any, ...]) -> tuple[str, str]:
     parts = [str(p) for p in loc]
     if not parts:
         return "(top level)", ENV_PREFIX
-    if len(parts) >= 2 and parts[1].isdigit():  # a table in an array: [[sources]] #2 inbox
-        name = f"[[{parts[0]}]] #{int(parts[1]) + 1}" + (f" {'.'.join(parts[2:])}" if parts[2:] else "")
+    at = next((i for i, p in enumerate(parts) if i and p.isdigit()), None)
+    if at is not None:  # a table in an array: [[sources]] #2 inbox, [[hotswap.targets]] #1 name
+        name = f"[[{'.'.join(parts[:at])}]] #{int(parts[at]) + 1}" + (f" {'.'.join(parts[at + 1:])}"
+                                                                        if parts[at + 1:] else "")
     elif len(parts) == 1:
         name = parts[0]
     else:
@@ -163,57 +166,76 @@ def merge_problems(problems: list[str]) -> list[str]:
     return [f"{n}: " + "; or: ".join(dict.fromkeys(r)) if any(r) else n for n, r in merged.items()]
 
 
-def known_keys(loc: tuple[Any, ...]) -> list[str]:
-    """The keys the table at `loc` accepts (for "did you mean"): the Settings model walked along it."""
-    model: Any = Settings
-    for part in loc:
+def user_loc(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[str], list[Any]]:
+    """`loc` as the user wrote it, the keys its table accepts (for "did you mean") and the models it may be:
+    Settings walked along it. A tagged union's tag (`vllm` in hotswap.targets.0.vllm.nmae) is not a key."""
+    models: list[Any] = [Settings]
+    out: list[Any] = []
+    for i, part in enumerate(loc):
         if isinstance(part, int) or (isinstance(part, str) and part.isdigit()):
+            out.append(part)
             continue
-        field = getattr(model, "model_fields", {}).get(part)
+        field = next((m.model_fields[part] for m in models if part in getattr(m, "model_fields", {})), None)
+        tagged = [m for m in models if part in _tags(m)] if i + 1 < len(loc) else []  # the last: the key
+        if field is None and tagged:
+            models = tagged
+            continue
+        out.append(part)
         if field is None:
-            return []
-        model = _model_in(field.annotation)
-        if model is None:
-            return []
-    return sorted(getattr(model, "model_fields", {}))
+            return (*out, *loc[i + 1:]), [], []
+        models = _models_in(field.annotation)
+    return tuple(out), sorted({k for m in models for k in getattr(m, "model_fields", {})}), models
 
 
-def _model_in(tp: Any) -> Any:
-    """The pydantic model inside an annotation (Model, Model | None, list[Model]), or None."""
+def _tags(model: Any) -> set[str]:
+    """The values a model's `kind` discriminator takes (a member of a tagged union)."""
+    field = getattr(model, "model_fields", {}).get("kind")
+    return {str(a) for a in typing.get_args(field.annotation)} if field is not None else set()
+
+
+def _models_in(tp: Any) -> list[Any]:
+    """The pydantic models inside an annotation (Model, Model | None, list[Model], a union of models)."""
     if isinstance(tp, type) and issubclass(tp, BaseModel):
-        return tp
-    for arg in typing.get_args(tp):
-        if (found := _model_in(arg)) is not None:
-            return found
-    return None
+        return [tp]
+    return [m for arg in typing.get_args(tp) for m in _models_in(arg)]
 
 
 def format_error(err: dict[str, Any]) -> str:
-    loc = tuple(x for x in err["loc"] if not _union_member(x))
+    loc = user_loc(tuple(x for x in err["loc"] if not _union_member(x)))[0]
     name, env = key_name(loc)
     in_list = any(isinstance(x, int) for x in loc)
     if err["type"] == "extra_forbidden":
-        hint = difflib.get_close_matches(str(loc[-1]).lower(), known_keys(loc[:-1]), n=1) if loc else []
+        hint = difflib.get_close_matches(str(loc[-1]).lower(), user_loc(loc[:-1])[1], n=1) if loc else []
         return f"{name}: unknown key" + (f" (did you mean '{hint[0]}'?)" if hint else "")
+    if err["type"] in ("union_tag_not_found", "union_tag_invalid"):  # [[hotswap.targets]] kind = "vlm"
+        key, tag = str(err["ctx"]["discriminator"]).strip("'"), err["ctx"].get("tag")
+        tags = sorted({t for m in user_loc(loc)[2] for t in _tags(m)})
+        hint = difflib.get_close_matches(str(tag), tags, n=1) if tag is not None else []
+        said = "required key is missing" if tag is None else f"{tag!r} is not a kind"
+        return (f"{name} {key}: {said} (one of {', '.join(map(repr, tags))})"
+                + (f"; did you mean {hint[0]!r}?" if hint else ""))
     if err["type"] == "missing":
         return f"{name}: required key is missing" + ("" if in_list else f" (or set {env})")
     msg = str(err["msg"]).removeprefix("Value error, ")
     if msg.startswith("["):  # a validator that already names the key the user's way
         return msg
     got = err.get("input")
-    shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
+    shown = "" if isinstance(got, dict | list) else f" (got {shorter(repr(got))})"
     origin = f" [from the environment: {env}]" if not in_list and env.upper() in map(str.upper, os.environ) else ""
     return f"{name}: {msg}{shown}{origin}"
 
 
 def load_settings(path: Path | None = DEFAULT_CONFIG, **overrides: Any) -> Settings:
     """Read TOML + environment; raise ConfigError listing every problem."""
+    blank: list[tuple[Any, ...]] = []
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(path, ["a directory, not a config file: give the TOML file in it"])
         if not path.is_file():
             raise ConfigError(path, ["config file not found"])
         try:
-            tomllib.loads(path.read_text(encoding="utf-8"))
+            rebase_paths(Settings, tomllib.loads(path.read_text(encoding="utf-8-sig")), config_base(path), blank)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(path, [f"not valid TOML: {e}"]) from None
         except UnicodeDecodeError as e:
@@ -223,17 +245,19 @@ def load_settings(path: Path | None = DEFAULT_CONFIG, **overrides: Any) -> Setti
     config = SettingsConfigDict(**{**Settings.model_config, "toml_file": path})
     cls = type("FileSettings", (Settings,), {"model_config": config, "__module__": __name__})
     problems, masked = env_problems(os.environ)
+    empty = dict.fromkeys(key_name(loc)[0] for loc in blank)  # read as "." (the working directory) if let through
+    problems += [f"{name}: empty (a path is needed; a relative one starts at this file's folder)" for name in empty]
     for _ in range(8):  # a variable pydantic-settings cannot parse stops it: report it, leave it out, go on
         try:
             with _without(masked):
                 s = cls(**overrides)
             if problems:
-                raise ConfigError(path, problems + check_paths(s))
+                raise ConfigError(path, problems + [p for p in check_paths(s) if p.split(":")[0] not in empty])
             return s
-        except ValidationError as e:
-            errors = merge_problems([format_error(x) for x in e.errors()])
+        except ValidationError as e:  # a validator's several problems are several lines ([[adapters]])
+            errors = merge_problems([p for x in e.errors() for p in format_error(x).split("\n  - ")])
             with _without(masked):
-                more = raw_path_problems(path, bad={p.split(":")[0] for p in errors})
+                more = raw_path_problems(path, bad={p.split(":")[0] for p in errors} | set(empty))
             raise ConfigError(path, problems + errors + more) from None
         except SettingsError as e:
             found = _unparsable(str(e), masked)
@@ -244,52 +268,20 @@ def load_settings(path: Path | None = DEFAULT_CONFIG, **overrides: Any) -> Setti
     raise ConfigError(path, problems)
 
 
-def check_paths(s: Settings) -> list[str]:
-    """Problems a config can have beyond its types: things on disk it points at."""
-    return path_problems(state_dir=s.state_dir, model_path=s.model.path, build=s.model.build,
+def check_paths(s: Settings, *, writes: bool = True) -> list[str]:
+    """Problems a config can have beyond its types: things on disk it points at (`writes=False`: a command
+    that only reads the state directory, as `plan`, runs on one this user may not write)."""
+    return path_problems(state_dir=s.state_dir, writes=writes, model_path=s.model.path, build=s.model.build,
                          inboxes=[src.inbox for src in s.sources], regression_set=s.eval.regression_set,
                          canary_set=s.eval.canary_set)
 
 
 NOT_CONFIG = {"NIGHTSHIFT_LOG_LEVEL", "NIGHTSHIFT_LOG_FORMAT", "NIGHTSHIFT_CONFIG", "NIGHTSHIFT_NIGHT_LOCK_FD"}
-_MISSING = object()
-
-
-def path_problems(*, state_dir: Any = _MISSING, model_path: Any = _MISSING, build: Any = None,
-                  inboxes: list[Any] | None = None, regression_set: Any = None, canary_set: Any = None) -> list[str]:
-    """What the config points at on disk; a value left _MISSING (or not a path) is not checked."""
-    problems = []
-    if isinstance(state_dir, str | Path):
-        sd = Path(state_dir)
-        base = next((p for p in (sd, *sd.absolute().parents) if p.exists()), sd)
-        if sd.exists() and not sd.is_dir():
-            problems.append(f"state_dir: {sd} is not a directory")
-        elif not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
-            problems.append(f"state_dir: {sd} is not writable" if base == sd
-                            else f"state_dir: {sd} cannot be created ({base} is not writable)")
-    if isinstance(model_path, str | Path) and build is None and not (Path(model_path) / "config.json").is_file():
-        problems.append(f"[model] path: {model_path} is not a local model directory (no config.json)")
-    for i, inbox in enumerate(inboxes or [], start=1):
-        if not isinstance(inbox, str | Path):
-            continue
-        if not Path(inbox).is_dir():
-            problems.append(f"[[sources]] #{i} inbox: {inbox} is not a directory")
-        elif not os.access(inbox, os.R_OK | os.X_OK):
-            problems.append(f"[[sources]] #{i} inbox: {inbox} is not readable")
-    if isinstance(regression_set, str | Path) and not Path(regression_set).is_file():
-        problems.append(f"[eval] regression_set: {regression_set} does not exist")
-    if isinstance(canary_set, str | Path) and canary_set != regression_set and not Path(canary_set).is_file():
-        problems.append(f"[eval] canary_set: {canary_set} does not exist")
-    if inboxes is not None and not inboxes:
-        problems.append("[[sources]]: no source configured: nothing would ever be trained")
-    return problems
-
-
 def raw_path_problems(path: Path | None, *, bad: set[str]) -> list[str]:
     """The path checks on the raw config (TOML, then the environment) when it does not validate, so
     `check-config` reports types and paths together. Keys with a type problem of their own are skipped."""
     try:
-        raw: dict[str, Any] = tomllib.loads(path.read_text(encoding="utf-8")) if path is not None else {}
+        raw: dict[str, Any] = tomllib.loads(path.read_text(encoding="utf-8-sig")) if path is not None else {}
         raw = rebase_paths(Settings, raw, config_base(path)) if path is not None else raw
     except (OSError, ValueError):
         raw = {}
@@ -297,12 +289,12 @@ def raw_path_problems(path: Path | None, *, bad: set[str]) -> list[str]:
 
     def pick(section: str | None, key: str, label: str) -> Any:
         if label in bad:
-            return _MISSING
+            return UNSET
         name = ENV_PREFIX + (f"{section}__{key}" if section else key).upper()
         if name in env:
             return env[name]
         table = raw.get(section, {}) if section else raw
-        return table.get(key, _MISSING) if isinstance(table, dict) else _MISSING
+        return table.get(key, UNSET) if isinstance(table, dict) else UNSET
 
     sources = raw.get("sources")
     inboxes = None
@@ -311,9 +303,9 @@ def raw_path_problems(path: Path | None, *, bad: set[str]) -> list[str]:
                    for i, s in enumerate(sources, start=1)]
     build = pick("model", "build", "[model] build")
     state_dir = pick(None, "state_dir", "state_dir")
-    return path_problems(state_dir="state" if state_dir is _MISSING and "state_dir" not in bad else state_dir,
+    return path_problems(state_dir="state" if state_dir is UNSET and "state_dir" not in bad else state_dir,
                          model_path=pick("model", "path", "[model] path"),
-                         build=None if build is _MISSING else build, inboxes=inboxes,
+                         build=None if build is UNSET else build, inboxes=inboxes,
                          regression_set=pick("eval", "regression_set", "[eval] regression_set"),
                          canary_set=pick("eval", "canary_set", "[eval] canary_set"))
 

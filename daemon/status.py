@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -10,9 +11,11 @@ from typing import Any
 from daemon.settings import Settings
 from daemon.tables import grid, key_values
 from jobs.store import learning
+from jobs.store.locking import night_running
 from jobs.store.paths import StatePaths
 from jobs.store.readonly import open_read_only
 from jobs.store.registry import Registry
+from jobs.store.stale import fate
 
 
 def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:
@@ -35,15 +38,20 @@ def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:
 def _state(state_dir: Path, zone: Any, night: str | None) -> dict[str, Any]:
     """What one state directory's ledger and registry say."""
     ledger = open_read_only(StatePaths(state_dir).ledger)  # creates nothing, migrates nothing; read-only works
+    running = night_running(state_dir)
     try:
         runs = []
         for r in ledger.last_runs(10):
             summ = json.loads(r["summary"]) if r["summary"] else {}
+            # an open run no night holds was stopped (Ctrl-C, SIGTERM, a crash): said so, with what comes of it
+            stopped = r["status"] == "running" and not running
             runs.append({
-                "run_id": r["id"], "night": r["night"], "status": r["status"], "version": r["version"],
+                "run_id": r["id"], "night": r["night"], "status": "stopped" if stopped else r["status"],
+                "version": r["version"],
                 "started": datetime.fromtimestamp(r["started_at"], zone).isoformat(timespec="seconds"),
                 "seconds": round(r["ended_at"] - r["started_at"], 1) if r["ended_at"] else None,
-                "trained_samples": summ.get("trained_samples"), "attempts": r["attempt"], "error": r["error"],
+                "trained_samples": summ.get("trained_samples"), "attempts": r["attempt"],
+                "error": fate(r, time.time(), night_running=False).split(": ", 1)[1] if stopped else r["error"],
             })
         backlog = ledger.backlog()
         current = Registry(state_dir, create=False).current_version()

@@ -152,8 +152,8 @@ class NightChild:
                 self.summary = ev.summary
             try:
                 self.on_event(ev)
-            except Exception:  # a metrics bug must not kill the supervisor
-                log.exception("event_handler_failed", event=ev.event)
+            except Exception:  # a metrics bug, or a reader gone (`once | head -1`), must not stop the reading
+                log.exception("event_handler_failed", child_event=ev.event)  # `event` is structlog's own
 
     def _read_logs(self) -> None:
         assert self.proc and self.proc.stderr

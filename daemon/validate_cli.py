@@ -64,6 +64,11 @@ def render(checks: list[FileCheck]) -> str:
 
 
 def cmd_validate(args: argparse.Namespace, s: Settings) -> int:
+    wrong = [f"{f}: " + ("a directory: give the files in it (nightshift validate DIR/*)" if f.is_dir() else
+                         "no such file") for f in args.files if not f.is_file()]
+    if wrong:  # a mistyped name is the command line's fault, not a record the inbox would quarantine
+        print("\n".join(f"nightshift validate: {w}" for w in wrong), file=sys.stderr)
+        return ExitCode.USAGE
     rc, checks = run_checks(s, args.files, args.source)
     if rc != ExitCode.OK:
         print(f"nightshift validate: the check failed (exit status {rc})", file=sys.stderr)

@@ -176,7 +176,8 @@ def read_json_array(f: IO[bytes], lim: Limits) -> Iterator[RawRecord]:
     start = len(chunk) - len(chunk.lstrip(_WS))
     lines += chunk.count(b"\n", 0, start)
     if chunk[start:start + 1] != b"[":
-        got = "an object" if chunk[start:start + 1] == b"{" else f"{chunk[start:start + 12]!r}"
+        got = ("an object (one record a line is JSON Lines: name the file .jsonl)" if chunk[start:start + 1] == b"{"
+               else f"{chunk[start:start + 12]!r}")
         yield RawRecord(None, None, RecordError("bad_file", f"a .json file must hold an array of records, got {got}"))
         return
     depth_, in_str, esc, n = 1, False, False, 0

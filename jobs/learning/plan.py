@@ -288,3 +288,25 @@ def make_plan(pending: list[SampleRow], *, now: float, deadline: float, history:
         predicted_train_seconds=train_seconds, epochs=max(1, epochs),
         basis=basis, measured=measured, replay_ids=[s.id for s in replay], replay_tokens=replay_tokens,
     )
+
+
+
+def resumed_plan(stored: Plan, *, left: float, done_tokens: int) -> tuple[Plan, int]:
+    """A resumed night's plan for this attempt, and the tokens the night now plans in all: the samples planned at
+    its first start (the checkpoint's batch order needs them; `train_tokens` stays theirs), the tokens trained
+    before, and the time left now (a new `--until`). What will not fit at the plan's rate is shown deferred, as the
+    loop cuts it (whole samples, the last of the order); the predicted seconds are this attempt's."""
+    tps = max(stored.tokens_per_second, 1e-9)
+    total = stored.train_tokens * stored.epochs
+    rest = max(0, total - done_tokens)
+    fits = min(float(rest), left * tps)
+    cut = 1.0 - (done_tokens + fits) / total if total and fits < rest else 0.0
+    deferred = min(len(stored.train_ids), math.ceil(len(stored.train_ids) * cut))
+    plan = stored.model_copy(update={
+        "available_seconds": left, "predicted_train_seconds": fits / tps,
+        "deferred_samples": stored.deferred_samples + deferred,
+        "deferred_tokens": stored.deferred_tokens + math.ceil(stored.train_tokens * cut),
+        "basis": f"{stored.basis}; resumed with {left:,.0f} s left: the samples planned at the night's first start, "
+                 f"{done_tokens:,} tokens trained before" + (f", ~{deferred:,} of them will not fit" if deferred
+                                                               else "")})
+    return plan, done_tokens + math.floor(fits)

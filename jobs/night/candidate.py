@@ -148,8 +148,9 @@ def train_candidate(ctx: RunContext, prep: Prepared, planned: PlannedRun) -> Tra
         s.first_step_seconds = result.first_step_at - ctx.process_started
     s.trained_samples = sum(1 for i in result.trained_ids if i not in prep.replay_ids)
     s.replay_samples = len(result.trained_ids) - s.trained_samples
-    s.cut_samples = sum(1 for i in result.cut_ids + result.partial_ids if i not in prep.replay_ids)
-    s.deferred_samples = (s.deferred_samples or 0) + s.cut_samples
+    if result.stopped != "signal":  # stopped on request the samples stay tonight's: the next start resumes them
+        s.cut_samples = sum(1 for i in result.cut_ids + result.partial_ids if i not in prep.replay_ids)
+        s.deferred_samples = (s.deferred_samples or 0) + s.cut_samples
     s.trained_tokens, s.steps, s.actual_train_seconds, s.stopped = (result.tokens, result.steps, result.seconds,
                                                                     result.stopped)
     s.losses.train = result.mean_loss

@@ -20,7 +20,9 @@ from jobs.night.context import RunContext
 from jobs.store import learning
 from jobs.store.ledger import SampleRow
 from jobs.store.paths import StatePaths
+from jobs.training.checkpoints import read_state
 from jobs.training.fp8.compute import with_compute
+from jobs.training.loop_state import LoopState
 from jobs.training.shape import history_for_shape, length_curve, resolve_step
 
 log = structlog.get_logger("nightshift.night")
@@ -133,10 +135,9 @@ def plan_night(ctx: RunContext, *, key: str, backend: str, device: str,
         stored = ledger.plan_of(run) if run is not None else None
         if stored is not None:  # the same samples and version; the time is this attempt's (a new --until)
             left = max(0.0, ctx.deadline - ctx.clock() - stored.overhead_seconds)
-            stored = stored.model_copy(update={
-                "available_seconds": left, "basis": f"{stored.basis}; resumed: the samples planned at the night's "
-                f"first start, the time left now ({left:,.0f} s for {stored.predicted_train_seconds:,.0f} s planned)"})
-            planned = PlannedRun(stored, ledger.run_samples(ctx.run_id), key, shape)
+            before = trained_before(ctx.checkpoints)
+            shown, planned_tokens = budget.resumed_plan(stored, left=left, done_tokens=before.tokens)
+            planned = PlannedRun(shown, ledger.run_samples(ctx.run_id), key, shape)
         else:
             pending = ledger.pending(order=cfg.plan.order)
             pending = pending + list(incoming) if cfg.plan.order == "oldest" else [*reversed(incoming), *pending]
@@ -162,4 +163,18 @@ def plan_night(ctx: RunContext, *, key: str, backend: str, device: str,
     s.plan, s.plan_basis, s.predicted_train_seconds = p, p.basis, p.predicted_train_seconds
     s.planned_tokens, s.step_shape = p.train_tokens * p.epochs, planned.shape
     s.deferred_samples, s.parent_version, s.heldout_samples = p.deferred_samples, p.parent_version, len(p.heldout_ids)
+    if stored is not None:  # a resume: the night's tokens and seconds as planned now, the attempts before included;
+        s.planned_tokens, s.deferred_samples = planned_tokens, stored.deferred_samples  # cuts: counted by the loop
+        s.predicted_train_seconds = before.seconds + p.predicted_train_seconds
     return planned
+
+
+def trained_before(ckpt_root: Path) -> LoopState:
+    """What the attempts before this one trained (the newest checkpoint's count; none: nothing), for the plan's
+    figures only: the checkpoint is checked before it is resumed from (jobs/night/candidate.py)."""
+    for name in ("latest", "previous"):
+        try:
+            return read_state(ckpt_root / name)
+        except (OSError, ValueError):
+            continue
+    return LoopState(next_batch=0, steps=0)

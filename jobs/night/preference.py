@@ -131,8 +131,9 @@ def train_pairs(ctx: Any, prep: Any, relay: Callable[[Any], None]) -> TrainResul
     s.step_shape = prep.shape
     s.trained_samples = sum(1 for i in res.trained_ids if i not in prep.replay_ids)
     s.replay_samples = len(res.trained_ids) - s.trained_samples
-    s.cut_samples = sum(1 for i in result.cut_ids if i not in prep.replay_ids)
-    s.deferred_samples = (s.deferred_samples or 0) + s.cut_samples
+    if result.stopped != "signal":  # stopped on request the pairs stay tonight's: the next start resumes them
+        s.cut_samples = sum(1 for i in result.cut_ids if i not in prep.replay_ids)
+        s.deferred_samples = (s.deferred_samples or 0) + s.cut_samples
     s.trained_tokens, s.steps, s.actual_train_seconds, s.stopped = tokens, res.steps, res.seconds, result.stopped
     s.losses.train = res.mean_loss
     if res.stopped != "signal":  # an interrupted run trains its pairs again when it resumes: counted then

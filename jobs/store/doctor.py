@@ -15,7 +15,7 @@ from typing import Any
 from jobs.contract import parse_version_name
 from jobs.store.integrity import ledger_in_service, unknown_versions
 from jobs.store.ledger import Ledger
-from jobs.store.locking import LockTimeout, StateLock, holder
+from jobs.store.locking import LockTimeout, StateLock, holder, night_running
 from jobs.store.paths import StatePaths
 from jobs.store.readonly import read_only_uri
 from jobs.store.registry import TMP_PREFIX, IntegrityError, Registry
@@ -45,7 +45,7 @@ def diagnose(state_dir: Path, *, name: str | None = None, lock_timeout: float = 
     if not state.is_dir():
         return [Finding("ok", "state", f"{state} does not exist yet: nothing to check (a first night creates it)")]
     out: list[Finding] = []
-    running = _held(state)  # the night lock is the state directory's own inode (jobs/store/locking.py)
+    running = night_running(state)
     who = (holder(StatePaths(state).night_lock) or "its holder did not say who") if running else ""
     out.append(Finding("note", "night", f"a night is running ({who})") if who else
                Finding("ok", "night", "no night is running"))
@@ -61,23 +61,6 @@ def diagnose(state_dir: Path, *, name: str | None = None, lock_timeout: float = 
                            "reading without it", "run doctor as the service's user to check under the lock"))
         out += _check(state, name, running)
     return out
-
-
-def _held(lock: Path) -> bool:
-    import fcntl
-    import os
-
-    try:
-        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
 
 
 def _check(state: Path, name: str | None, night_running: bool = False) -> list[Finding]:

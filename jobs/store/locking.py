@@ -145,3 +145,19 @@ def inherited_night_lock(state_dir: Path, environ: dict[str, str] | None = None,
     finally:
         os.close(probe)
     return False
+
+
+def night_running(state_dir: Path) -> bool:
+    """Whether a night holds the state directory now (its night lock: the directory's own inode), asked without
+    taking it or writing anything (`doctor`, `status`)."""
+    try:
+        fd = os.open(state_dir, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)

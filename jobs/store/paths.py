@@ -19,7 +19,6 @@ the code asks `StatePaths(state_dir).ledger`, never joins a name itself (tests/t
       cache/scores/            per-sample scores of versions on fixed sets
       models/                  models built or converted here, and the compile caches
       calibrate/               `nightshift calibrate`'s measurement (default --out)
-      report.html              `nightshift report`'s page (default --out)
       logs/once-*.jsonl        the structured log of `nightshift once` at a terminal (the last few kept)
       capture/                 `nightshift capture`'s journal of captured replies
       by-adapter/<name>/       [[adapters]]: each adapter's own state directory, of this very layout
@@ -104,10 +103,6 @@ class StatePaths:
     @property
     def calibrate(self) -> Path:
         return self.root / "calibrate"
-
-    @property
-    def report(self) -> Path:
-        return self.root / "report.html"
 
     @property
     def once_logs(self) -> Path:

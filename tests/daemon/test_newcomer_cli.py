@@ -17,6 +17,15 @@ REPO = Path(__file__).resolve().parents[2]
     ('[train]\nlora_rnak = 8\n', "[train] lora_rnak: unknown key (did you mean 'lora_rank'?)"),
     ('stat_dir = "s"\n', "stat_dir: unknown key (did you mean 'state_dir'?)"),
     ('[[sources]]\nname = "a"\ninbx = "i"\n', "[[sources]] #1 inbx: unknown key (did you mean 'inbox'?)"),
+    # a table in an array under a section, a member of a tagged union: no pydantic tag in the name (was
+    # "[hotswap] targets.0.vllm.nmae: unknown key", no guess)
+    ('[[hotswap.targets]]\nkind = "vllm"\nname = "v"\nbase_url = "http://127.0.0.1:8000"\nnmae = "x"\n',
+     "[[hotswap.targets]] #1 nmae: unknown key (did you mean 'name'?)"),
+    ('[[hotswap.targets]]\nkind = "vlm"\nname = "v"\n',
+     "[[hotswap.targets]] #1 kind: 'vlm' is not a kind (one of 'command', 'sglang', 'vllm', 'webhook'); "
+     "did you mean 'vllm'?"),
+    ('[[hotswap.targets]]\nknd = "vllm"\n',
+     "[[hotswap.targets]] #1 kind: required key is missing (one of 'command', 'sglang', 'vllm', 'webhook')"),
 ])
 def test_a_misspelt_key_gets_a_did_you_mean(tmp_path, toml, said):
     cfg = tmp_path / "c.toml"
@@ -25,6 +34,59 @@ def test_a_misspelt_key_gets_a_did_you_mean(tmp_path, toml, said):
     with pytest.raises(ConfigError) as e:
         load_settings(cfg)
     assert said in e.value.problems
+
+
+def test_each_problem_of_several_adapters_is_a_problem_of_its_own(tmp_path):
+    """The [[adapters]] check reported two problems as "1 problem(s)", the second glued to the first."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[model]\npath = "{tmp_path}"\n[[adapters]]\nname = "a"\nsources = ["x"]\n'
+                   '[[adapters]]\nname = "b"\nsources = ["y"]\n[adapters.train]\nlora_rnak = 4\n')
+    with pytest.raises(ConfigError) as e:
+        load_settings(cfg)
+    assert "[[adapters]] #2 train.lora_rnak: unknown key (did you mean 'lora_rank'?)" in e.value.problems
+    assert all("\n" not in p for p in e.value.problems)
+    assert str(e.value).count("\n  - ") == len(e.value.problems) == int(str(e.value).split(": ")[1].split()[0])
+
+
+def test_an_empty_path_is_named_not_read_as_the_working_directory(tmp_path, monkeypatch):
+    """`state_dir = ""` passed check-config and put the ledger in whatever directory a command ran from."""
+    (tmp_path / "inbox").mkdir()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('state_dir = ""\n[model]\npath = " "\nbuild = "tiny-llama"\n[[sources]]\nname = "a"\n'
+                   'inbox = "inbox"\n[eval]\nregression_set = ""\n')
+    monkeypatch.chdir(tmp_path / "inbox")
+    with pytest.raises(ConfigError) as e:
+        load_settings(cfg)
+    assert sorted(p.split(":")[0] for p in e.value.problems) == ["[eval] regression_set", "[model] path", "state_dir"]
+    assert all(": empty (a path is needed" in p for p in e.value.problems), e.value.problems
+
+
+def test_a_config_saved_with_a_byte_order_mark_and_crlf_reads_as_any_other(tmp_path):
+    """Notepad's UTF-8 starts with a BOM: it was "not valid TOML: Invalid statement (at line 1, column 1)"."""
+    (tmp_path / "inbox").mkdir()
+    text = 'state_dir = "state"\n[model]\npath = "m"\nbuild = "tiny-llama"\n[[sources]]\nname = "a"\ninbox = "inbox"\n'
+    cfg = tmp_path / "c.toml"
+    cfg.write_bytes(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode())
+    s = load_settings(cfg)
+    assert (s.state_dir, s.sources[0].inbox) == (tmp_path / "state", tmp_path / "inbox")
+
+
+def test_a_huge_value_is_quoted_short_and_a_path_the_kernel_refuses_is_a_problem_not_a_traceback(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{"s" * 100_000}"\n[model]\npath = "{tmp_path}"\n'
+                   f'[train]\nlora_rank = "{"x" * 10**6}"\n')
+    with pytest.raises(ConfigError) as e:  # was OSError: [Errno 36] File name too long, and a 1 MB message
+        load_settings(cfg)
+    assert len(str(e.value)) < 2000, len(str(e.value))
+    said = {p.split(":")[0]: p for p in e.value.problems}
+    assert "(1,000,002 characters)" in said["[train] lora_rank"]
+    assert said["state_dir"].endswith(" characters) cannot be used: File name too long")
+
+
+def test_a_directory_given_as_the_config_is_named_so(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_settings(tmp_path)
+    assert e.value.problems == ["a directory, not a config file: give the TOML file in it"]
 
 
 def test_a_key_like_no_other_gets_no_guess(tmp_path):

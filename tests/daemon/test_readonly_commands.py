@@ -66,6 +66,11 @@ def test_relative_paths_in_a_config_file_are_relative_to_it(relative_config, mon
     home = relative_config.parent
     s = load_settings(relative_config)
     assert s.state_dir == home / "state" and s.sources[0].inbox == home / "inbox"
+    up = home / "up.toml"
+    up.write_text(relative_config.read_text().replace('state_dir = "state"', 'state_dir = "../ns/./state"'))
+    assert str(load_settings(up).state_dir) == str(home.resolve() / "state")  # shown without "..": the demo's
+    monkeypatch.setenv("NIGHTSHIFT_STATE_DIR", "")  # empty: unset (it was "", the working directory)
+    assert load_settings(relative_config).state_dir == home / "state"
     monkeypatch.setenv("NIGHTSHIFT_STATE_DIR", "mine")  # the environment keeps the shell's convention
     assert load_settings(relative_config).state_dir == Path("mine")
 
@@ -77,6 +82,9 @@ def test_no_read_only_command_creates_or_changes_a_state_directory(relative_conf
         cli(relative_config, argv)
         assert tree(home, elsewhere) == before, f"{argv} with no state directory"
         assert not (home / "state").exists() and not (elsewhere / "state").exists(), argv
+    cli(relative_config, ["report"])  # the page goes to the working directory (it was <state_dir>/report.html)
+    assert tree(home) == {k: v for k, v in before.items() if k.startswith(str(home))}
+    assert not (home / "state").exists() and (elsewhere / "nightshift-report.html").is_file()
     capsys.readouterr()
 
     s = load_settings(relative_config)
@@ -92,5 +100,27 @@ def test_no_read_only_command_creates_or_changes_a_state_directory(relative_conf
         after = tree(home, elsewhere)
         changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
         assert not changed, f"{argv} changed the state directory: {changed}"
+    cli(relative_config, ["report"])
+    assert tree(home) == {k: v for k, v in before.items() if k.startswith(str(home))}
     out = capsys.readouterr().out
     assert "tiny-v0001" in out and json.dumps("succeeded") in out
+
+
+def test_plan_reads_a_state_directory_this_user_may_not_write(relative_config, monkeypatch, capsys):
+    """`plan` refused with "state_dir: ... is not writable" (exit 2) for an operator who is not the service's user,
+    though it writes nothing. The kernel's answer to such a user stands in as os.access (the tests run as root)."""
+    import os
+
+    home, real_access = relative_config.parent, os.access
+
+    def refuse(path, mode, *a, **k):
+        if str(path).startswith(str(home)) and mode & os.W_OK:
+            return False
+        return real_access(path, mode, *a, **k)
+
+    monkeypatch.setattr(os, "access", refuse)
+    before = tree(home)
+    assert main(["--config", str(relative_config), "plan", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inbox"]["new_samples"] == 12
+    assert tree(home) == before
+    assert main(["--config", str(relative_config), "check-config"]) == 2  # a night would need to write

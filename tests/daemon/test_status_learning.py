@@ -44,3 +44,21 @@ def test_the_nights_summary_reads_exact_match_per_model_and_what_a_rejected_nigh
     assert "90.0% -> 92.5% (reference 90.0%, base 0.0%)" in text
     assert "not evaluated: 3 heldout samples < min_eval_samples 8" in text
     assert "12 put back, 3 set aside" in text
+
+
+def test_a_run_no_night_holds_is_shown_stopped_with_what_comes_of_it(tmp_path: Path):
+    """After Ctrl-C or SIGTERM, `status` listed the open run as "running" though nothing ran."""
+    import time
+
+    from jobs.store.locking import night_lock
+
+    s = load_settings(state_dir=tmp_path / "state")
+    led = Ledger(tmp_path / "state" / "ledger.sqlite")
+    led.start_run("manual-2026-11-28-abc123", "manual-2026-11-28", deadline=time.time() + 3600)
+    led.close()
+    (run,) = status.collect(s)["runs"]
+    assert run["status"] == "stopped" and "resumes it from its last checkpoint" in run["error"]
+    assert "stopped" in status.render(status.collect(s))
+    with night_lock(tmp_path / "state"):  # a night holds the state directory: its run is running
+        (run,) = status.collect(s)["runs"]
+        assert (run["status"], run["error"]) == ("running", None)

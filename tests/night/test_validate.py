@@ -71,3 +71,9 @@ def test_validate_command_exit_status_and_nothing_written(tmp_path, tiny_model):
     assert r.returncode == 0 and json.loads(r.stdout)[0]["would_train"] == 5
     r = validate("--source", "nope", str(good))
     assert r.returncode == 2 and "no [[sources]] is named 'nope'" in r.stderr
+    # a mistyped name is a bad command line (exit 2, named), not "1 would be quarantined" (it said so, exit 1)
+    r = validate(str(good), str(tmp_path / "typo.jsonl"), str(tmp_path))
+    assert (r.returncode, r.stdout) == (2, ""), r.stderr
+    assert r.stderr.splitlines() == [f"nightshift validate: {tmp_path / 'typo.jsonl'}: no such file",
+                                     f"nightshift validate: {tmp_path}: a directory: give the files in it "
+                                     "(nightshift validate DIR/*)"]

@@ -16,8 +16,8 @@ def test_the_layout_of_a_state_directory():
     assert p.root == root and p == StatePaths(root)
     assert (p.ledger, p.lock, p.night_lock, p.daemon_lock, p.hotswap_lock) == (
         root / "ledger.sqlite", root / "lock", root / "night.lock", root / "daemon.lock", root / "hotswap.lock")
-    assert (p.adapters, p.current, p.models, p.calibrate, p.report) == (
-        root / "adapters", root / "current", root / "models", root / "calibrate", root / "report.html")
+    assert (p.adapters, p.current, p.models, p.calibrate) == (
+        root / "adapters", root / "current", root / "models", root / "calibrate")
     assert p.run_checkpoints("r1") == root / "checkpoints" / "r1"
     assert p.rank_scratch("r1", 2) == root / "ranks" / "r1-rank2"
     assert p.quarantine_file("r1") == root / "quarantine" / "r1.jsonl"

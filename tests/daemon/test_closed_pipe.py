@@ -1,0 +1,83 @@
+"""Quiet on a closed pipe, for every command (issue 42): `nightshift plan | head -1` and `once | head -1` killed
+the event reader (its error log itself raised), so the night's result never arrived: `plan` said "failed (exit
+status 0)" and `once` closed a night that had promoted its version with a second, failed run row;
+`config --schema | head -1` printed a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from daemon.progress import NightProgress
+from daemon.supervisor import NightChild
+from jobs.contract import Outcome, Phase, PhaseEvent, ResultEvent, RunSummary
+from tests.conftest import alpaca, hang_bound, toml_config, write_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class ClosedPipe:
+    """A stdout whose reader has gone: every write is EPIPE."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def isatty(self) -> bool:
+        return False
+
+
+class FakeChild:
+    def __init__(self, lines: list[bytes]) -> None:
+        self.stdout = lines
+
+
+def test_a_failing_event_handler_does_not_stop_the_reading_and_the_result_arrives():
+    seen: list[str] = []
+
+    def handler(ev: object) -> None:
+        seen.append(type(ev).__name__)
+        raise BrokenPipeError(32, "Broken pipe")
+
+    child = NightChild("{}", night="2026-11-21", deadline=0.0, on_event=handler)
+    events = [PhaseEvent(phase=Phase.pull, state="start"), PhaseEvent(phase=Phase.pull, state="end", seconds=0.1),
+              ResultEvent(summary=RunSummary(run_id="r", night="2026-11-21", outcome=Outcome.succeeded, version=3))]
+    child.proc = FakeChild([ev.model_dump_json().encode() + b"\n" for ev in events])  # type: ignore[assignment]
+    child._read_events()
+    assert seen == ["PhaseEvent", "PhaseEvent", "ResultEvent"]
+    assert child.summary is not None and child.summary.version == 3
+
+
+def test_progress_into_a_closed_pipe_goes_quiet():
+    progress = NightProgress("lines", stream=ClosedPipe())  # type: ignore[arg-type]
+    with progress:
+        progress.on_event(PhaseEvent(phase=Phase.pull, state="start"))
+        progress.on_event(PhaseEvent(phase=Phase.pull, state="end", seconds=0.1))
+        progress.print("a table")
+    assert progress.mode == "off"
+
+
+def closed_stdout(*argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """The command with its stdout's reader gone before it writes a byte (as `| head -1` after one line)."""
+    p = subprocess.Popen([sys.executable, "-m", "daemon", *argv], cwd=cwd, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()
+    err = p.stderr.read()
+    return subprocess.CompletedProcess(argv, p.wait(timeout=hang_bound(600)), "", err)
+
+
+def test_config_schema_into_a_closed_pipe_is_quiet(tmp_path):
+    r = closed_stdout("config", "--schema")
+    assert (r.returncode, r.stderr) == (0, "")
+
+
+def test_plan_into_a_closed_pipe_is_quiet(tmp_path, tiny_model):
+    cfg, inbox = toml_config(tmp_path, tiny_model)
+    write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(8)])
+    r = closed_stdout("--config", str(cfg), "plan")
+    assert "Traceback" not in r.stderr and "failed" not in r.stderr, r.stderr[-3000:]
+    assert r.returncode == 0, r.stderr[-3000:]
