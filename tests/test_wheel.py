@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, hang_bound
 
 # what setuptools reads to build the wheel; copied so the build leaves nothing in the checkout
 SOURCES = ("pyproject.toml", "README.md", "daemon", "jobs", "benchmarks")
@@ -27,7 +27,7 @@ def wheel_names(tmp_path: Path) -> list[str]:
             shutil.copy2(REPO / name, src / name)
     out = tmp_path / "wheel"
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                        "-q", "-w", str(out), str(src)], capture_output=True, text=True, timeout=600)
+                        "-q", "-w", str(out), str(src)], capture_output=True, text=True, timeout=hang_bound(600))
     if r.returncode != 0 and "No module named" in r.stderr and "setuptools" in r.stderr:
         pytest.skip("setuptools is not installed here: the wheel cannot be built without the network")
     assert r.returncode == 0, r.stderr[-3000:]

@@ -17,6 +17,7 @@ from benchmarks.report import summarise, table
 from benchmarks.settings import BenchSettings
 from jobs.training.models.architectures import ARCHITECTURES, MARKER, build_random_model, make_config, matmul_params
 from jobs.training.models.synthetic import PROFILES, make_samples, sample_lengths
+from tests.conftest import hang_bound
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -124,7 +125,8 @@ PARENT = textwrap.dedent(
 
 def _parent(*argv: str) -> dict:
     """The bench's parent in a process of its own (its stacks faked): its exit and the heavy modules it imported."""
-    p = subprocess.run([sys.executable, "-c", PARENT, *argv], cwd=REPO, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-c", PARENT, *argv], cwd=REPO, capture_output=True, text=True,
+                       timeout=hang_bound(300))
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout.strip().splitlines()[-1])
 

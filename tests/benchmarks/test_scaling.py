@@ -11,7 +11,7 @@ import pytest
 from benchmarks.cli import build_parser
 from benchmarks.scaling import command, efficiency, table
 from benchmarks.settings import BenchSettings
-from tests.conftest import REPO
+from tests.conftest import REPO, hang_bound
 
 
 def test_efficiency_is_throughput_on_n_over_n_times_one():
@@ -43,7 +43,7 @@ def test_our_path_on_one_and_two_cpu_ranks(tmp_path, tiny_model):
     r = subprocess.run([sys.executable, "-m", "benchmarks", "scaling", "--model", str(tiny_model), "--gpus", "2",
                         "--scaling-workloads", "ours", "--budget", "256", "--warmup", "1", "--max-steps", "3",
                         "--seconds", "5", "--data-tokens", "2000", "--profiles", "alpaca", "--out", str(out)],
-                       cwd=REPO, capture_output=True, text=True, timeout=300,
+                       cwd=REPO, capture_output=True, text=True, timeout=hang_bound(300),
                        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-2000:]
     doc = json.loads((out / f"scaling-{tiny_model.name}.json").read_text())

@@ -17,6 +17,7 @@ import pytest
 
 from tests.capture.test_capture import call, chat
 from tests.capture.upstream import upstream
+from tests.conftest import hang_bound
 
 
 def start(tmp_path: Path, up: str, crash_at: str | None = None) -> tuple[subprocess.Popen, tuple[str, int]]:
@@ -73,7 +74,7 @@ def test_kill_9_loses_no_acknowledged_feedback(tmp_path):
         p, addr = start(tmp_path, up, crash_at="capture.feedback_before_rename")
         with pytest.raises((ConnectionError, http.client.HTTPException)):
             call(addr, "POST", "/nightshift/feedback", {"id": "chatcmpl-4", "edited": "a better answer"})
-        assert p.wait(timeout=120) == -signal.SIGKILL
+        assert p.wait(timeout=hang_bound(120)) == -signal.SIGKILL
         assert len(records(inbox)) == 3 and list(inbox.glob(".capture-*.tmp"))  # not in the inbox's sight
 
         # restarted: the replies captured before the kills can still get their feedback; the leftover is gone

@@ -14,7 +14,7 @@ import pytest
 import structlog
 
 from jobs.runtime import logs
-from tests.conftest import REPO, alpaca, toml_config, write_jsonl
+from tests.conftest import REPO, alpaca, hang_bound, toml_config, write_jsonl
 
 
 @pytest.fixture()
@@ -79,7 +79,7 @@ def test_the_daemon_and_its_child_prefix_every_line_under_systemd(tmp_path, tiny
     os.close(w)
     with os.fdopen(r) as err:
         lines = err.read().splitlines()
-    out, _ = proc.communicate(timeout=180)
+    out, _ = proc.communicate(timeout=hang_bound(180))
     assert proc.returncode == 0, lines[-20:]
     assert json.loads(out)["train_ids"]
     assert lines and all(re.match(r"<[2-7]>\{", line) for line in lines), [x for x in lines if x[:1] != "<"][:5]

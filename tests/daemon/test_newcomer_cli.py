@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from daemon.settings import ConfigError, load_settings
+from tests.conftest import hang_bound
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -102,7 +103,7 @@ def test_status_into_a_closed_pipe_is_quiet(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n[model]\npath = "{tmp_path}"\nbuild = "tiny-llama"\n')
     r = subprocess.run(f"{sys.executable} -m daemon --config {cfg} status | head -1", shell=True, cwd=REPO,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=hang_bound(600))
     assert r.stdout.startswith("config") and r.stderr == "", r.stderr
 
 

@@ -10,7 +10,7 @@ import pytest
 from daemon import cli
 from daemon.supervisor import ChildOutcome
 from jobs.store.ledger import Ledger
-from tests.conftest import REPO, toml_config, write_jsonl
+from tests.conftest import REPO, hang_bound, toml_config, write_jsonl
 
 
 def test_once_stops_the_child_at_the_windows_end_as_the_service_does(tmp_path, monkeypatch):
@@ -89,7 +89,7 @@ stop_grace_seconds = 5
                                     for i in range(10_000)])
     until = (dt.datetime.now() + dt.timedelta(seconds=55)).replace(microsecond=0)
     r = subprocess.run([sys.executable, "-m", "daemon", "--config", str(cfg), "once", "--until",
-                        until.strftime("%H:%M:%S")], cwd=REPO, capture_output=True, text=True, timeout=900)
+                        until.strftime("%H:%M:%S")], cwd=REPO, capture_output=True, text=True, timeout=hang_bound(900))
     # the contract, not the clock: SIGTERM at --until, SIGKILL after the 5 s grace. A night that ended on its own
     # (status 0, its run closed in the ledger by the grace's end) kept it; a busy box only moves the process's
     # own exit, which a wall-clock tolerance read as a miss (1.3 s at load 10-17)

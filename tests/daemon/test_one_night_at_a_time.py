@@ -46,7 +46,7 @@ def stopped(pid):
 
 def nightshift(*args, env=None, timeout=120):
     return subprocess.run([sys.executable, "-m", "daemon", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+                          timeout=hang_bound(timeout), env={**os.environ, **(env or {})})
 
 
 def popen_once(cfg, env=None):
@@ -141,7 +141,7 @@ def test_the_service_waits_for_a_night_held_elsewhere_then_runs_it(tmp_path, tin
     finally:
         held.__exit__(None, None, None)
         daemon.send_signal(signal.SIGTERM)
-        daemon.wait(timeout=120)
+        daemon.wait(timeout=hang_bound(120))
     assert len(runs(state)) == 1
 
 
@@ -155,7 +155,7 @@ def test_a_second_service_on_the_same_state_directory_exits_busy(tmp_path, tiny_
         assert first.poll() is None
     finally:
         first.send_signal(signal.SIGTERM)
-        first.wait(timeout=60)
+        first.wait(timeout=hang_bound(60))
 
 
 def test_once_and_calibrate_exit_busy_or_wait_as_configured_and_plan_reads_meanwhile(tmp_path, tiny_model):

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from jobs.store.ledger import Ledger
-from tests.conftest import alpaca, write_jsonl
+from tests.conftest import alpaca, hang_bound, write_jsonl
 from tests.fixtures.daemon_proc import runs, start, wait_for, write_config
 from tests.fixtures.prom_server import NO_PROMETHEUS, NO_PROMTOOL, PROMETHEUS, PROMTOOL, PromServer, prometheus_server
 
@@ -264,7 +264,8 @@ def test_promtool_check_metrics_on_the_live_endpoint_after_a_cpu_night(live_nigh
     text = live_night.metrics_text
     assert 'nightshift_runs_total{outcome="succeeded"} 1.0' in text
     assert "nightshift_run_duration_seconds_bucket" in text and "nightshift_adapter_info" in text
-    out = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True,
+                         timeout=hang_bound(60))
     assert out.returncode == 0 and not (out.stdout + out.stderr).strip(), out.stdout + out.stderr
 
 
@@ -272,7 +273,7 @@ def test_sigterm_after_the_night_exits_0(live_night: LiveNight) -> None:
     proc = live_night.proc
     assert proc.poll() is None, "the daemon exited before SIGTERM"
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
+    assert proc.wait(timeout=hang_bound(60)) == 0
     time.sleep(0.2)  # the stderr reader catches up
     assert any('"stopped"' in line for line in live_night.stderr)
     assert len(runs(live_night.state)) == 1

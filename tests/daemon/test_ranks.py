@@ -9,6 +9,7 @@ import signal
 import pytest
 
 from jobs.store.ledger import Ledger
+from tests.conftest import hang_bound
 from tests.fixtures.daemon_proc import child_pids, runs, start, wait_for, write_config
 
 pytestmark = pytest.mark.slow
@@ -37,7 +38,7 @@ def test_kill_9_of_one_rank_fails_the_attempt_and_the_retry_trains_every_global_
                  proc)
         assert len(child_pids(proc)) == 2  # a second group, started by the daemon after the backoff
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=hang_bound(60)) == 0
     finally:
         proc.kill()
     lines = [json.loads(x) for x in proc.lines if x.startswith("{")]

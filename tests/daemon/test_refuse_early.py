@@ -14,13 +14,13 @@ import pytest
 
 from daemon.settings import ConfigError, load_settings
 from jobs.contract import ExitCode
-from tests.conftest import REPO, toml_config
+from tests.conftest import REPO, hang_bound, toml_config
 from tests.fixtures.daemon_proc import Notify, start, wait_for, write_config
 
 
 def nightshift(*args, env=None, timeout=120):
     return subprocess.run([sys.executable, "-m", "daemon", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+                          timeout=hang_bound(timeout), env={**os.environ, **(env or {})})
 
 
 def one_clear_line(r):

@@ -14,7 +14,7 @@ import pytest
 
 from daemon.report_data import CurvePoint, NightRow, Report, collect
 from daemon.report_html import render
-from tests.conftest import REPO, alpaca, run, write_jsonl
+from tests.conftest import REPO, alpaca, hang_bound, run, write_jsonl
 from tests.fixtures.chromium import Chromium, find_chromium, png_size
 
 SECTIONS = ["Data", "Throughput", "Budget", "Quality and the gate", "Energy and memory", "The last night's loss curve"]
@@ -80,7 +80,7 @@ def test_report_json_and_the_state_untouched(three_nights, tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'state_dir = "{three_nights / "state"}"\n[model]\npath = "{tmp_path}"\n')
     r = subprocess.run([sys.executable, "-m", "daemon", "--config", str(cfg), "report", "--json", "--nights", "2"],
-                       cwd=REPO, capture_output=True, text=True, timeout=60)
+                       cwd=REPO, capture_output=True, text=True, timeout=hang_bound(60))
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert [n["night"] for n in data["nights"]] == ["2026-11-20", "2026-11-21"]
@@ -123,7 +123,7 @@ def test_the_report_renders_in_a_real_headless_chromium(three_nights, tmp_path):
     cfg.write_text(f'state_dir = "{three_nights / "state"}"\n[model]\npath = "{tmp_path}"\n')
     out = tmp_path / "report.html"
     r = subprocess.run([sys.executable, "-m", "daemon", "--config", str(cfg), "report", "--out", str(out)],
-                       cwd=REPO, capture_output=True, text=True, timeout=60)
+                       cwd=REPO, capture_output=True, text=True, timeout=hang_bound(60))
     assert r.returncode == 0 and "3 night(s)" in r.stdout, r.stderr
     page_is_self_contained(out.read_text())
 

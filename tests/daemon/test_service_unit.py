@@ -10,6 +10,7 @@ from daemon.service import Service
 from daemon.settings import load_settings
 from daemon.supervisor import ChildOutcome
 from jobs.store.ledger import Ledger
+from tests.conftest import hang_bound
 
 
 @pytest.fixture()
@@ -196,7 +197,7 @@ events = ["skipped", "failed"]
 """)
     window = svc.s.window.next_window(datetime(2026, 11, 21, 12, 0, tzinfo=UTC))
     svc._close_night(window, "skipped", "too late to start")
-    svc.notifier.join(timeout=10)
+    svc.notifier.join(timeout=hang_bound(10))
     [req] = srv.posts("/hook")
     body = json.loads(req["raw"])
     assert body["event"] == "skipped" and body["night"] == window.night and body["error"] == "too late to start"

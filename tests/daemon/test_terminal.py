@@ -61,7 +61,7 @@ def test_plan_at_a_terminal_prints_the_plan_without_log_lines_or_a_pull(tmp_path
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     assert proc.wait(timeout=hang_bound(300)) == 0
-    reader.join(timeout=30)
+    reader.join(timeout=hang_bound(30))
     os.close(main)
     text = b"".join(chunks).decode(errors="replace")
     assert "new samples to train" in text  # the plan

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest, start_h
 
 from daemon.metrics import SPECS, MetricsConfig, NightshiftMetrics, catalog, serve
 from jobs.contract import ResultEvent
+from tests.conftest import hang_bound
 from tests.fixtures.metrics_samples import T0, hotswap_event, night_events, summary
 from tests.fixtures.prom_server import NO_PROMETHEUS, NO_PROMTOOL, PROMETHEUS, PROMTOOL, prometheus_server
 
@@ -88,7 +89,7 @@ def dashboard_exprs(d: dict[str, Any]) -> list[str]:
 
 def promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     assert PROMTOOL is not None
-    return subprocess.run([PROMTOOL, *args], input=stdin, capture_output=True, text=True, timeout=60)
+    return subprocess.run([PROMTOOL, *args], input=stdin, capture_output=True, text=True, timeout=hang_bound(60))
 
 
 # ---- promtool ------------------------------------------------------------------------------

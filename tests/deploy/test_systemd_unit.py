@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import hang_bound
+
 UNIT = Path(__file__).resolve().parents[2] / "deploy" / "systemd" / "nightshift.service"
 EXEC = "/opt/nightshift/venv/bin/nightshift"
 # `systemd-analyze security --threshold` counts tenths: 16 = exposure 1.6 ("OK"), what the unit scores
@@ -79,7 +81,7 @@ def _installable_copy(tmp_path: Path, text: str | None = None) -> Path:
 
 def _analyze(*args: str) -> subprocess.CompletedProcess[str]:
     assert ANALYZE is not None
-    return subprocess.run([ANALYZE, *args], capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run([ANALYZE, *args], capture_output=True, text=True, timeout=hang_bound(120), check=False)
 
 
 @needs_analyze

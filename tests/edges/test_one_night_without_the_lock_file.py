@@ -11,7 +11,7 @@ import pytest
 from jobs.contract import ExitCode
 from jobs.store.locking import LockTimeout, night_lock
 from jobs.store.paths import StatePaths
-from tests.conftest import REPO, alpaca, toml_config, write_jsonl
+from tests.conftest import REPO, alpaca, hang_bound, toml_config, write_jsonl
 
 
 def test_the_night_lock_holds_when_its_file_is_deleted(tmp_path):
@@ -38,7 +38,7 @@ def test_once_exits_busy_while_another_process_holds_the_night_and_its_lock_file
         for p in state.glob("*.lock"):
             p.unlink()
         r = subprocess.run([sys.executable, "-m", "daemon", "--config", str(cfg), "once"], cwd=REPO,
-                           capture_output=True, text=True, timeout=240, env=dict(os.environ))
+                           capture_output=True, text=True, timeout=hang_bound(240), env=dict(os.environ))
         assert r.returncode == ExitCode.BUSY, r.stderr[-3000:]
         assert "held by another nightshift process" in r.stderr
     finally:

@@ -20,13 +20,13 @@ import pytest
 
 from jobs.store.files import DamagedState, StatePermission
 from jobs.store.ledger import Ledger
-from tests.conftest import REPO
+from tests.conftest import REPO, hang_bound
 from tests.store.test_adapters import craft
 
 
 def _cli(cfg: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "daemon", "--config", str(cfg), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=240, env=dict(os.environ))
+                          capture_output=True, text=True, timeout=hang_bound(240), env=dict(os.environ))
 
 
 @contextlib.contextmanager

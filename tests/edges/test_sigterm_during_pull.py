@@ -15,7 +15,7 @@ import pytest
 
 from jobs.contract import ExitCode
 from jobs.store.readonly import open_read_only
-from tests.conftest import REPO, alpaca, toml_config, write_jsonl
+from tests.conftest import REPO, alpaca, hang_bound, toml_config, write_jsonl
 
 pytestmark = pytest.mark.slow
 FILES, PER_FILE = 120, 200  # 24,000 records: a pull of many seconds on 2 cores
@@ -42,7 +42,7 @@ def test_sigterm_during_a_long_pull_stops_it_and_keeps_what_was_ingested(tmp_pat
     assert ingested.wait(600), "".join(lines[-30:])
     proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=600)  # bounds a hang only; what is asserted is where the pull stopped
+        proc.wait(timeout=hang_bound(600))  # bounds a hang only; what is asserted is where the pull stopped
     finally:
         proc.kill()
     time.sleep(0.5)

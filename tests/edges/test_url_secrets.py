@@ -15,7 +15,7 @@ import structlog
 from jobs.contract import HotswapOutcome, Outcome, RunSummary
 from jobs.contract.redact import redact_text, redact_url
 from jobs.store.ledger import Ledger
-from tests.conftest import REPO
+from tests.conftest import REPO, hang_bound
 from tests.store.test_adapters import craft
 
 SECRET_URL = "http://hook-user:pa55@127.0.0.1:9/hook/T0KEN-s3cr3t/B99?token=abc123&team=ops"
@@ -81,7 +81,7 @@ def test_config_print_and_a_failing_webhook_keep_the_secret_out_of_terminal_jour
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "daemon", "--config", str(cfg), *args], cwd=REPO,
-                              capture_output=True, text=True, timeout=240,
+                              capture_output=True, text=True, timeout=hang_bound(240),
                               env={**os.environ, "NIGHTSHIFT_LOG_FORMAT": "json"})
 
     write(SECRET_URL)  # refused (credentials in a URL): the error quotes it back, redacted

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from jobs.store.ledger import Ledger
-from tests.conftest import REPO, alpaca, run, write_jsonl
+from tests.conftest import REPO, alpaca, hang_bound, run, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +82,7 @@ def test_a_gpt_oss_night_through_the_cli_trains_every_expert_and_publishes(tmp_p
     cfg, inbox = _config(tmp_path, tiny_moe)
     write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(80)])
     r = subprocess.run([sys.executable, "-m", "daemon", "--config", str(cfg), "once"], cwd=REPO,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=hang_bound(300))
     assert r.returncode == 0, r.stderr[-3000:]
     assert re.search(r"outcome\s+succeeded", r.stdout) and re.search(r"version\s+moe-v0001 \(promoted", r.stdout)
     assert re.search(r"expert LoRA\s+8 tensors, 8 with gradient, 8 moved", r.stdout), r.stdout

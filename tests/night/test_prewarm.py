@@ -39,7 +39,7 @@ def start_child(tmp_path, tiny_model, lead):
 
 def test_the_child_waits_for_the_opening_and_times_its_first_step_from_there(tmp_path, tiny_model):
     child, opening, lines, settings = start_child(tmp_path, tiny_model, lead=15)  # a slow box imports in ~5 s
-    out = child.wait(timeout=300)
+    out = child.wait(timeout=hang_bound(300))
     assert out.returncode == ExitCode.OK and out.summary is not None, out.tail
     assert out.summary.outcome == Outcome.succeeded
     led = Ledger(settings.state_dir / "ledger.sqlite")

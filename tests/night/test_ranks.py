@@ -14,7 +14,7 @@ import pytest
 
 from daemon.settings import load_settings
 from jobs.store.ledger import Ledger
-from tests.conftest import REPO, alpaca, run, toml_config, write_jsonl
+from tests.conftest import REPO, alpaca, hang_bound, run, toml_config, write_jsonl
 
 pytestmark = pytest.mark.slow
 ENV = {"OMP_NUM_THREADS": "1"}  # 2 cores, 2 ranks
@@ -22,7 +22,7 @@ ENV = {"OMP_NUM_THREADS": "1"}  # 2 cores, 2 ranks
 
 def nightshift(*args, env=None, timeout=300):
     return subprocess.run([sys.executable, "-m", "daemon", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **ENV, **(env or {})})
+                          timeout=hang_bound(timeout), env={**os.environ, **ENV, **(env or {})})
 
 
 def adapter(state):
@@ -89,8 +89,8 @@ def test_sigterm_reaches_every_rank_and_the_checkpoint_holds_the_global_position
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # as Ctrl-C or `systemctl stop`: the CLI stops its child group
     out = proc.stdout.read()
-    proc.wait(timeout=120)
-    reader.join(timeout=30)
+    proc.wait(timeout=hang_bound(120))
+    reader.join(timeout=hang_bound(30))
     assert proc.returncode == 3, "".join(lines[-40:])  # interrupted: the run stays open
     assert "interrupted" in out
     [ckpt] = state.glob("checkpoints/*/latest/state.json")
@@ -136,7 +136,7 @@ join_timeout_seconds = 120
     try:
         r = nightshift("--config", str(cfgs[0]), "once")
         assert r.returncode == 0, r.stderr[-4000:]
-        _, err = joiner.communicate(timeout=120)
+        _, err = joiner.communicate(timeout=hang_bound(120))
     finally:
         joiner.kill()
     assert joiner.returncode == 0, err[-3000:]

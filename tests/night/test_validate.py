@@ -13,7 +13,7 @@ from jobs.data.pull import Quarantine, pull
 from jobs.night.validate import check_files
 from jobs.store.ledger import Ledger
 from jobs.store.readonly import open_read_only
-from tests.conftest import REPO, alpaca, toml_config, write_jsonl
+from tests.conftest import REPO, alpaca, hang_bound, toml_config, write_jsonl
 
 
 def test_check_files_reads_as_the_inbox_would(night_env, tokenizer, tmp_path):
@@ -57,7 +57,7 @@ def test_validate_command_exit_status_and_nothing_written(tmp_path, tiny_model):
 
     def validate(*args):
         return subprocess.run([sys.executable, "-m", "daemon", "--config", str(cfg), "validate", *args], cwd=REPO,
-                              capture_output=True, text=True, timeout=180, env=env)
+                              capture_output=True, text=True, timeout=hang_bound(180), env=env)
 
     r = validate(str(good), str(bad))
     assert r.returncode == 1, r.stderr[-2000:]

@@ -14,7 +14,7 @@ import pytest
 from jobs.store.files import DamagedState, sha256_file
 from jobs.store.ledger import Ledger
 from jobs.store.schema import LATEST, SCHEMA
-from tests.conftest import REPO, alpaca, run, write_jsonl
+from tests.conftest import REPO, alpaca, hang_bound, run, write_jsonl
 from tests.store.test_adapters import craft
 
 
@@ -175,7 +175,7 @@ def doctor(tmp_path, state, *args):
     cfg = tmp_path / "doctor.toml"
     cfg.write_text(f'state_dir = "{state}"\n[model]\npath = "/models/none"\nname = "tiny"\n')
     return subprocess.run([sys.executable, "-m", "daemon", "--config", str(cfg), "doctor", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=hang_bound(120))
 
 
 def test_doctor_finds_every_inconsistency_and_says_how_to_repair_it(tmp_path):

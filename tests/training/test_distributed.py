@@ -17,7 +17,7 @@ import pytest
 from jobs.data.batching import Batch
 from jobs.night.ranks import decode_samples, encode_samples
 from jobs.training.ranks.collectives import label_tokens
-from tests.conftest import REPO
+from tests.conftest import REPO, hang_bound
 
 pytestmark = pytest.mark.slow
 torch = pytest.importorskip("torch")
@@ -32,7 +32,7 @@ def torchrun(*args, nproc=2):
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks")
     r = subprocess.run(torchrun(str(REPO / "tests" / "training" / "dist_worker.py"), str(out)), cwd=REPO,
-                       capture_output=True, text=True, timeout=300,
+                       capture_output=True, text=True, timeout=hang_bound(300),
                        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr[-4000:]
 
@@ -166,7 +166,8 @@ def test_a_hung_rank_fails_the_collective_after_the_timeout_instead_of_hanging(t
         (out / "rank0").write_text(f"{outcome} {time.time() - t0:.1f}")
         (out / "done").write_text("")
     """))
-    r = subprocess.run(torchrun(str(script), str(tmp_path)), cwd=REPO, capture_output=True, text=True, timeout=120,
+    r = subprocess.run(torchrun(str(script), str(tmp_path)), cwd=REPO, capture_output=True, text=True,
+                       timeout=hang_bound(120),
                        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
     outcome, seconds = (tmp_path / "rank0").read_text().split()
     assert outcome == "RuntimeError" and 2.5 < float(seconds) < 30, (outcome, seconds, r.stderr[-2000:])

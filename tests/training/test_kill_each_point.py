@@ -21,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from jobs.contract.crashpoints import POINTS  # noqa: E402
+from tests.conftest import hang_bound  # noqa: E402
 from tests.training import kill_worker  # noqa: E402
 
 STEP_POINTS = ["train.backward", "train.reduced", "train.stepped", "train.counted"]
@@ -54,7 +55,7 @@ def launch(forks, out: Path, name: str, case: str, world: int, **spec) -> list[i
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=300)  # bounds a hang only (the collectives' own timeout is 120 s)
+        p.join(timeout=hang_bound(300))  # bounds a hang only (the collectives' own timeout is 120 s)
     hung = [p for p in procs if p.is_alive()]
     for p in hung:
         p.kill()

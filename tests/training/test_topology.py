@@ -12,6 +12,7 @@ from jobs.training.ranks.topology import (
     resolve_world,
     visible_gpus,
 )
+from tests.conftest import hang_bound
 
 ONE_HOST = DistributedConfig()
 
@@ -100,6 +101,7 @@ def test_the_child_sets_its_threads_before_training(tmp_path):
     code = ("import os, torch; os.environ.pop('OMP_NUM_THREADS', None); from jobs.training.ranks.topology import "
             "set_cpu_threads; n = set_cpu_threads(); print(n, torch.get_num_threads())")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=hang_bound(600), check=True)
     n, got = out.stdout.split()
     assert n == got and int(n) >= 1
