@@ -22,9 +22,9 @@ SAMPLE_INBOX = REPO / "config" / "sample-inbox"
 def workers_at_our_priority(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pull workers at this test's priority, not 10 below it (jobs/data/parallel.py: WORKER_NICENESS).
 
-    Beside CPU hogs at nice 0 (load ~15-25 on 2 cores) a worker at +10 has ~1/100 of a core: its tokenizer took
-    minutes to load and a pull-worker test ~200 s (issue 42). What the tests check does not hang on the niceness;
-    test_workers_run_behind_the_nights_own_process checks the shipped one.
+    Beside CPU hogs at nice 0 (load ~15-25 on 2 cores) a worker at +10 weighs ~1/10 of each hog (the scheduler's
+    weights), so its tokenizer took minutes to load and a pull-worker test ~200 s (issue 42). What the tests check
+    does not hang on the niceness; test_workers_run_behind_the_nights_own_process checks the shipped one.
     """
     import jobs.data.parallel as parallel
 
