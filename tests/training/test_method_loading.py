@@ -132,3 +132,14 @@ def test_a_torchao_peft_refuses_is_hidden_from_the_transformers_path(monkeypatch
     monkeypatch.setattr(pi, "is_torchao_available", lambda: False)  # nothing to hide
     monkeypatch.delitem(sys.modules, "torchao")
     assert hide_torchao_peft_refuses() is False and "torchao" not in sys.modules
+
+
+def test_an_unsloth_without_the_patched_modules_is_left_as_shipped(fake_unsloth, monkeypatch):
+    """The step's patches of Unsloth internals (varlen dispatch, packed labels) answer "unavailable" on an Unsloth
+    that lacks the module they patch, rather than stopping the load (CI's first run: ImportError)."""
+    from jobs.training.backends.unsloth import enable_async_packed_labels, enable_varlen_attention
+
+    assert enable_async_packed_labels() == "unavailable"  # the stand-in has no unsloth.utils.packing
+    monkeypatch.delitem(sys.modules, "unsloth.utils.attention_dispatch")
+    monkeypatch.delattr(sys.modules["unsloth.utils"], "attention_dispatch")
+    assert enable_varlen_attention() == "unavailable"

@@ -117,7 +117,10 @@ def enable_varlen_attention() -> str:
     Returns "native" (nothing to do), "patched" or "unavailable".
     """
     import torch
-    from unsloth.utils import attention_dispatch as ad
+    try:
+        from unsloth.utils import attention_dispatch as ad
+    except ImportError:  # an Unsloth without the varlen dispatch
+        return "unavailable"
 
     if getattr(ad, "_TORCH_VARLEN_ATTN", None) is not None:
         return "native"
@@ -152,7 +155,11 @@ def enable_async_packed_labels() -> str:
     or "unavailable" (another Unsloth: left as shipped).
     """
     import torch
-    from unsloth.utils import packing as up
+
+    try:
+        from unsloth.utils import packing as up
+    except ImportError:  # an Unsloth without the packing module
+        return "unavailable"
 
     orig = getattr(up, "_normalize_packed_lengths", None)
     if orig is None:
