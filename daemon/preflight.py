@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, TextIO
 
 import structlog
 
@@ -59,15 +60,44 @@ def before_a_night(s: Settings, config: Path | None, what: str) -> Iterator[Stat
         yield lock
 
 
+class ReaderMayLeave:
+    """A command's stdout whose reader may go (`once | head -1`): from then on what it writes goes nowhere, and
+    the command goes on to its own exit status (a failed night stays 1, a record to quarantine stays 1), where
+    a BrokenPipeError would have ended it with 0 halfway through."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self.reader_left()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self.reader_left()
+
+    def reader_left(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self.stream.fileno())  # the buffered rest, and the flush at exit, go nowhere
+        os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding: the stream's own
+        return getattr(self.stream, name)
+
+
 def one_line(command: str, fn: Callable[[], int]) -> int:
     """Run a command; a failure the user can cause ends in one clear line on stderr, not a traceback."""
+    stdout = sys.stdout
+    sys.stdout = ReaderMayLeave(stdout)  # type: ignore[assignment]
     try:
         code = fn()
-        sys.stdout.flush()  # here, not at exit: a reader gone (`status | head -1`) is caught below
+        sys.stdout.flush()  # here, not at exit: a reader gone (`status | head -1`) is caught by ReaderMayLeave
         return code
-    except BrokenPipeError:  # the reader closed the pipe: nothing to say, and nothing more to write
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        return ExitCode.OK
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return ExitCode.USAGE
@@ -92,3 +122,5 @@ def one_line(command: str, fn: Callable[[], int]) -> int:
         print(f"nightshift {command}: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""),
               file=sys.stderr)
         return ExitCode.FAILED
+    finally:
+        sys.stdout = stdout

@@ -5,13 +5,14 @@ status 0)" and `once` closed a night that had promoted its version with a second
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 from daemon.progress import NightProgress
 from daemon.supervisor import NightChild
-from jobs.contract import Outcome, Phase, PhaseEvent, ResultEvent, RunSummary
+from jobs.contract import ExitCode, Outcome, Phase, PhaseEvent, ResultEvent, RunSummary
 from tests.conftest import alpaca, hang_bound, toml_config, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,3 +82,34 @@ def test_plan_into_a_closed_pipe_is_quiet(tmp_path, tiny_model):
     r = closed_stdout("--config", str(cfg), "plan")
     assert "Traceback" not in r.stderr and "failed" not in r.stderr, r.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_a_command_keeps_its_exit_status_when_its_reader_leaves(tmp_path, monkeypatch):
+    """`once | head -1` after a failed or interrupted night: the summary's write found no reader and the command
+    ended 0 halfway through; now what is left is written nowhere and the status is the night's."""
+    from daemon.preflight import one_line
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    stdout = open(write_end, "w", buffering=1)  # noqa: SIM115 (closed below)
+    monkeypatch.setattr(sys, "stdout", stdout)
+
+    def night_summary() -> int:
+        print("night:\n" + "a summary line\n" * 1000)
+        print("the rest")
+        return ExitCode.INTERRUPTED
+
+    try:
+        assert one_line("once", night_summary) == ExitCode.INTERRUPTED
+        assert sys.stdout is stdout  # given back as it was
+        assert os.path.samefile(f"/proc/self/fd/{write_end}", os.devnull)  # the rest went nowhere
+    finally:
+        stdout.close()
+
+
+def test_validate_into_a_closed_pipe_still_says_a_record_would_be_quarantined(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(f'{{"instruction": "q{i}", "output": "a"}}\n' for i in range(500)) + "{not json\n")
+    r = closed_stdout("validate", str(bad))
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.returncode == ExitCode.FAILED, r.stderr[-3000:]
