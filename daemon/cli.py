@@ -16,7 +16,7 @@ import structlog
 
 from daemon import capture_cli, config_cli, report, report_cli, several_view, terminal, validate_cli
 from daemon.adapters_cli import add_commands as add_adapter_commands
-from daemon.cli_help import DESCRIPTION, exit_codes_help
+from daemon.cli_help import DESCRIPTION, CommandParser, exit_codes_help
 from daemon.doctor import add_command as add_doctor_command
 from daemon.notify import Notifier
 from daemon.preflight import before_a_night, one_line
@@ -280,7 +280,7 @@ def cmd_calibrate(args: argparse.Namespace, s: Settings) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="nightshift", description=DESCRIPTION, epilog=exit_codes_help(),
+    ap = CommandParser(prog="nightshift", description=DESCRIPTION, epilog=exit_codes_help(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=f"nightshift {nightshift_version()}")
     ap.add_argument("--config", type=Path, default=None, help=config_cli.SEARCH_HELP)

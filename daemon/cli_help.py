@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import difflib
+from typing import Any
+
 from jobs.contract import ExitCode
 
 DESCRIPTION = """\
@@ -26,3 +30,17 @@ EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
 
 def exit_codes_help() -> str:
     return "exit status:\n" + "\n".join(f"  {int(c)}  {EXIT_CODE_MEANINGS[c]}" for c in EXIT_CODE_MEANINGS)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse with "did you mean" for a misspelt command or choice (`nightshift onse`), as config keys have
+    (Python 3.14's `suggest_on_error`, on every Python this supports); its subcommands' parsers are of this class."""
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        if action.choices is not None and value not in action.choices:
+            hint = difflib.get_close_matches(str(value), [str(c) for c in action.choices], n=1)
+            if hint:
+                choices = ", ".join(repr(str(c)) for c in action.choices)
+                raise argparse.ArgumentError(action, f"invalid choice: {value!r} (did you mean {hint[0]!r}? "
+                                                     f"choose from {choices})")
+        super()._check_value(action, value)

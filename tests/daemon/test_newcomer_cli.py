@@ -218,3 +218,26 @@ def test_the_report_shows_a_night_interrupted_and_resumed(tmp_path):
     assert (night1.attempts, night1.interruptions, night1.failed_attempts) == (2, 1, 0)
     assert outcome_text(night1) == "succeeded after 2 attempts (1 interrupted, resumed)"
     assert outcome_text(night2) == "succeeded"
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["onse"], "did you mean 'once'?"),
+    (["adapters", "lst"], "did you mean 'list'?"),
+    (["check-confg"], "did you mean 'check-config'?"),
+])
+def test_a_misspelt_command_gets_a_did_you_mean(argv, said, capsys):
+    from daemon.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and said in err and "choose from" in err, err
+
+
+def test_a_command_like_no_other_gets_no_guess_only_the_choices(capsys):
+    from daemon.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["xyzzy"])
+    err = capsys.readouterr().err
+    assert "did you mean" not in err and "'once'" in err, err
