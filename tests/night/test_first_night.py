@@ -34,6 +34,24 @@ def test_the_tokenizer_corpus_skips_what_it_cannot_read(tmp_path):
     assert not any("café" in t for t in texts)
 
 
+def test_the_tokenizer_learns_from_a_bounded_share_of_a_large_inbox(tmp_path, monkeypatch):
+    """An inbox of gigabytes: the demo tokenizer reads the first `max_chars` of its text, in file order, and
+    stops there (a 169 MB inbox at load ~17: build 23.3 s before, 4.3 s after); a `.json` too large to parse
+    whole is left to the pull."""
+    import jobs.training.models.tiny as tiny
+
+    write_jsonl(tmp_path / "a.jsonl", [alpaca(i) for i in range(50)])
+    write_jsonl(tmp_path / "b.jsonl", [alpaca(i) for i in range(50)])
+    (tmp_path / "big.json").write_text('[{"instruction": "never read", "output": "x"}]')
+    everything = texts_for_tokenizer(sorted(tmp_path.iterdir()))
+    assert "never read" in everything
+    texts = texts_for_tokenizer(sorted(tmp_path.iterdir()), max_chars=500)
+    assert sum(map(len, texts)) == 500 and texts[:-1] == everything[:len(texts) - 1]
+    assert everything[len(texts) - 1].startswith(texts[-1])
+    monkeypatch.setattr(tiny, "JSON_FILE_MAX_BYTES", 10)
+    assert "never read" not in texts_for_tokenizer(sorted(tmp_path.iterdir()))
+
+
 def test_first_night_of_the_demo_quarantines_hidden_bad_input(night_env, tmp_path):
     inbox, make = night_env
     drop_hidden_bad_input(inbox)

@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from jobs.store.files import fsync_tree
@@ -47,37 +47,55 @@ TINY_LLAMA = {  # ~1.3 M parameters: seconds per epoch of the sample data on 2 C
 OUTPUT_INIT_SCALE = 1.5
 
 
-def texts_for_tokenizer(paths: Iterable[Path]) -> list[str]:
-    """All string values of the inbox's JSON(L) files: enough text for a small BPE vocabulary.
+TOKENIZER_TEXT_CHARS = 4_000_000
+"""The demo tokenizer learns from at most this much of the inbox's text (~160x the shipped inbox): its 2,048-token
+vocabulary needs no more, and the build (and a plan's build in a temporary directory) stays seconds long on an
+inbox of gigabytes, where reading all of it took minutes and a Ctrl-C waited for the end of it (issue 42)."""
+
+JSON_FILE_MAX_BYTES = 64_000_000  # a `.json` file is parsed whole: larger ones are left to the pull
+
+
+def texts_for_tokenizer(paths: Iterable[Path], max_chars: int = TOKENIZER_TEXT_CHARS) -> list[str]:
+    """String values of the inbox's JSON(L) files, in the order given, up to `max_chars` characters.
 
     The demo model is built before the first night's pull, from whatever the user dropped in the
     inbox: a line or file that cannot be read (not UTF-8, not JSON, not a file at all) is skipped
     here and quarantined by the pull, like on any other night. Never raises on the files' content.
     """
     out: list[str] = []
+    left = max_chars
 
     def walk(v: object) -> None:  # iterative: a deeply nested record must not exhaust the stack
+        nonlocal left
         todo = [v]
-        while todo:
+        while todo and left > 0:
             x = todo.pop()
             if isinstance(x, str):
-                out.append(x)
+                out.append(x[:left])
+                left -= len(out[-1])
             elif isinstance(x, dict):
                 todo.extend(reversed(list(x.values())))
             elif isinstance(x, list):
                 todo.extend(reversed(x))
 
+    def chunks(p: Path) -> Iterator[bytes]:
+        if p.suffix == ".jsonl":
+            with p.open("rb") as f:
+                yield from f  # a line at a time: the file may be larger than memory
+        elif p.suffix == ".json" and p.stat().st_size <= JSON_FILE_MAX_BYTES:
+            yield p.read_bytes()
+
     for p in paths:
         try:
-            raw = p.read_bytes()
+            for chunk in chunks(p):
+                if left <= 0:
+                    return out
+                try:
+                    walk(json.loads(chunk.decode("utf-8")))
+                except (UnicodeDecodeError, ValueError, RecursionError):
+                    continue
         except OSError:
             continue
-        chunks = raw.splitlines() if p.suffix == ".jsonl" else [raw] if p.suffix == ".json" else []
-        for chunk in chunks:
-            try:
-                walk(json.loads(chunk.decode("utf-8")))
-            except (UnicodeDecodeError, ValueError, RecursionError):
-                continue
     return out
 
 
