@@ -10,6 +10,10 @@ Control-token text inside content (a record saying `<|end|>\n<|user|>...`) is tr
 the control tokens themselves: `[train] special_tokens = "escape"` (the default) tokenises the content
 pieces with the tokenizer's special tokens split into ordinary text, `"reject"` quarantines the record.
 Records without such text are tokenised exactly as before.
+
+A template that closes an assistant turn with nothing (no end-of-turn marker after the reply) would train replies
+that never stop: the end-of-sequence token is appended after a conversation's final reply, as after a `text`
+record, and trained on (`closing_eos`).
 """
 
 from __future__ import annotations
@@ -26,8 +30,33 @@ from jobs.data.formats import RecordError
 OverlongPolicy = Literal["reject", "truncate"]
 SpecialTokens = Literal["escape", "reject"]
 _SPECIALS: dict[int, tuple[Any, re.Pattern[str] | None, set[int]]] = {}  # id(tokenizer) -> (it, pattern, ids)
+_NO_END_OF_TURN: dict[int, tuple[Any, bool]] = {}  # id(tokenizer) -> (it, template closes a reply with nothing)
 CHARS_PER_TOKEN_MAX = 64  # no tokenizer's tokens average more characters than this over a whole record
 _MARK = "\ue000"  # private-use characters delimit the content in a template rendered with placeholders
+
+
+def _no_end_of_turn(tokenizer: Any) -> bool:
+    """True when the chat template renders nothing (or only whitespace) after an assistant reply (cached per
+    tokenizer): a model trained on it never learns to stop."""
+    cached = _NO_END_OF_TURN.get(id(tokenizer))
+    if cached is None or cached[0] is not tokenizer:
+        reply = f"{_MARK}1{_MARK}"
+        try:
+            rendered = tokenizer.apply_chat_template([{"role": "user", "content": f"{_MARK}0{_MARK}"},
+                                                      {"role": "assistant", "content": reply}], tokenize=False)
+        except Exception:  # a template that refuses this conversation: judged by each record's own rendering
+            rendered = ""
+        none = reply in rendered and not rendered.rpartition(reply)[2].strip()
+        cached = _NO_END_OF_TURN[id(tokenizer)] = (tokenizer, none)
+    return cached[1]
+
+
+def closing_eos(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
+    """What follows the rendered conversation: the end-of-sequence token when it ends with a reply and the
+    template closes a reply with nothing; else nothing."""
+    if messages and messages[-1]["role"] == "assistant" and tokenizer.eos_token and _no_end_of_turn(tokenizer):
+        return str(tokenizer.eos_token)
+    return ""
 
 
 def char_spans(tokenizer: Any, record: dict[str, Any]) -> tuple[str, list[tuple[int, int]]]:
@@ -50,8 +79,12 @@ def char_spans(tokenizer: Any, record: dict[str, Any]) -> tuple[str, list[tuple[
             # Template rewrites earlier turns (e.g. strips reasoning): train on the last reply only.
             last = max(j for j, x in enumerate(messages) if x["role"] == "assistant")
             before = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
+            full += closing_eos(tokenizer, messages)
             return full, [(len(before), len(full))]
         spans.append((len(before), len(upto)))
+    if eos := closing_eos(tokenizer, messages):
+        full += eos
+        spans[-1] = (spans[-1][0], len(full))  # the final reply's span ends the text: its stop is trained
     return full, spans
 
 
@@ -106,7 +139,7 @@ def _pieces(tokenizer: Any, record: dict[str, Any]) -> list[tuple[str, bool]] | 
         if not sep:
             return None
         pieces += [(before, False), (m["content"], True)]
-    return [*pieces, (rest, False)]
+    return [*pieces, (rest, False), (closing_eos(tokenizer, messages), False)]
 
 
 def _encode(tokenizer: Any, record: dict[str, Any], text: str,

@@ -74,3 +74,39 @@ def test_token_flags_answer_as_a_scan_of_every_span():
         scan = _AnySpans(spans)
         assert token_flags(offsets, spans, "inside") == [scan.contains(s, e) for s, e in offsets], (spans, offsets)
         assert token_flags(offsets, spans, "overlaps") == [scan.overlaps(s, e) for s, e in offsets], (spans, offsets)
+
+
+NO_END_OF_TURN = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture
+def no_end_of_turn(tiny_model):
+    """The demo tokenizer with a template that closes a reply with nothing (the parity benchmark's first random
+    models had one: greedy replies never stopped, 0 % exact match on every path)."""
+    from jobs.training.load import load_tokenizer
+
+    tok = load_tokenizer(tiny_model)
+    tok.chat_template = NO_END_OF_TURN
+    return tok
+
+
+def test_a_template_without_an_end_of_turn_gets_the_eos_after_the_final_reply(no_end_of_turn, tokenizer):
+    from jobs.data.render import tokenize_records
+
+    conv = {"messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+                         {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6"}]}
+    s = tokenize_record(no_end_of_turn, 1, conv, max_seq_length=256)
+    assert s.input_ids[-1] == no_end_of_turn.eos_token_id and s.labels[-1] == no_end_of_turn.eos_token_id
+    assert trained_text(no_end_of_turn, s).endswith("6<|eos|>")
+    assert not s.reply_mask[-1]  # the stop is trained, but is not the reply's own text
+    # the batch path and the escaped path (content holding control-token text) render the same
+    assert tokenize_records(no_end_of_turn, [(1, conv)], max_seq_length=256)[0].input_ids == s.input_ids
+    escaped = {"messages": [*conv["messages"][:3], {"role": "assistant", "content": "6 <|end|>"}]}
+    e = tokenize_record(no_end_of_turn, 2, escaped, max_seq_length=256)
+    assert e.input_ids[-1] == no_end_of_turn.eos_token_id and e.labels[-1] == no_end_of_turn.eos_token_id
+    # a conversation ending with the user's turn, and a template with its own marker, get nothing appended
+    asking = tokenize_record(no_end_of_turn, 3, {"messages": [*conv["messages"], {"role": "user", "content": "?"}]},
+                             max_seq_length=256)
+    assert no_end_of_turn.eos_token_id not in asking.input_ids
+    assert tokenizer.eos_token_id not in tokenize_record(tokenizer, 1, conv, max_seq_length=256).input_ids
