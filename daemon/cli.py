@@ -26,6 +26,7 @@ from daemon.supervisor import NightChild, child_env, night_world, run_id_for, wa
 from daemon.window import Window
 from jobs.contract import (
     ChildEvent,
+    ExitCode,
     Outcome,
     Phase,
     PhaseEvent,
@@ -39,18 +40,41 @@ from jobs.store.ledger import Ledger
 from jobs.store.outcomes import NightOutcomes
 from jobs.store.paths import StatePaths
 
+UNTIL_FORMS = "HH:MM or HH:MM:SS (local time), or +N with s, min or h from now (+90min, +2h)"
+_UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}
+
+
+def until_arg(until: str) -> str:
+    """argparse's check of --until: a malformed one is a bad command line (exit status 2, with the usage)."""
+    try:
+        parse_until(until, 0, dt.datetime.now().astimezone())
+    except SystemExit as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--until: ")) from None
+    return until
+
 
 def parse_until(until: str | None, default_seconds: float, now: dt.datetime) -> float:
-    """--until HH:MM[:SS] (local time, the next such moment) or now + default; unix seconds."""
+    """--until HH:MM[:SS] (local time, the next such moment), +N[s|min|h] (from now), or now + default;
+    unix seconds."""
     if until is None:
         return now.timestamp() + default_seconds
+    if until.startswith("+"):
+        number = until[1:].rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = until[1 + len(number):]  # required: is "+90" seconds or minutes?
+        try:
+            seconds = float(number) * _UNITS[unit]
+        except (KeyError, ValueError):
+            seconds = -1.0
+        if not seconds > 0 or seconds == float("inf"):
+            raise SystemExit(f"--until: expected {UNTIL_FORMS}, got {until!r}")
+        return now.timestamp() + seconds
     try:
         parts = [int(x) for x in until.split(":")]
         if len(parts) not in (2, 3):
             raise ValueError
         t = now.replace(hour=parts[0], minute=parts[1], second=parts[2] if len(parts) == 3 else 0, microsecond=0)
     except ValueError:
-        raise SystemExit(f"--until: expected HH:MM or HH:MM:SS, got {until!r}") from None
+        raise SystemExit(f"--until: expected {UNTIL_FORMS}, got {until!r}") from None
     if t <= now:
         t += dt.timedelta(days=1)
     return t.timestamp()
@@ -170,7 +194,12 @@ def _run_once(args: argparse.Namespace, s: Settings, window: Window, ledger: Led
         print(f"\nthe night's log: {args.log_file}")
     if out.summary.outcome == Outcome.failed:
         print(f"nightshift once: failed: {out.summary.error}", file=sys.stderr)
-    return outcome_exit_code(out.summary.outcome)
+    code = outcome_exit_code(out.summary.outcome)
+    if code == ExitCode.OK and (failed := report.hotswap_failures(out.summary)):  # README: published, not taken
+        print(f"nightshift once: published, but not every inference server took it: {'; '.join(failed)}. "
+              "`nightshift hotswap` re-sends it once the server is up", file=sys.stderr)
+        return ExitCode.HOTSWAP_FAILED
+    return code
 
 
 def plan_events(progress: NightProgress) -> Any:
@@ -286,13 +315,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", type=Path, default=None, help=config_cli.SEARCH_HELP)
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     p = sub.add_parser("once", help="run one night now")
-    p.add_argument("--until", metavar="HH:MM[:SS]",
-                   help="local time the window closes: the night stops by then (default: now + the configured "
-                   "window's length)")
+    p.add_argument("--until", metavar="HH:MM[:SS]|+N", type=until_arg,
+                   help="when the window closes: local time, or +N s/min/h from now (+30min); the night stops by "
+                   "then (default: now + the configured window's length)")
     p.set_defaults(func=cmd_once)
     p = sub.add_parser("plan", help="print tonight's plan over the pending samples and what the inbox would add; "
                        "changes nothing")
-    p.add_argument("--until", metavar="HH:MM[:SS]", help="local time the window closes (default: now + window length)")
+    p.add_argument("--until", metavar="HH:MM[:SS]|+N", type=until_arg,
+                   help="when the window closes: local time, or +N s/min/h from now (default: now + window length)")
     p.add_argument("--json", action="store_true", help="the plan as JSON (no progress display)")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("run", help="the service: wait for each night's window and run it (systemd)")

@@ -1,0 +1,88 @@
+"""An operator's week on the demo config (issue 42): what broke between nights, each in-process and fast."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import pytest
+
+from daemon import cli
+from daemon.supervisor import ChildOutcome
+from jobs.contract import ExitCode, HotswapOutcome, Outcome, RunSummary
+from tests.conftest import toml_config
+
+
+def stand_in_model(tmp_path: Path) -> Path:
+    model = tmp_path / "model"  # never loaded: the child is a stand-in; `once` checks that it is there
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    return model
+
+
+def config(tmp_path: Path, more: str = "") -> Path:
+    cfg, _ = toml_config(tmp_path, stand_in_model(tmp_path),
+                         more="[window]\nsave_margin_minutes = 1\n[daemon]\nmin_free_disk_gb = 0\n" + more)
+    return cfg
+
+
+def once_returning(monkeypatch: pytest.MonkeyPatch, summary: RunSummary | None, rc: int = 0) -> None:
+    monkeypatch.setattr(cli, "run_child", lambda *a, **kw: ChildOutcome(rc, summary, ["last line"]))
+
+
+def test_a_night_published_but_not_taken_by_a_server_exits_4_and_says_what_to_do(tmp_path, monkeypatch, capsys):
+    """The README's exit status 4 ("published, but at least one inference server did not take it") was never
+    returned by `once`: a night whose vLLM was down ended 0 and its summary did not mention the hot-swap."""
+    cfg = config(tmp_path)
+    down = HotswapOutcome(target="vllm-local", kind="vllm", ok=False, attempts=3,
+                          error="GET http://127.0.0.1:18999/v1/models: Connection refused")
+    night = RunSummary(night="manual-x", outcome=Outcome.succeeded, version=2, version_name="tiny-v0002",
+                       promoted=True, hotswap=[down])
+    once_returning(monkeypatch, night)
+    assert cli.main(["--config", str(cfg), "once", "--until", "+30min"]) == ExitCode.HOTSWAP_FAILED
+    out, err = capsys.readouterr()
+    row = next(line for line in out.splitlines() if line.startswith("hot-swap"))
+    assert "vllm-local: GET http://127.0.0.1:18999/v1/models: Connection refused" in row
+    assert "`nightshift hotswap` re-sends it" in err and "vllm-local" in err
+    ok = night.model_copy(update={"hotswap": [down.model_copy(update={"ok": True, "error": None})]})
+    once_returning(monkeypatch, ok)
+    assert cli.main(["--config", str(cfg), "once", "--until", "+30min"]) == ExitCode.OK
+    assert "vllm-local ok" in capsys.readouterr().out
+    several = RunSummary(night="manual-x", outcome=Outcome.succeeded,
+                         adapters=[night.model_copy(update={"adapter": "support"})])
+    once_returning(monkeypatch, several)
+    assert cli.main(["--config", str(cfg), "once", "--until", "+30min"]) == ExitCode.HOTSWAP_FAILED
+    assert "adapter support: vllm-local" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("until", ["+3min", "+2h", "+90s", "+1.5h", "12:30", "23:59:59"])
+def test_until_takes_a_time_of_day_or_a_span_from_now(until):
+    now = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
+    end = cli.parse_until(until, 0, now) - now.timestamp()
+    assert 0 < end <= 86400
+    assert cli.parse_until("+3min", 0, now) == now.timestamp() + 180
+
+
+@pytest.mark.parametrize("until", ["+3", "+3 days", "+-5min", "+0min", "25:00", "noon", "+infh"])
+def test_a_malformed_until_is_a_bad_command_line(tmp_path, until, capsys):
+    """It ended with status 1 (the one of a failed night), after taking the night lock; the README's 2 is for a bad
+    command line, and argparse now says it with the usage."""
+    cfg = config(tmp_path)
+    for command in ("once", "plan"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--config", str(cfg), command, "--until", until])
+        assert e.value.code == ExitCode.USAGE
+        assert "+N with s, min or h" in capsys.readouterr().err
+    assert not (tmp_path / "state").exists()
+
+
+def test_a_sentence_after_a_url_keeps_the_endpoint_name_readable():
+    """Every hot-swap error read `GET http://127.0.0.1:18999/v1/*** Connection refused`: the colon that ends the
+    URL was taken into its last segment, which then was no endpoint name and was masked."""
+    from jobs.contract.redact import redact_text
+
+    assert redact_text("GET http://127.0.0.1:8000/v1/models: Connection refused") == (
+        "GET http://127.0.0.1:8000/v1/models: Connection refused")
+    assert redact_text("POST https://hooks.example/T0/B0/secret: HTTP 500.") == "POST https://hooks.example/***/***/***: HTTP 500."
+    assert redact_text("(see http://h:1/v1/load_lora_adapter?token=abc).") == (
+        "(see http://h:1/v1/load_lora_adapter?token=***).")
