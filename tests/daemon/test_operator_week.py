@@ -83,6 +83,7 @@ def test_a_sentence_after_a_url_keeps_the_endpoint_name_readable():
 
     assert redact_text("GET http://127.0.0.1:8000/v1/models: Connection refused") == (
         "GET http://127.0.0.1:8000/v1/models: Connection refused")
-    assert redact_text("POST https://hooks.example/T0/B0/secret: HTTP 500.") == "POST https://hooks.example/***/***/***: HTTP 500."
+    assert redact_text("POST https://hooks.example/T0/B0/secret: HTTP 500.") == (
+        "POST https://hooks.example/***/***/***: HTTP 500.")
     assert redact_text("(see http://h:1/v1/load_lora_adapter?token=abc).") == (
         "(see http://h:1/v1/load_lora_adapter?token=***).")
