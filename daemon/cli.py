@@ -23,7 +23,7 @@ from daemon.preflight import before_a_night, one_line
 from daemon.progress import NightProgress, choose_mode, relay
 from daemon.settings import ConfigError, Settings, check_paths, load_settings
 from daemon.supervisor import NightChild, child_env, night_world, run_id_for, wait_interruptibly
-from daemon.window import Window
+from daemon.window import Window, parse_until, until_arg
 from jobs.contract import (
     ChildEvent,
     ExitCode,
@@ -39,45 +39,6 @@ from jobs.contract import (
 from jobs.store.ledger import Ledger
 from jobs.store.outcomes import NightOutcomes
 from jobs.store.paths import StatePaths
-
-UNTIL_FORMS = "HH:MM or HH:MM:SS (local time), or +N with s, min or h from now (+90min, +2h)"
-_UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}
-
-
-def until_arg(until: str) -> str:
-    """argparse's check of --until: a malformed one is a bad command line (exit status 2, with the usage)."""
-    try:
-        parse_until(until, 0, dt.datetime.now().astimezone())
-    except SystemExit as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--until: ")) from None
-    return until
-
-
-def parse_until(until: str | None, default_seconds: float, now: dt.datetime) -> float:
-    """--until HH:MM[:SS] (local time, the next such moment), +N[s|min|h] (from now), or now + default;
-    unix seconds."""
-    if until is None:
-        return now.timestamp() + default_seconds
-    if until.startswith("+"):
-        number = until[1:].rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = until[1 + len(number):]  # required: is "+90" seconds or minutes?
-        try:
-            seconds = float(number) * _UNITS[unit]
-        except (KeyError, ValueError):
-            seconds = -1.0
-        if not seconds > 0 or seconds == float("inf"):
-            raise SystemExit(f"--until: expected {UNTIL_FORMS}, got {until!r}")
-        return now.timestamp() + seconds
-    try:
-        parts = [int(x) for x in until.split(":")]
-        if len(parts) not in (2, 3):
-            raise ValueError
-        t = now.replace(hour=parts[0], minute=parts[1], second=parts[2] if len(parts) == 3 else 0, microsecond=0)
-    except ValueError:
-        raise SystemExit(f"--until: expected {UNTIL_FORMS}, got {until!r}") from None
-    if t <= now:
-        t += dt.timedelta(days=1)
-    return t.timestamp()
 
 
 def window_seconds(s: Settings) -> float:
@@ -172,12 +133,13 @@ def _run_once(args: argparse.Namespace, s: Settings, window: Window, ledger: Led
 
         out = run_child(s, night=night, deadline=window.deadline(s.window.save_margin).timestamp(),
                         plan_only=False, on_event=show, lock_fd=lock_fd, run_id=run_id, stop_at=deadline)
-    summary = out.summary
+    summary, closed_as = out.summary, None
     if summary is None or summary.outcome == Outcome.failed:
         # one attempt for a manual night: close it (a killed `once` leaves it open, and a rerun resumes)
         error = (summary.error if summary else None) or f"the night's process died ({out.describe_exit()})"
         closed = NightOutcomes(ledger).close(night, "failed", error, deadline=deadline)
         row = ledger.run(closed)  # a run killed after promoting its version closes as succeeded
+        closed_as = row["status"]
         summary = summary or RunSummary(run_id=closed, night=night, outcome=row["status"], error=row["error"])
     if summary.outcome != Outcome.interrupted:
         Notifier(s.hotswap, ledger).night_closed(summary)
@@ -194,6 +156,9 @@ def _run_once(args: argparse.Namespace, s: Settings, window: Window, ledger: Led
         print(f"\nthe night's log: {args.log_file}")
     if out.summary.outcome == Outcome.failed:
         print(f"nightshift once: failed: {out.summary.error}", file=sys.stderr)
+        if closed_as == Outcome.succeeded:  # closed above: its version was promoted before the failure
+            print(f"nightshift once: its version {out.summary.version_name or ''} was promoted before that and is "
+                  "in service (`nightshift status`); the ledger records the night succeeded", file=sys.stderr)
     code = outcome_exit_code(out.summary.outcome)
     if code == ExitCode.OK and (failed := report.hotswap_failures(out.summary)):  # README: published, not taken
         print(f"nightshift once: published, but not every inference server took it: {'; '.join(failed)}. "
@@ -224,6 +189,9 @@ def cmd_plan(args: argparse.Namespace, s: Settings) -> int:
     if out.summary is not None and out.summary.adapters:
         return _plan_of_adapters(args, out.summary)
     if out.summary is None or out.summary.plan is None:
+        if out.summary is not None and out.summary.error:  # the child's one line (damaged state, a missing path)
+            print(f"nightshift plan: refused: {out.summary.error}", file=sys.stderr)
+            return 1
         print(f"nightshift plan: failed ({out.describe_exit()})", file=sys.stderr)
         print("\n".join(out.tail[-15:]), file=sys.stderr)
         return 1

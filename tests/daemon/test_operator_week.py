@@ -87,3 +87,34 @@ def test_a_sentence_after_a_url_keeps_the_endpoint_name_readable():
         "POST https://hooks.example/***/***/***: HTTP 500.")
     assert redact_text("(see http://h:1/v1/load_lora_adapter?token=abc).") == (
         "(see http://h:1/v1/load_lora_adapter?token=***).")
+
+
+def test_plan_says_why_the_night_would_be_refused(tmp_path, monkeypatch, capsys):
+    """With the adapter in service altered, `plan` printed "nightshift plan: failed (exit status 1)" and, piped,
+    the child's JSON log lines: the reason was only inside a log line's "error" field."""
+    cfg = config(tmp_path)
+    why = "damaged state: the version in service tiny-v0001 fails its integrity check (...). Restore its files"
+    once_returning(monkeypatch, RunSummary(night="manual-x", outcome=Outcome.failed, error=why), rc=1)
+    assert cli.main(["--config", str(cfg), "plan", "--until", "+30min"]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"nightshift plan: refused: {why}"]
+
+
+def test_once_failing_after_its_version_was_promoted_says_that_version_is_in_service(tmp_path, monkeypatch, capsys):
+    """A disk that filled after the publish: `once` printed "outcome failed" and exit 1, not that the new version
+    was in service (the ledger closed the night as succeeded)."""
+    import time
+
+    from jobs.store.ledger import Ledger
+    from tests.store.test_adapters import craft
+
+    cfg = config(tmp_path)
+    night = f"manual-{dt.datetime.now().astimezone().date().isoformat()}"
+    craft(tmp_path / "state", 1, run_id=f"{night}-abc")
+    Ledger(tmp_path / "state" / "ledger.sqlite").start_run(f"{night}-abc", night, time.time() + 3600)
+    failed = RunSummary(night=night, run_id=f"{night}-abc", outcome=Outcome.failed, version=1,
+                        version_name="tiny-v0001", error="OperationalError: database or disk is full")
+    once_returning(monkeypatch, failed, rc=1)
+    assert cli.main(["--config", str(cfg), "once", "--until", "+30min"]) == 1
+    err = capsys.readouterr().err
+    assert "failed: OperationalError: database or disk is full" in err
+    assert "tiny-v0001 was promoted before that and is in service" in err
