@@ -118,3 +118,34 @@ def test_once_failing_after_its_version_was_promoted_says_that_version_is_in_ser
     err = capsys.readouterr().err
     assert "failed: OperationalError: database or disk is full" in err
     assert "tiny-v0001 was promoted before that and is in service" in err
+
+
+def test_a_full_disk_is_named_with_what_to_do_and_doctor_reports_it(tmp_path, capsys):
+    """On a 3 MB tmpfs filled to the brim, `once` ended "the ledger cannot be used: database or disk is full
+    (`nightshift doctor` explains)" and doctor said "no problems found"."""
+    import errno
+    import sqlite3
+
+    from daemon.preflight import one_line
+
+    def fill() -> int:  # SQLite's own SQLITE_FULL, as a full disk gives it
+        db = sqlite3.connect(tmp_path / "small.sqlite")
+        db.execute("PRAGMA max_page_count=2")
+        db.execute("CREATE TABLE t (x)")
+        db.execute("INSERT INTO t VALUES (?)", ("x" * 100_000,))
+        return 0
+
+    def no_space() -> int:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "state" / "adapters"))
+
+    for fn in (fill, no_space):
+        assert one_line("once", fn) == ExitCode.FAILED
+        err = capsys.readouterr().err
+        assert "free some space on that disk" in err and len(err.strip().splitlines()) == 1, err
+        assert "cannot be used" not in err
+    cfg = config(tmp_path).read_text().replace("min_free_disk_gb = 0", "min_free_disk_gb = 1e12")
+    (tmp_path / "full.toml").write_text(cfg)
+    assert cli.main(["--config", str(tmp_path / "full.toml"), "doctor"]) == ExitCode.FAILED
+    out = capsys.readouterr().out
+    assert "PROBLEM disk: only" in out and "min_free_disk_gb = 1e+12 GB" in out and "fix: free some space" in out
+    assert not (tmp_path / "state").exists()
