@@ -15,7 +15,7 @@ from tests.conftest import toml_config
 
 def stand_in_model(tmp_path: Path) -> Path:
     model = tmp_path / "model"  # never loaded: the child is a stand-in; `once` checks that it is there
-    model.mkdir()
+    model.mkdir(exist_ok=True)
     (model / "config.json").write_text("{}")
     return model
 
@@ -149,3 +149,37 @@ def test_a_full_disk_is_named_with_what_to_do_and_doctor_reports_it(tmp_path, ca
     out = capsys.readouterr().out
     assert "PROBLEM disk: only" in out and "min_free_disk_gb = 1e+12 GB" in out and "fix: free some space" in out
     assert not (tmp_path / "state").exists()
+
+
+ADAPTERS = '[[adapters]]\nname = "support"\nsources = ["inbox"]\n'
+
+
+def test_a_config_edit_that_would_restart_the_lineage_is_a_problem_before_any_night(tmp_path, capsys):
+    """check-config said OK and the next night trained from the base model: [[adapters]] added to a config whose
+    state holds one adapter's versions, taken out again, or [model] path pointed at other weights."""
+    from tests.store.test_adapters import craft
+
+    state = tmp_path / "state"
+    craft(state, 1)  # the one adapter of a config without [[adapters]], in service
+    cfg = config(tmp_path, ADAPTERS)
+    assert cli.main(["--config", str(cfg), "check-config"]) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert "holds the versions of a config without [[adapters]]" in err and "tiny-v0001 in service" in err
+    assert cli.main(["--config", str(cfg), "plan"]) == ExitCode.USAGE  # `once` and `run` check the same
+    assert "would start again from the base model" in capsys.readouterr().err
+
+    other = tmp_path / "other"
+    craft(other / "state" / "by-adapter" / "support", 1)
+    cfg = config(other)  # [[adapters]] taken out again
+    assert cli.main(["--config", str(cfg), "check-config"]) == ExitCode.USAGE
+    assert "holds the versions of adapters support" in capsys.readouterr().err
+
+    # craft's manifest names base fingerprint "f"; the stand-in model has another
+    cfg = config(tmp_path)
+    assert cli.main(["--config", str(cfg), "check-config"]) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert "[model] path: " in err and "not the base model the adapter in service tiny-v0001 was trained on" in err
+    (tmp_path / "model" / "config.json").unlink()  # built at the first night (the demo): nothing to compare yet
+    text = cfg.read_text().replace("[model]\n", '[model]\nbuild = "tiny-llama"\n')
+    cfg.write_text(text)
+    assert cli.main(["--config", str(cfg), "check-config"]) == ExitCode.OK
