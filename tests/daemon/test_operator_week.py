@@ -108,6 +108,8 @@ def test_once_failing_after_its_version_was_promoted_says_that_version_is_in_ser
     from tests.store.test_adapters import craft
 
     cfg = config(tmp_path)
+    cfg.write_text(cfg.read_text().replace("[model]\n", '[model]\nbuild = "tiny-llama"\n'))
+    (tmp_path / "model" / "config.json").unlink()  # craft's versions name no real base to compare with
     night = f"manual-{dt.datetime.now().astimezone().date().isoformat()}"
     craft(tmp_path / "state", 1, run_id=f"{night}-abc")
     Ledger(tmp_path / "state" / "ledger.sqlite").start_run(f"{night}-abc", night, time.time() + 3600)
@@ -183,3 +185,47 @@ def test_a_config_edit_that_would_restart_the_lineage_is_a_problem_before_any_ni
     text = cfg.read_text().replace("[model]\n", '[model]\nbuild = "tiny-llama"\n')
     cfg.write_text(text)
     assert cli.main(["--config", str(cfg), "check-config"]) == ExitCode.OK
+
+
+def test_a_version_gone_from_disk_is_shown_missing_and_a_send_that_failed_is_not_called_sent(tmp_path, capsys):
+    """A version deleted by hand was listed as any other, `show` called it "files deleted (pruned)" and `promote`
+    said "it is promoted and not on disk"; `hotswap` to a server that was down printed "sent tiny-v0001"."""
+    import json
+    import shutil
+
+    from tests.fixtures.lora_servers import Fake
+    from tests.store.test_adapters import cli, craft, settings
+
+    state = tmp_path / "state"
+    craft(state, 1)
+    v2 = craft(state, 2)
+    s = settings(state)
+    assert cli(s, "adapters", "promote", "1") == 0
+    capsys.readouterr()
+    v2.chmod(0o750)
+    shutil.rmtree(v2)
+    assert cli(s, "adapters", "list") == 0
+    out = capsys.readouterr().out
+    assert "promoted, MISSING" in next(ln for ln in out.splitlines() if "tiny-v0002" in ln)
+    assert "not pruned): restore it from a backup" in out
+    assert cli(s, "adapters", "list", "--json") == 0
+    assert [r["missing"] for r in json.loads(capsys.readouterr().out)] == [False, True]
+    assert cli(s, "adapters", "show", "2") == 0
+    assert f"files MISSING from {v2} (not pruned)" in capsys.readouterr().out
+    assert cli(s, "adapters", "promote", "2") == 1
+    assert f"its directory {v2} is missing (it was not pruned): restore it" in capsys.readouterr().err
+    assert cli(s, "adapters", "show", "7") == 1
+    assert "`nightshift adapters list` lists them" in capsys.readouterr().err
+
+    down = Fake("fail", status=500)
+    try:
+        s = settings(state, {"kind": "vllm", "name": "down", "base_url": down.url, "retries": 0})
+        assert cli(s, "hotswap") == 4
+        out, err = capsys.readouterr()
+        assert "tried to send tiny-v0001; integrity verified" in out.splitlines() and "sent tiny-v0001" not in out
+        assert "tiny-v0001 stays in service here: run `nightshift hotswap` again once the server is up" in err
+        craft(state, 3)
+        assert cli(s, "adapters", "rollback") == 4
+        assert "the move stands: tiny-v0001 is in service here" in capsys.readouterr().err
+    finally:
+        down.close()
