@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from jobs.contract import (
 from jobs.store.ledger import Ledger
 from jobs.store.outcomes import NightOutcomes
 from jobs.store.paths import StatePaths
+from jobs.store.stale import fate
 
 
 def window_seconds(s: Settings) -> float:
@@ -159,6 +161,9 @@ def _run_once(args: argparse.Namespace, s: Settings, window: Window, ledger: Led
         if closed_as == Outcome.succeeded:  # closed above: its version was promoted before the failure
             print(f"nightshift once: its version {out.summary.version_name or ''} was promoted before that and is "
                   "in service (`nightshift status`); the ledger records the night succeeded", file=sys.stderr)
+    if out.summary.outcome == Outcome.interrupted and (row := ledger.run(out.summary.run_id or "")) is not None \
+            and row["status"] == "running":  # what comes of it, as `status` says it
+        print(f"nightshift once: stopped; {fate(row, time.time(), night_running=False)}", file=sys.stderr)
     code = outcome_exit_code(out.summary.outcome)
     if code == ExitCode.OK and (failed := report.hotswap_failures(out.summary)):  # README: published, not taken
         print(f"nightshift once: published, but not every inference server took it: {'; '.join(failed)}. "

@@ -62,6 +62,10 @@ def summary_table(s: RunSummary, price_per_gpu_hour: float | None = None) -> str
         held_back = s.gate.held_back if s.gate else None
         why = f"held back: {held_back}" if held_back else "gate failed"
         version += " (promoted: now in service)" if s.promoted else f" (kept, NOT promoted: {why})"
+    elif s.version_name:  # the number the run holds: a stopped run publishes it when it resumes
+        version += (" (promoted: now in service)" if s.promoted else
+                    " (not published yet: the night resumes from its checkpoint)" if s.outcome == Outcome.interrupted
+                    else " (not published)")
     predicted, actual = s.predicted_train_seconds, s.actual_train_seconds
     ratio = f" (actual/predicted {actual / predicted:.2f})" if predicted and actual else ""
     planned = s.planned_tokens

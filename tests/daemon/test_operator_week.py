@@ -229,3 +229,23 @@ def test_a_version_gone_from_disk_is_shown_missing_and_a_send_that_failed_is_not
         assert "the move stands: tiny-v0001 is in service here" in capsys.readouterr().err
     finally:
         down.close()
+
+
+def test_a_stopped_once_says_its_version_is_not_published_and_how_it_resumes(tmp_path, monkeypatch, capsys):
+    """SIGTERM mid-night: the summary read "version tiny-v0003" (a number only reserved) and nothing said what
+    becomes of the night."""
+    import time
+
+    from jobs.store.ledger import Ledger
+
+    cfg = config(tmp_path)
+    night = f"manual-{dt.datetime.now().astimezone().date().isoformat()}"
+    Ledger(tmp_path / "state" / "ledger.sqlite").start_run(f"{night}-abc", night, time.time() + 3600)
+    stopped = RunSummary(night=night, run_id=f"{night}-abc", outcome=Outcome.interrupted, version=3,
+                         version_name="tiny-v0003", stopped="signal")
+    once_returning(monkeypatch, stopped, rc=3)
+    assert cli.main(["--config", str(cfg), "once", "--until", "+30min"]) == ExitCode.INTERRUPTED
+    out, err = capsys.readouterr()
+    assert "tiny-v0003 (not published yet: the night resumes from its checkpoint)" in out
+    assert f"nightshift once: stopped; run {night}-abc of night {night} is open (attempt 1): a start before" in err
+    assert "resumes it from its last checkpoint" in err
