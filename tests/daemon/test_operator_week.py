@@ -249,3 +249,33 @@ def test_a_stopped_once_says_its_version_is_not_published_and_how_it_resumes(tmp
     assert "tiny-v0003 (not published yet: the night resumes from its checkpoint)" in out
     assert f"nightshift once: stopped; run {night}-abc of night {night} is open (attempt 1): a start before" in err
     assert "resumes it from its last checkpoint" in err
+
+
+def test_status_says_which_inference_server_did_not_take_the_version_in_service(tmp_path, capsys):
+    """After a night whose vLLM was down, `status` showed the version in service and nothing about the servers:
+    the operator learnt it from the journal only."""
+    import json
+
+    from jobs.store.ledger import Ledger
+    from tests.store.test_adapters import craft
+
+    state = tmp_path / "state"
+    craft(state, 1)
+    ledger = Ledger(state / "ledger.sqlite")
+    for target, ok in (("vllm-local", False), ("gone", False), ("sglang", True)):
+        ledger.record_hotswap(1, HotswapOutcome(target=target, kind="vllm", ok=ok, attempts=3,
+                                                error=None if ok else "GET http://127.0.0.1:1/v1/models: refused"),
+                              trigger="night")
+    ledger.close()
+    targets = "".join(f'[[hotswap.targets]]\nkind = "{k}"\nname = "{n}"\nbase_url = "http://127.0.0.1:1"\n'
+                      for k, n in (("vllm", "vllm-local"), ("sglang", "sglang")))
+    cfg = config(tmp_path, targets)
+    cfg.write_text(cfg.read_text().replace("[model]\n", '[model]\nbuild = "tiny-llama"\n'))
+    (tmp_path / "model" / "config.json").unlink()  # craft's versions name no real base to compare with
+    assert cli.main(["--config", str(cfg), "status"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("inference servers"))
+    assert "vllm-local did NOT take it (" in line and "/v1/models: refused" in line and "sglang ok" in line
+    assert "gone" not in line  # no longer configured: no longer asked
+    assert cli.main(["--config", str(cfg), "status", "--json"]) == 0
+    sends = json.loads(capsys.readouterr().out)["in_service"]["hotswap"]
+    assert {k: v["ok"] for k, v in sends.items()} == {"vllm-local": False, "sglang": True}
