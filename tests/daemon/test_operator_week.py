@@ -279,3 +279,34 @@ def test_status_says_which_inference_server_did_not_take_the_version_in_service(
     assert cli.main(["--config", str(cfg), "status", "--json"]) == 0
     sends = json.loads(capsys.readouterr().out)["in_service"]["hotswap"]
     assert {k: v["ok"] for k, v in sends.items()} == {"vllm-local": False, "sglang": True}
+
+
+def test_a_server_still_down_when_the_service_starts_shows_in_the_hot_swap_series(tmp_path):
+    """The service re-sends at its start what a server missed; when that failed too, the hot-swap series (and the
+    alert on them) read 0 failures: a restart hid a server that had been down for nights."""
+    from prometheus_client import CollectorRegistry
+
+    from daemon.service import Service
+    from daemon.settings import load_settings
+    from jobs.store.ledger import Ledger
+    from tests.fixtures.lora_servers import Fake
+    from tests.store.test_adapters import craft
+
+    state = tmp_path / "state"
+    craft(state, 1)
+    Ledger(state / "ledger.sqlite").record_hotswap(1, HotswapOutcome(target="v", kind="vllm", ok=False,
+                                                                     error="refused"), trigger="night")
+    down = Fake("fail", status=500)
+    try:
+        cfg = config(tmp_path, f'[[hotswap.targets]]\nkind = "vllm"\nname = "v"\nbase_url = "{down.url}"\n'
+                               "retries = 0\n")
+        cfg.write_text(cfg.read_text().replace("[model]\n", '[model]\nbuild = "tiny-llama"\n'))
+        (tmp_path / "model" / "config.json").unlink()  # craft's versions name no real base to compare with
+        registry = CollectorRegistry()
+        svc = Service(load_settings(cfg), registry=registry)
+        svc._resend_unheard()
+    finally:
+        down.close()
+    labels = {"kind": "vllm", "outcome": "failure"}
+    assert registry.get_sample_value("nightshift_hotswap_attempts_total", labels) == 1
+    assert registry.get_sample_value("nightshift_hotswap_consecutive_failures", {"kind": "vllm"}) == 1
