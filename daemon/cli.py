@@ -185,6 +185,9 @@ def cmd_plan(args: argparse.Namespace, s: Settings) -> int:
     # (the window's end less the save margin): the plan shows the figures `once` will have (52 vs 45 replayed
     # samples when the plan was seeded "plan" and timed to the window's very end)
     window = manual_window(args, s)
+    if (no_time := no_time_to_train(window, s)) is not None:  # what `once` says to the same --until
+        print(f"nightshift plan: {no_time}", file=sys.stderr)
+        return 2
     night, deadline = window.night, window.deadline(s.window.save_margin).timestamp()
     problems = check_paths(s, writes=False)  # no lock, no write: also while a night runs, and as another user
     if problems:

@@ -310,3 +310,13 @@ def test_a_server_still_down_when_the_service_starts_shows_in_the_hot_swap_serie
     labels = {"kind": "vllm", "outcome": "failure"}
     assert registry.get_sample_value("nightshift_hotswap_attempts_total", labels) == 1
     assert registry.get_sample_value("nightshift_hotswap_consecutive_failures", {"kind": "vllm"}) == 1
+
+
+def test_plan_refuses_an_until_inside_the_save_margin_as_once_does(tmp_path, monkeypatch, capsys):
+    """`once --until +30s` said "no time to train" (status 2); `plan --until +30s` printed an empty plan, 0."""
+    cfg = config(tmp_path)
+    once_returning(monkeypatch, None)
+    for command in ("plan", "once"):
+        assert cli.main(["--config", str(cfg), command, "--until", "+30s"]) == ExitCode.USAGE
+        assert "save_margin_minutes (1), the time kept to save before the end: no time to train" in (
+            capsys.readouterr().err)
