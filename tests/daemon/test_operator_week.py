@@ -320,3 +320,19 @@ def test_plan_refuses_an_until_inside_the_save_margin_as_once_does(tmp_path, mon
         assert cli.main(["--config", str(cfg), command, "--until", "+30s"]) == ExitCode.USAGE
         assert "save_margin_minutes (1), the time kept to save before the end: no time to train" in (
             capsys.readouterr().err)
+
+
+def test_the_report_names_a_server_that_did_not_take_a_nights_version():
+    """The report showed such a night as a plain "succeeded" row: the failed hot-swap was nowhere on the page."""
+    from daemon.report_data import night_row
+    from daemon.report_html import table
+
+    run = {"night": "2026-11-28", "id": "r1", "status": "succeeded", "started_at": 1.0, "ended_at": 9.0,
+           "error": None}
+    summary = {"version_name": "tiny-v0002", "promoted": True,
+               "hotswap": [{"target": "vllm-local", "kind": "vllm", "ok": False, "error": "refused"},
+                           {"target": "sglang", "kind": "sglang", "ok": True}]}
+    row = night_row(run, summary, {})
+    assert row.hotswap_failed == ["vllm-local"]
+    page = table([row])
+    assert "hot-swap: vllm-local did not take it" in page and "sglang" not in page
