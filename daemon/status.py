@@ -22,11 +22,19 @@ def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:
     now = now or datetime.now(UTC)
     zone = s.window.zone()
     w = s.window.window_at(now)
-    nxt = s.window.next_window(now)
+    nxt, done = s.window.next_window(now), None
+    ledger = open_read_only(StatePaths(s.state_dir).ledger)
+    try:  # a window whose night already ran (the window moved later the same day) is not run again: the next is
+        if ledger.night_done(nxt.night):
+            done, nxt = nxt, s.window.next_window(nxt.start)
+    finally:
+        ledger.close()
     info = {
         "window": s.window.describe(),
         "window_open": w is not None,
         "next_window_start": nxt.start.astimezone(zone).isoformat(timespec="minutes"),
+        **({"skipped_window": {"start": done.start.astimezone(zone).isoformat(timespec="minutes"),
+                               "night": done.night}} if done else {}),
         **_state(Path(s.state_dir), zone, w.night if w else None),
     }
     targets = {t.name for t in s.hotswap.targets}  # a server taken out of the config is no longer asked
@@ -134,8 +142,11 @@ def render(info: dict[str, Any]) -> str:
     svc = info["in_service"]
     head = key_values([
         *([("config", info["config"])] if info.get("config") else []),
-        ("window", info["window"] + (" (open now)" if info["window_open"] else "")),
-        ("next window", info["next_window_start"]),
+        ("window", info["window"] + (" (open now" + ("; its night is done" if info.get("tonight_done") else "")
+                                     + ")" if info["window_open"] else "")),
+        ("next window", info["next_window_start"] + (
+            f" ({info['skipped_window']['start']} is not run: its night {info['skipped_window']['night']} is done "
+            "already, one night per date)" if info.get("skipped_window") else "")),
         ("adapter in service", "one per adapter (below)" if info.get("adapters") else
          f"{svc['name']} ({svc['method']}, promoted {svc['promoted']})" if svc else "none yet"),
         *_sends_line(svc),

@@ -336,3 +336,29 @@ def test_the_report_names_a_server_that_did_not_take_a_nights_version():
     assert row.hotswap_failed == ["vllm-local"]
     page = table([row])
     assert "hot-swap: vllm-local did not take it" in page and "sglang" not in page
+
+
+def test_status_says_when_the_next_window_will_not_run_because_its_night_is_done(tmp_path, capsys):
+    """The window moved to later the same day after that day's night ran: the service rightly does not run it
+    again (one night per date), but `status` named it as the next window."""
+    import time
+
+    from daemon.settings import load_settings
+    from daemon.status import collect, render
+    from jobs.store.ledger import Ledger
+
+    cfg = config(tmp_path).read_text().replace("[window]\n", '[window]\nstart = "13:00"\nend = "18:00"\n'
+                                                             'timezone = "UTC"\n')
+    (tmp_path / "n.toml").write_text(cfg)
+    s = load_settings(tmp_path / "n.toml")
+    ledger = Ledger(tmp_path / "state" / "ledger.sqlite")
+    ledger.start_run("r1", "2026-11-28", time.time())
+    ledger.db.execute("UPDATE runs SET status='succeeded', ended_at=started_at WHERE id='r1'")
+    ledger.close()
+    now = dt.datetime(2026, 11, 28, 12, 0, tzinfo=dt.UTC)
+    info = collect(s, now)
+    assert info["next_window_start"].startswith("2026-11-29T13:00")
+    assert info["skipped_window"] == {"start": "2026-11-28T13:00+00:00", "night": "2026-11-28"}
+    assert "2026-11-28T13:00+00:00 is not run: its night 2026-11-28 is done already" in render(info)
+    info = collect(s, dt.datetime(2026, 11, 28, 14, 0, tzinfo=dt.UTC))
+    assert "(open now; its night is done)" in render(info) and "skipped_window" not in info
