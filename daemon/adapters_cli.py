@@ -30,7 +30,9 @@ from jobs.gpu.cost import summary_cost
 from jobs.hotswap import HotswapConfig, HotswapOutcome, versions
 from jobs.store.adapters import AdapterError, Adapters, RegistryConfig, VersionInfo, diff
 from jobs.store.locking import LockTimeout
+from jobs.store.paths import StatePaths
 from jobs.store.registry import IntegrityError
+from jobs.store.schema import published_dirs
 
 EXIT_REFUSED = 1
 EXIT_HOTSWAP_FAILED = 4
@@ -110,6 +112,11 @@ def open_adapters(s: Any, *, read_only: bool = False, adapter: str | None = None
         if night is None:
             raise AdapterError(f"--adapter {adapter}: no such [[adapters]] (they are: {', '.join(names)})")
         state_dir, hotswap = night.state_dir, night.hotswap
+    paths = StatePaths(state_dir)
+    if not read_only and not paths.ledger.exists() and not published_dirs(paths.root) and \
+            not paths.current.is_symlink():  # a refusal creates no state directory
+        raise AdapterError(f"nothing is published yet in {paths.root}: a first night (`nightshift once`, or the "
+                           "service in its window) publishes the first version")
     return WithTargets(state_dir, hotswap=hotswap, cfg=getattr(s, "registry", None) or RegistryConfig(),
                        read_only=read_only,
                        price_per_gpu_hour=getattr(getattr(s, "gpu", None), "price_per_gpu_hour", None))

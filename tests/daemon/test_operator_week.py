@@ -362,3 +362,14 @@ def test_status_says_when_the_next_window_will_not_run_because_its_night_is_done
     assert "2026-11-28T13:00+00:00 is not run: its night 2026-11-28 is done already" in render(info)
     info = collect(s, dt.datetime(2026, 11, 28, 14, 0, tzinfo=dt.UTC))
     assert "(open now; its night is done)" in render(info) and "skipped_window" not in info
+
+
+@pytest.mark.parametrize("argv", [("hotswap",), ("adapters", "rollback"), ("adapters", "promote", "1"),
+                                  ("adapters", "pin", "1"), ("adapters", "prune")])
+def test_a_registry_command_before_any_night_says_so_and_creates_nothing(tmp_path, capsys, argv):
+    """`hotswap` on a fresh install was refused ("no version is in service") after creating the state directory,
+    its ledger and its lock."""
+    cfg = config(tmp_path)
+    assert cli.main(["--config", str(cfg), *argv]) == 1
+    assert "nothing is published yet in" in capsys.readouterr().err
+    assert not (tmp_path / "state").exists()
