@@ -373,3 +373,15 @@ def test_a_registry_command_before_any_night_says_so_and_creates_nothing(tmp_pat
     assert cli.main(["--config", str(cfg), *argv]) == 1
     assert "nothing is published yet in" in capsys.readouterr().err
     assert not (tmp_path / "state").exists()
+
+
+def test_a_diff_shows_times_as_times():
+    """`adapters diff` printed `created_at 1795868801.0865324 -> 1795868844.7975001  (+43.71, +0.0%)`."""
+    import time
+
+    from daemon.adapters_view import diff_lines
+
+    a, b = 1795868801.08, 1795868844.79
+    text = diff_lines("v1", "v2", [("created_at", a, b)])
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a))
+    assert f"created_at  {when} -> " in text and "(+44 s)" in text and "%" not in text
