@@ -169,6 +169,8 @@ def test_a_config_edit_that_would_restart_the_lineage_is_a_problem_before_any_ni
     assert "holds the versions of a config without [[adapters]]" in err and "tiny-v0001 in service" in err
     assert cli.main(["--config", str(cfg), "plan"]) == ExitCode.USAGE  # `once` and `run` check the same
     assert "would start again from the base model" in capsys.readouterr().err
+    assert cli.main(["--config", str(cfg), "doctor"]) == ExitCode.FAILED
+    assert "PROBLEM config: [[adapters]]: state_dir" in capsys.readouterr().out
 
     other = tmp_path / "other"
     craft(other / "state" / "by-adapter" / "support", 1)
