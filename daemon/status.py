@@ -117,10 +117,12 @@ def _adapters(info: dict[str, Any]) -> str:
     for name, a in info.items():
         last = a["runs"][0] if a["runs"] else None
         svc = a["in_service"]
+        unheard = [t for t, x in ((svc or {}).get("hotswap") or {}).items() if not x["ok"]]
         rows.append([name, svc["name"] if svc else "none yet", last["night"] if last else "—",
                      last["status"] if last else "—", (last or {}).get("version") or "—",
                      f"{a['backlog']['samples']:,} / {a['backlog']['tokens']:,}",
-                     ((last or {}).get("error") or "")[:50]])
+                     ((last or {}).get("error") or "")[:50] + "".join(f" not taken by {t} (`nightshift hotswap "
+                                                                      f"--adapter {name}`)" for t in unheard)])
     return "adapters:\n" + grid(("adapter", "in service", "last night", "last outcome", "last version",
                                   "backlog samples / tokens", "error"), rows)
 

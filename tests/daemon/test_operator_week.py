@@ -281,6 +281,10 @@ def test_status_says_which_inference_server_did_not_take_the_version_in_service(
     assert cli.main(["--config", str(cfg), "status", "--json"]) == 0
     sends = json.loads(capsys.readouterr().out)["in_service"]["hotswap"]
     assert {k: v["ok"] for k, v in sends.items()} == {"vllm-local": False, "sglang": True}
+    from daemon.status import _adapters  # [[adapters]]: each adapter's row says it
+    info = {"in_service": {"name": "support-v0001", "hotswap": sends}, "runs": [], "backlog": {"samples": 0,
+                                                                                               "tokens": 0}}
+    assert "not taken by vllm-local (`nightshift hotswap --adapter support`)" in _adapters({"support": info})
 
 
 def test_a_server_still_down_when_the_service_starts_shows_in_the_hot_swap_series(tmp_path):
