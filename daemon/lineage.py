@@ -40,10 +40,29 @@ def lineage_problems(s: Any) -> list[str]:
                 "[[adapters]]): without [[adapters]] a night would start another adapter from the base model. Put "
                 "the [[adapters]] tables back, or give this config a state_dir of its own")
     model = Path(s.model.path)
-    if (model / "config.json").is_file():
-        for root in [top.adapter(n).root for n in names] if names else [top.root]:
-            out += _base_problems(root, model)
+    places = [(a.night.state_dir, a.night.train) for a in s.night_config().adapters] or [(top.root, s.train)]
+    for root, train in places:
+        if (model / "config.json").is_file():
+            out += _base_problems(Path(root), model)
+        out += _shape_problems(Path(root), train)
     return out
+
+
+def _shape_problems(root: Path, train: Any) -> list[str]:
+    """A night continues the adapter in service in its own LoRA shape (jobs/training/load.py): a rank or alpha
+    edited in the config was silently not used, while the manifest recorded the edited value."""
+    current = _in_service(root)
+    try:
+        saved = json.loads((current / "adapter_config.json").read_text()) if current else {}
+        r, alpha = int(saved["r"]), saved.get("lora_alpha")
+    except (OSError, ValueError, KeyError, TypeError):  # a whole model (method = "full"), or damage: doctor's
+        return []
+    if r == train.lora_rank and (alpha is None or alpha == train.lora_alpha):
+        return []
+    return [f"[train] lora_rank {train.lora_rank}, lora_alpha {train.lora_alpha:g}: the adapter in service "
+            f"{current.name} has rank {r}" + (f", alpha {alpha:g}" if alpha is not None else "") + ", and a night "
+            "continues it in that shape (the configured one would not be used). Set them back, or start the new "
+            "shape in a state_dir of its own"]
 
 
 def _subdirs(path: Path) -> list[Path]:

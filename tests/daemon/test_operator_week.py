@@ -187,6 +187,11 @@ def test_a_config_edit_that_would_restart_the_lineage_is_a_problem_before_any_ni
     text = cfg.read_text().replace("[model]\n", '[model]\nbuild = "tiny-llama"\n')
     cfg.write_text(text)
     assert cli.main(["--config", str(cfg), "check-config"]) == ExitCode.OK
+    # lora_rank 4 -> 8: a night went on at rank 4 (the parent's shape) and its manifest said 8
+    cfg.write_text(text.replace("lora_rank = 4", "lora_rank = 8"))
+    assert cli.main(["--config", str(cfg), "check-config"]) == ExitCode.USAGE
+    assert "[train] lora_rank 8, lora_alpha 16: the adapter in service tiny-v0001 has rank 4, and" in (
+        capsys.readouterr().err)
 
 
 def test_a_version_gone_from_disk_is_shown_missing_and_a_send_that_failed_is_not_called_sent(tmp_path, capsys):
