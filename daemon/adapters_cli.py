@@ -30,7 +30,9 @@ from jobs.gpu.cost import summary_cost
 from jobs.hotswap import HotswapConfig, HotswapOutcome, versions
 from jobs.store.adapters import AdapterError, Adapters, RegistryConfig, VersionInfo, diff
 from jobs.store.locking import LockTimeout
+from jobs.store.paths import StatePaths
 from jobs.store.registry import IntegrityError
+from jobs.store.schema import published_dirs
 
 EXIT_REFUSED = 1
 EXIT_HOTSWAP_FAILED = 4
@@ -110,6 +112,11 @@ def open_adapters(s: Any, *, read_only: bool = False, adapter: str | None = None
         if night is None:
             raise AdapterError(f"--adapter {adapter}: no such [[adapters]] (they are: {', '.join(names)})")
         state_dir, hotswap = night.state_dir, night.hotswap
+    paths = StatePaths(state_dir)
+    if not read_only and not paths.ledger.exists() and not published_dirs(paths.root) and \
+            not paths.current.is_symlink():  # a refusal creates no state directory
+        raise AdapterError(f"nothing is published yet in {paths.root}: a first night (`nightshift once`, or the "
+                           "service in its window) publishes the first version")
     return WithTargets(state_dir, hotswap=hotswap, cfg=getattr(s, "registry", None) or RegistryConfig(),
                        read_only=read_only,
                        price_per_gpu_hour=getattr(getattr(s, "gpu", None), "price_per_gpu_hour", None))
@@ -176,6 +183,7 @@ def _row(i: VersionInfo) -> dict[str, Any]:
         "version": i.version,
         "name": i.name,
         "status": i.status,
+        "missing": i.missing,
         "method": i.method,
         "size_bytes": i.size_bytes,
         "in_service": i.in_service,
@@ -204,12 +212,16 @@ def cmd_list(args: argparse.Namespace, ad: Adapters) -> int:
     head = ("", "VERSION", "STATUS", "METHOD", "SIZE", "GATE", "HELDOUT", "REGRESSION", "HELD-ACC", "SAMPLES",
             "CREATED", "LAST PROMOTED", "PIN")
     print(grid(head, [
-        ("*" if r["in_service"] else "", r["name"], r["status"], r["method"], _size(r["size_bytes"]),
+        ("*" if r["in_service"] else "", r["name"], r["status"] + (", MISSING" if r["missing"] else ""), r["method"],
+         _size(r["size_bytes"]),
          r["gate"] or "—", _fig(r["heldout_loss"]),
          _fig(r["regression_loss"]), _fig(r["heldout_accuracy"]), _fig(r["samples"]), _when(r["created_at"]),
          _when(r["promoted_at"]), "pinned" if r["pinned"] else "")
         for r in rows]))
     print("\n* in service (the `current` link); HELDOUT/REGRESSION: loss after training; HELD-ACC: reply tokens right")
+    if any(r["missing"] for r in rows):
+        print("MISSING: the ledger keeps it but its directory is gone (not pruned): restore it from a backup; "
+              "`nightshift doctor` lists what is missing")
     return 0
 
 
@@ -221,7 +233,8 @@ def cmd_show(args: argparse.Namespace, ad: Adapters) -> int:
         return 0
     state = [i.status] + (["IN SERVICE"] if i.in_service else []) + (["pinned"] if i.pinned else [])
     kind = "a LoRA adapter" if i.method != "full" else "a whole model"
-    where = str(i.path) if i.on_disk else "files deleted (pruned)"
+    where = (str(i.path) if i.on_disk else f"files MISSING from {i.path} (not pruned): restore them from a backup"
+             if i.missing else "files deleted (pruned)")
     print(show_lines(i.name, f"{', '.join(state)}; {i.method} ({kind}, {_size(i.size_bytes)}); {where}", i.manifest,
                      extra=[("per million tokens", _cost(ad, i.manifest))]))
     return 0
@@ -256,7 +269,11 @@ def _report(ad: WithTargets, outcomes: list[HotswapOutcome] | None) -> int:
         print("  hot-swap: skipped, `current` moved on meanwhile (whoever moved it announces)")
         return 0
     _print_outcomes(outcomes, ad.hotswap_cfg)
-    return EXIT_HOTSWAP_FAILED if any(not o.ok for o in outcomes) else 0
+    if any(not o.ok for o in outcomes):
+        print(f"  the move stands: {_vname(ad, ad.registry.current_version())} is in service here; "
+              "`nightshift hotswap` re-sends it once the server is up", file=sys.stderr)
+        return EXIT_HOTSWAP_FAILED
+    return 0
 
 
 def _print_outcomes(outcomes: list[HotswapOutcome], cfg: HotswapConfig) -> None:
@@ -329,6 +346,10 @@ def cmd_hotswap(args: argparse.Namespace, ad: WithTargets) -> int:
         )
     else:
         note = "" if info.in_service else " (NOT the version in service)"
-        print(f"sent {info.name}{note}; integrity verified")
+        failed = [o.target for o in outcomes if not o.ok]
+        print(f"{'tried to send' if failed else 'sent'} {info.name}{note}; integrity verified")
         _print_outcomes(outcomes, ad.hotswap_cfg)
+        if failed:
+            print(f"  not taken by {', '.join(failed)}; {_vname(ad, ad.registry.current_version())} stays in service "
+                  "here: run `nightshift hotswap` again once the server is up", file=sys.stderr)
     return EXIT_HOTSWAP_FAILED if any(not o.ok for o in outcomes) else 0

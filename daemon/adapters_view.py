@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,10 +82,17 @@ def diff_lines(a: str, b: str, rows: list[tuple[str, Any, Any]]) -> str:
             continue
         _, va, vb = items[0]
         delta = ""
+        if key.endswith("_at") and isinstance(va, int | float) and isinstance(vb, int | float):  # unix seconds
+            out.append(f"  {key.ljust(width)}  {_when(va)} -> {_when(vb)}  ({vb - va:+,.0f} s)")
+            continue
         if isinstance(va, int | float) and isinstance(vb, int | float) and not isinstance(va, bool) and va:
             delta = f"  ({vb - va:+.4g}, {(vb - va) / abs(va) * 100:+.1f}%)"
         out.append(f"  {key.ljust(width)}  {_short(va)} -> {_short(vb)}{delta}")
     return "\n".join(out)
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
 def _short(v: Any) -> str:

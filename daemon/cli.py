@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,10 @@ from daemon.preflight import before_a_night, one_line
 from daemon.progress import NightProgress, choose_mode, relay
 from daemon.settings import ConfigError, Settings, check_paths, load_settings
 from daemon.supervisor import NightChild, child_env, night_world, run_id_for, wait_interruptibly
-from daemon.window import Window
+from daemon.window import Window, parse_until, until_arg
 from jobs.contract import (
     ChildEvent,
+    ExitCode,
     Outcome,
     Phase,
     PhaseEvent,
@@ -38,22 +40,7 @@ from jobs.contract import (
 from jobs.store.ledger import Ledger
 from jobs.store.outcomes import NightOutcomes
 from jobs.store.paths import StatePaths
-
-
-def parse_until(until: str | None, default_seconds: float, now: dt.datetime) -> float:
-    """--until HH:MM[:SS] (local time, the next such moment) or now + default; unix seconds."""
-    if until is None:
-        return now.timestamp() + default_seconds
-    try:
-        parts = [int(x) for x in until.split(":")]
-        if len(parts) not in (2, 3):
-            raise ValueError
-        t = now.replace(hour=parts[0], minute=parts[1], second=parts[2] if len(parts) == 3 else 0, microsecond=0)
-    except ValueError:
-        raise SystemExit(f"--until: expected HH:MM or HH:MM:SS, got {until!r}") from None
-    if t <= now:
-        t += dt.timedelta(days=1)
-    return t.timestamp()
+from jobs.store.stale import fate
 
 
 def window_seconds(s: Settings) -> float:
@@ -148,12 +135,13 @@ def _run_once(args: argparse.Namespace, s: Settings, window: Window, ledger: Led
 
         out = run_child(s, night=night, deadline=window.deadline(s.window.save_margin).timestamp(),
                         plan_only=False, on_event=show, lock_fd=lock_fd, run_id=run_id, stop_at=deadline)
-    summary = out.summary
+    summary, closed_as = out.summary, None
     if summary is None or summary.outcome == Outcome.failed:
         # one attempt for a manual night: close it (a killed `once` leaves it open, and a rerun resumes)
         error = (summary.error if summary else None) or f"the night's process died ({out.describe_exit()})"
         closed = NightOutcomes(ledger).close(night, "failed", error, deadline=deadline)
         row = ledger.run(closed)  # a run killed after promoting its version closes as succeeded
+        closed_as = row["status"]
         summary = summary or RunSummary(run_id=closed, night=night, outcome=row["status"], error=row["error"])
     if summary.outcome != Outcome.interrupted:
         Notifier(s.hotswap, ledger).night_closed(summary)
@@ -170,7 +158,18 @@ def _run_once(args: argparse.Namespace, s: Settings, window: Window, ledger: Led
         print(f"\nthe night's log: {args.log_file}")
     if out.summary.outcome == Outcome.failed:
         print(f"nightshift once: failed: {out.summary.error}", file=sys.stderr)
-    return outcome_exit_code(out.summary.outcome)
+        if closed_as == Outcome.succeeded:  # closed above: its version was promoted before the failure
+            print(f"nightshift once: its version {out.summary.version_name or ''} was promoted before that and is "
+                  "in service (`nightshift status`); the ledger records the night succeeded", file=sys.stderr)
+    if out.summary.outcome == Outcome.interrupted and (row := ledger.run(out.summary.run_id or "")) is not None \
+            and row["status"] == "running":  # what comes of it, as `status` says it
+        print(f"nightshift once: stopped; {fate(row, time.time(), night_running=False)}", file=sys.stderr)
+    code = outcome_exit_code(out.summary.outcome)
+    if code == ExitCode.OK and (failed := report.hotswap_failures(out.summary)):  # README: published, not taken
+        print(f"nightshift once: published, but not every inference server took it: {'; '.join(failed)}. "
+              "`nightshift hotswap` re-sends it once the server is up", file=sys.stderr)
+        return ExitCode.HOTSWAP_FAILED
+    return code
 
 
 def plan_events(progress: NightProgress) -> Any:
@@ -186,6 +185,9 @@ def cmd_plan(args: argparse.Namespace, s: Settings) -> int:
     # (the window's end less the save margin): the plan shows the figures `once` will have (52 vs 45 replayed
     # samples when the plan was seeded "plan" and timed to the window's very end)
     window = manual_window(args, s)
+    if (no_time := no_time_to_train(window, s)) is not None:  # what `once` says to the same --until
+        print(f"nightshift plan: {no_time}", file=sys.stderr)
+        return 2
     night, deadline = window.night, window.deadline(s.window.save_margin).timestamp()
     problems = check_paths(s, writes=False)  # no lock, no write: also while a night runs, and as another user
     if problems:
@@ -195,6 +197,9 @@ def cmd_plan(args: argparse.Namespace, s: Settings) -> int:
     if out.summary is not None and out.summary.adapters:
         return _plan_of_adapters(args, out.summary)
     if out.summary is None or out.summary.plan is None:
+        if out.summary is not None and out.summary.error:  # the child's one line (damaged state, a missing path)
+            print(f"nightshift plan: refused: {out.summary.error}", file=sys.stderr)
+            return 1
         print(f"nightshift plan: failed ({out.describe_exit()})", file=sys.stderr)
         print("\n".join(out.tail[-15:]), file=sys.stderr)
         return 1
@@ -286,13 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", type=Path, default=None, help=config_cli.SEARCH_HELP)
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     p = sub.add_parser("once", help="run one night now")
-    p.add_argument("--until", metavar="HH:MM[:SS]",
-                   help="local time the window closes: the night stops by then (default: now + the configured "
-                   "window's length)")
+    p.add_argument("--until", metavar="HH:MM[:SS]|+N", type=until_arg,
+                   help="when the window closes: local time, or +N s/min/h from now (+30min); the night stops by "
+                   "then (default: now + the configured window's length)")
     p.set_defaults(func=cmd_once)
     p = sub.add_parser("plan", help="print tonight's plan over the pending samples and what the inbox would add; "
                        "changes nothing")
-    p.add_argument("--until", metavar="HH:MM[:SS]", help="local time the window closes (default: now + window length)")
+    p.add_argument("--until", metavar="HH:MM[:SS]|+N", type=until_arg,
+                   help="when the window closes: local time, or +N s/min/h from now (default: now + window length)")
     p.add_argument("--json", action="store_true", help="the plan as JSON (no progress display)")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("run", help="the service: wait for each night's window and run it (systemd)")

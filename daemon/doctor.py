@@ -8,8 +8,10 @@ import argparse
 import json
 from typing import Any
 
+from daemon.lineage import lineage_problems
+from daemon.preflight import disk_problem
 from jobs.contract import ExitCode
-from jobs.store.doctor import as_dicts, diagnose
+from jobs.store.doctor import Finding, as_dicts, diagnose
 from jobs.store.paths import StatePaths
 
 MARK = {"ok": "ok     ", "note": "note   ", "problem": "PROBLEM"}
@@ -22,9 +24,17 @@ def add_command(sub: Any) -> None:
     p.set_defaults(func=cmd_doctor)
 
 
+def disk(s: Any) -> list[Finding]:
+    """A full disk fails nights with "database or disk is full" while the state itself is whole: said here."""
+    problem = disk_problem(s.state_dir, s.daemon.min_free_disk_gb)
+    return [Finding("problem", "disk", problem.split(": ", 1)[0] + ": `once` and the service refuse to start, "
+                    "and a night running out of space fails", problem.split(": ", 1)[1])] if problem else []
+
+
 def cmd_doctor(args: argparse.Namespace, s: Any) -> int:
     timeout = s.registry.lock_timeout_seconds
-    places = [("", s.state_dir, diagnose(s.state_dir, name=s.model.name, lock_timeout=timeout))]
+    config = [Finding("problem", "config", text) for text in lineage_problems(s)]  # daemon/lineage.py
+    places = [("", s.state_dir, config + disk(s) + diagnose(s.state_dir, name=s.model.name, lock_timeout=timeout))]
     for a in getattr(s, "adapters", None) or []:  # [[adapters]]: each adapter's own state directory
         state = StatePaths(s.state_dir).adapter(a.name).root
         places.append((a.name, state, diagnose(state, name=a.name, lock_timeout=timeout)))

@@ -10,6 +10,7 @@ commands (`adapters ...`, `hotswap`) take the registry lock, held for seconds on
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import sqlite3
@@ -29,6 +30,10 @@ from jobs.store.locking import LockTimeout, StateLock, night_lock
 from jobs.store.paths import StatePaths
 
 log = structlog.get_logger("nightshift.cli")
+
+
+DISK_FULL = ("free some space on that disk (`nightshift adapters prune`, other files), then run again: what was "
+             "written stays, and a night resumes (`nightshift doctor` lists it)")
 
 
 class Refused(RuntimeError):
@@ -115,10 +120,17 @@ def one_line(command: str, fn: Callable[[], int]) -> int:
         print(f"nightshift {command}: refused, the state directory is damaged: {e}", file=sys.stderr)
         return ExitCode.FAILED
     except sqlite3.Error as e:
-        print(f"nightshift {command}: the ledger cannot be used: {e} (`nightshift doctor` explains)",
-              file=sys.stderr)
+        if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+            print(f"nightshift {command}: the disk of the state directory is full ({e}): {DISK_FULL}", file=sys.stderr)
+        else:
+            print(f"nightshift {command}: the ledger cannot be used: {e} (`nightshift doctor` explains)",
+                  file=sys.stderr)
         return ExitCode.FAILED
     except OSError as e:  # a full disk, a permission, a path that vanished
+        if e.errno == errno.ENOSPC:
+            print(f"nightshift {command}: {e.strerror}" + (f": {e.filename}" if e.filename else "") + f": {DISK_FULL}",
+                  file=sys.stderr)
+            return ExitCode.FAILED
         print(f"nightshift {command}: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""),
               file=sys.stderr)
         return ExitCode.FAILED

@@ -6,6 +6,7 @@ from typing import Any
 
 from daemon.tables import key_values
 from jobs.contract import Outcome, Plan, RunSummary
+from jobs.contract.redact import redact_text
 from jobs.gpu.cost import summary_cost
 
 
@@ -61,6 +62,10 @@ def summary_table(s: RunSummary, price_per_gpu_hour: float | None = None) -> str
         held_back = s.gate.held_back if s.gate else None
         why = f"held back: {held_back}" if held_back else "gate failed"
         version += " (promoted: now in service)" if s.promoted else f" (kept, NOT promoted: {why})"
+    elif s.version_name:  # the number the run holds: a stopped run publishes it when it resumes
+        version += (" (promoted: now in service)" if s.promoted else
+                    " (not published yet: the night resumes from its checkpoint)" if s.outcome == Outcome.interrupted
+                    else " (not published)")
     predicted, actual = s.predicted_train_seconds, s.actual_train_seconds
     ratio = f" (actual/predicted {actual / predicted:.2f})" if predicted and actual else ""
     planned = s.planned_tokens
@@ -95,10 +100,28 @@ def summary_table(s: RunSummary, price_per_gpu_hour: float | None = None) -> str
         *([("rejected night's samples", f"{s.returned_samples:,} put back, {s.set_aside_samples:,} set aside")]
           if s.returned_samples else []),
         ("version", version),
+        *([("hot-swap", hotswap_line(s))] if s.hotswap or s.hotswap_error else []),
         ("phases", ", ".join(f"{k} {v:.1f}s" for k, v in s.phase_seconds.items())),
         ("per million tokens", summary_cost(s, price_per_gpu_hour).line() or "—"),  # jobs/gpu/cost.py
         *([("expert LoRA", expert_lora_line(s))] if s.expert_lora else []),
     ])
+
+
+def hotswap_failures(s: RunSummary) -> list[str]:
+    """Each target that did not take the night's version (this summary's and, with [[adapters]], each
+    adapter's): `once` then ends with status 4."""
+    out = [f"{o.target}: {redact_text(o.error or 'failed')}" for o in s.hotswap if not o.ok]
+    out += [redact_text(s.hotswap_error)] if s.hotswap_error else []
+    return out + [f"adapter {a.adapter}: {x}" for a in s.adapters for x in hotswap_failures(a)]
+
+
+def hotswap_line(s: RunSummary) -> str:
+    """What the inference servers did with the version, and what to do when one did not take it."""
+    failed = hotswap_failures(s)
+    if not failed:
+        return ", ".join(f"{o.target} ok" for o in s.hotswap)
+    return ("; ".join(failed) + f". {s.version_name or 'The version'} stays in service here; once the server is "
+            "up, `nightshift hotswap` re-sends it (the service does at its next start)")
 
 
 def inbox_preview(s: RunSummary) -> dict[str, Any]:

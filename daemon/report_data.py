@@ -49,6 +49,7 @@ class NightRow(BaseModel):
     error: str | None = None
     version_name: str | None = None
     promoted: bool = False
+    hotswap_failed: list[str] = Field(default_factory=list)  # inference servers that did not take the version
     # data
     ingested_samples: int = 0
     quarantined_records: int = 0
@@ -142,6 +143,7 @@ def night_row(run: Any, summ: dict[str, Any], manifest: dict[str, Any], *, adapt
         started_at=run["started_at"],
         ended_at=run["ended_at"], error=run["error"], version_name=summ.get("version_name"),
         promoted=bool(summ.get("promoted")),
+        hotswap_failed=[str(o.get("target")) for o in summ.get("hotswap") or [] if not o.get("ok")],
         ingested_samples=sum((summ.get("ingested") or {}).values()),
         quarantined_records=sum((summ.get("quarantined") or {}).values()),
         trained_samples=int(summ.get("trained_samples") or 0), replay_samples=int(summ.get("replay_samples") or 0),

@@ -161,7 +161,8 @@ def table(nights: list[NightRow]) -> str:
                                                 f"{fmt(n.actual_train_seconds or 0)}"),
         ("KL", lambda n: n.kl_from_service),
         ("gate", gate_text),
-        ("error", lambda n: n.error),
+        ("error", lambda n: "; ".join([*([n.error] if n.error else []), *(f"hot-swap: {t} did not take it"
+                                                                           for t in n.hotswap_failed)]) or None),
     ]
     head = "".join(f'<th class="l">{escape(c)}</th>' if i < 3 else f"<th>{escape(c)}</th>"
                    for i, (c, _) in enumerate(cols))

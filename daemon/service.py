@@ -180,6 +180,8 @@ class Service:
             ad = Adapters(state, cfg=self.s.registry)
             try:
                 outcomes = resend_if_unheard(ad, hotswap)
+                for o in outcomes or []:  # the hot-swap series and alerts see a server still down after a restart
+                    self.metrics.on_hotswap(o.kind, o.ok, adapter=name)
                 if outcomes is not None:
                     log.info("hotswap.resent_at_start", ok=all(o.ok for o in outcomes), targets=len(outcomes),
                              **({"adapter": name} if name else {}))

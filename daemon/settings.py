@@ -271,9 +271,11 @@ def load_settings(path: Path | None = DEFAULT_CONFIG, **overrides: Any) -> Setti
 def check_paths(s: Settings, *, writes: bool = True) -> list[str]:
     """Problems a config can have beyond its types: things on disk it points at (`writes=False`: a command
     that only reads the state directory, as `plan`, runs on one this user may not write)."""
+    from daemon.lineage import lineage_problems
+
     return path_problems(state_dir=s.state_dir, writes=writes, model_path=s.model.path, build=s.model.build,
                          inboxes=[src.inbox for src in s.sources], regression_set=s.eval.regression_set,
-                         canary_set=s.eval.canary_set)
+                         canary_set=s.eval.canary_set) + lineage_problems(s)
 
 
 NOT_CONFIG = {"NIGHTSHIFT_LOG_LEVEL", "NIGHTSHIFT_LOG_FORMAT", "NIGHTSHIFT_CONFIG", "NIGHTSHIFT_NIGHT_LOCK_FD"}

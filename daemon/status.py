@@ -22,16 +22,28 @@ def collect(s: Settings, now: datetime | None = None) -> dict[str, Any]:
     now = now or datetime.now(UTC)
     zone = s.window.zone()
     w = s.window.window_at(now)
-    nxt = s.window.next_window(now)
+    nxt, done = s.window.next_window(now), None
+    ledger = open_read_only(StatePaths(s.state_dir).ledger)
+    try:  # a window whose night already ran (the window moved later the same day) is not run again: the next is
+        if ledger.night_done(nxt.night):
+            done, nxt = nxt, s.window.next_window(nxt.start)
+    finally:
+        ledger.close()
     info = {
         "window": s.window.describe(),
         "window_open": w is not None,
         "next_window_start": nxt.start.astimezone(zone).isoformat(timespec="minutes"),
+        **({"skipped_window": {"start": done.start.astimezone(zone).isoformat(timespec="minutes"),
+                               "night": done.night}} if done else {}),
         **_state(Path(s.state_dir), zone, w.night if w else None),
     }
+    targets = {t.name for t in s.hotswap.targets}  # a server taken out of the config is no longer asked
     if s.adapters:  # [[adapters]]: each adapter's own state directory (the top one holds the night's own runs)
         info["adapters"] = {a.name: _state(StatePaths(s.state_dir).adapter(a.name).root, zone, w.night if w else None)
                             for a in s.adapters}
+    for place in [info, *(info.get("adapters") or {}).values()]:
+        if place["in_service"]:
+            place["in_service"]["hotswap"] = {k: v for k, v in place["in_service"]["hotswap"].items() if k in targets}
     return info
 
 
@@ -74,10 +86,29 @@ def _state(state_dir: Path, zone: Any, night: str | None) -> dict[str, Any]:
                 if row["promoted_at"] else None,
                 "base_model": manifest.get("base_model", {}).get("path"),
                 "method": manifest.get("method") or "qlora",
+                "hotswap": _last_sends(ledger, current, zone),
             },
         }
     finally:
         ledger.close()
+
+
+def _last_sends(ledger: Any, version: int | None, zone: Any) -> dict[str, dict[str, Any]]:
+    """Each inference server's last answer to the version in service (a night, promote, rollback, hotswap)."""
+    last = {r["target"]: r for r in ledger.hotswaps(version)} if version else {}
+    return {t: {"ok": bool(r["ok"]), "at": datetime.fromtimestamp(r["at"], zone).isoformat(timespec="seconds"),
+                "error": r["error"]} for t, r in last.items()}
+
+
+def _sends_line(svc: dict[str, Any] | None) -> list[tuple[str, str]]:
+    sends = (svc or {}).get("hotswap") or {}
+    if not sends:
+        return []
+    text = ", ".join(f"{t} ok" if x["ok"] else f"{t} did NOT take it ({x['at']}: {x['error']})"
+                     for t, x in sends.items())
+    if not all(x["ok"] for x in sends.values()):
+        text += "; `nightshift hotswap` re-sends it once the server is up (the service does at its start)"
+    return [("inference servers", text)]
 
 
 def _adapters(info: dict[str, Any]) -> str:
@@ -86,10 +117,12 @@ def _adapters(info: dict[str, Any]) -> str:
     for name, a in info.items():
         last = a["runs"][0] if a["runs"] else None
         svc = a["in_service"]
+        unheard = [t for t, x in ((svc or {}).get("hotswap") or {}).items() if not x["ok"]]
         rows.append([name, svc["name"] if svc else "none yet", last["night"] if last else "—",
                      last["status"] if last else "—", (last or {}).get("version") or "—",
                      f"{a['backlog']['samples']:,} / {a['backlog']['tokens']:,}",
-                     ((last or {}).get("error") or "")[:50]])
+                     ((last or {}).get("error") or "")[:50] + "".join(f" not taken by {t} (`nightshift hotswap "
+                                                                      f"--adapter {name}`)" for t in unheard)])
     return "adapters:\n" + grid(("adapter", "in service", "last night", "last outcome", "last version",
                                   "backlog samples / tokens", "error"), rows)
 
@@ -111,10 +144,14 @@ def render(info: dict[str, Any]) -> str:
     svc = info["in_service"]
     head = key_values([
         *([("config", info["config"])] if info.get("config") else []),
-        ("window", info["window"] + (" (open now)" if info["window_open"] else "")),
-        ("next window", info["next_window_start"]),
+        ("window", info["window"] + (" (open now" + ("; its night is done" if info.get("tonight_done") else "")
+                                     + ")" if info["window_open"] else "")),
+        ("next window", info["next_window_start"] + (
+            f" ({info['skipped_window']['start']} is not run: its night {info['skipped_window']['night']} is done "
+            "already, one night per date)" if info.get("skipped_window") else "")),
         ("adapter in service", "one per adapter (below)" if info.get("adapters") else
          f"{svc['name']} ({svc['method']}, promoted {svc['promoted']})" if svc else "none yet"),
+        *_sends_line(svc),
         ("backlog", f"{info['backlog']['samples']:,} samples, {info['backlog']['tokens']:,} tokens"),
         ("samples", ", ".join(f"{k} {v:,}" for k, v in sorted(info["samples"].items())) or "none"),
         *_learning(info.get("learning") or {}),

@@ -21,6 +21,8 @@ is turned into instants here, once, by one rule:
 
 from __future__ import annotations
 
+import argparse
+import datetime as dt
 import re
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta, tzinfo
@@ -255,3 +257,45 @@ def _fmt(t: time) -> str:
 
 def _minutes_text(d: timedelta) -> str:
     return f"{d.total_seconds() / 60:g} min"
+
+
+# ---- `once` / `plan --until`: a manual window's end -----------------------------------------------------
+
+UNTIL_FORMS = "HH:MM or HH:MM:SS (local time), or +N with s, min or h from now (+90min, +2h)"
+_UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}
+
+
+def until_arg(until: str) -> str:
+    """argparse's check of --until: a malformed one is a bad command line (exit status 2, with the usage)."""
+    try:
+        parse_until(until, 0, dt.datetime.now().astimezone())
+    except SystemExit as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--until: ")) from None
+    return until
+
+
+def parse_until(until: str | None, default_seconds: float, now: dt.datetime) -> float:
+    """--until HH:MM[:SS] (local time, the next such moment), +N[s|min|h] (from now), or now + default;
+    unix seconds."""
+    if until is None:
+        return now.timestamp() + default_seconds
+    if until.startswith("+"):
+        number = until[1:].rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = until[1 + len(number):]  # required: is "+90" seconds or minutes?
+        try:
+            seconds = float(number) * _UNITS[unit]
+        except (KeyError, ValueError):
+            seconds = -1.0
+        if not seconds > 0 or seconds == float("inf"):
+            raise SystemExit(f"--until: expected {UNTIL_FORMS}, got {until!r}")
+        return now.timestamp() + seconds
+    try:
+        parts = [int(x) for x in until.split(":")]
+        if len(parts) not in (2, 3):
+            raise ValueError
+        t = now.replace(hour=parts[0], minute=parts[1], second=parts[2] if len(parts) == 3 else 0, microsecond=0)
+    except ValueError:
+        raise SystemExit(f"--until: expected {UNTIL_FORMS}, got {until!r}") from None
+    if t <= now:
+        t += dt.timedelta(days=1)
+    return t.timestamp()

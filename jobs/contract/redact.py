@@ -17,6 +17,7 @@ MASK = "***"
 KNOWN_SEGMENTS = frozenset({"", "v1", "load_lora_adapter", "unload_lora_adapter", "models",
                             "update_weights_from_disk", "health", "metrics"})
 # A URL inside any text: up to a quote, whitespace, a bracket or a backslash (JSON escapes).
+_SENTENCE_END = ":;,.!?)"
 _URL = re.compile(r"""\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s"'<>\\`{}|^\[\]]+""")
 
 
@@ -41,8 +42,14 @@ def redact_url(url: str) -> str:
 
 
 def redact_text(text: str) -> str:
-    """Every URL in `text` redacted (the rest unchanged; safe inside JSON text)."""
-    return _URL.sub(lambda m: redact_url(m.group(0)), text) if "://" in text else text
+    """Every URL in `text` redacted (the rest unchanged; safe inside JSON text). Punctuation that ends a URL's
+    sentence (`GET http://h:8000/v1/models: Connection refused`) is the sentence's, not a path segment's: it was
+    masked with the endpoint name before it (`/v1/*** Connection refused`)."""
+    def one(m: re.Match[str]) -> str:
+        url = m.group(0).rstrip(_SENTENCE_END)
+        return redact_url(url) + m.group(0)[len(url):]
+
+    return _URL.sub(one, text) if "://" in text else text
 
 
 def redact_value(value: Any) -> Any:

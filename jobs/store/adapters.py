@@ -86,6 +86,11 @@ class VersionInfo:
         return self.path.is_dir()
 
     @property
+    def missing(self) -> bool:
+        """Kept by the ledger but its directory is gone, and not by `prune`: damage (`nightshift doctor`)."""
+        return self.status in KEPT_STATUSES and not self.on_disk
+
+    @property
     def method(self) -> str:
         """qlora | lora (a LoRA adapter) | full (a whole model directory)."""
         return str(self.manifest.get("method") or "qlora")
@@ -160,7 +165,7 @@ class Adapters:
         for info in self.versions():
             if info.version == v:
                 return info
-        raise AdapterError(f"no version {ref!r} in the ledger")
+        raise AdapterError(f"no version {ref!r} in the ledger (`nightshift adapters list` lists them)")
 
     def resolve(self, ref: str | int) -> int:
         """3, "3", "v3", "v0003", "tiny-v0003" or "current" -> 3."""
@@ -225,6 +230,9 @@ class Adapters:
         the two leaves the ledger ahead of `current`: re-running the command finishes the move without
         recording it twice, and the next night moves `current` to what the ledger says (jobs/store/integrity)."""
         previous = self.registry.current_version()
+        if info.missing:
+            raise AdapterError(f"{info.name} cannot be promoted: its directory {info.path} is missing (it was not "
+                               "pruned): restore it from a backup (`nightshift doctor` lists what is missing)")
         if info.status not in KEPT_STATUSES or not info.on_disk:
             raise AdapterError(
                 f"{info.name} cannot be promoted: it is {info.status}" + ("" if info.on_disk else " and not on disk")
