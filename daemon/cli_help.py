@@ -23,7 +23,9 @@ EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.FAILED: "the night or the command failed (`validate`: at least one record would be quarantined)",
     ExitCode.USAGE: "bad command line or bad config: every problem is printed",
     ExitCode.INTERRUPTED: "stopped on request; the checkpoint is saved and the next start resumes",
-    ExitCode.HOTSWAP_FAILED: "published, but at least one inference server did not take it",
+    ExitCode.HOTSWAP_FAILED: "published, but at least one inference server did not take it (`once`, `adapters "
+                             "promote`/`rollback`, `hotswap`); the version stays in service, `nightshift hotswap` "
+                             "re-sends it",
     ExitCode.BUSY: "another nightshift process holds the state directory",
 }
 
