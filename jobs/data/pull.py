@@ -54,9 +54,9 @@ from jobs.data.parallel import (
 )
 from jobs.data.prefetch import take
 from jobs.data.quarantine import Quarantine
-from jobs.data.readers import Limits, RawRecord, read_stream
+from jobs.data.readers import Limits, RawRecord
 from jobs.data.render import OverlongPolicy, SpecialTokens
-from jobs.data.sources import SourceConfig
+from jobs.data.sources import SourceConfig, read_stream
 from jobs.data.token_cache import TokenCache
 from jobs.store.ledger import Ledger, SampleRow
 

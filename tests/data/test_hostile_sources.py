@@ -1,0 +1,87 @@
+"""A hostile data source, file by file: what a producer can write into an inbox (CSV quoting, encodings, missing
+headers) costs one clear quarantine entry naming the file and line, never a flood of wrong ones, and the records
+around it are read as written."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from jobs.data.csv_rows import read_csv
+from jobs.data.pull import Quarantine, pull
+from jobs.data.readers import Limits, read_json_array, read_jsonl
+from jobs.data.sources import SourceConfig
+from jobs.store.ledger import Ledger
+from tests.conftest import alpaca
+
+
+@pytest.fixture()
+def env(tmp_path, tokenizer):
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    qfile = tmp_path / "quarantine" / "r1.jsonl"
+
+    def do_pull(**src):
+        cfg = SourceConfig(name="s", inbox=inbox, settle_seconds=0, **src)
+        return pull([cfg], ledger, tokenizer, run_id="r1", quarantine=Quarantine(qfile), max_seq_length=64,
+                    overlong="reject", workers=0)
+
+    def quarantined():
+        return [json.loads(x) for x in qfile.read_text().splitlines()] if qfile.exists() else []
+
+    return inbox, ledger, do_pull, quarantined
+
+
+def test_a_csv_record_too_large_or_not_utf8_is_skipped_to_its_end_and_the_rows_after_it_are_rows():
+    """A quoted field of many lines over max_record_bytes (or holding a byte that is not UTF-8) is one quarantined
+    record, from its first line; the reader used to start again inside the quoted field and quarantine each of
+    its lines as a bad row (75,714 for one field of 600,000 lines), and could read its tail as rows."""
+    lim = Limits(max_record_bytes=1024, excerpt_bytes=64)
+    body = (b'instruction,output\nq1,a1\nq,"' + b"a,b\n" * 2000 + b'tail, "",x"\n'
+            b'q2,"two\nlines, ""quoted"""\n'
+            b'q3,"caf\xe9\nb,c\nd"\n'
+            b'q4,a4\n')
+    got = list(read_csv(io.BytesIO(body), lim))
+    assert [(r.line, r.error.reason if r.error else r.record) for r in got] == [
+        (2, {"instruction": "q1", "output": "a1"}),
+        (3, "too_large"),
+        (2004, {"instruction": "q2", "output": 'two\nlines, "quoted"'}),
+        (2006, "invalid_utf8"),
+        (2009, {"instruction": "q4", "output": "a4"}),
+    ]
+    big = got[1]
+    assert big.size == len(b'q,"' + b"a,b\n" * 2000 + b'tail, "",x"\n') and big.sha256 and len(big.raw or "") <= 64
+    assert "lines 3-2003" in big.error.detail
+
+
+def test_a_csv_without_a_header_is_refused_whole_and_says_so(env):
+    """A first line of data (or of ';'-separated names) is no header: the file is refused naming line 1 and what
+    a header needs, instead of its first row silently taken as the header and every other row quarantined as
+    'no known fields'. A header the source's field_map reads is a header."""
+    inbox, _, do_pull, quarantined = env
+    (inbox / "a.csv").write_text("What is 1?,It is 1.\nWhat is 2?,It is 2.\n")
+    (inbox / "b.csv").write_text("instruction;output\nq;a\n")
+    (inbox / "c.csv").write_text("question,answer\nWhat is 3?,It is 3.\n")
+    res = do_pull(field_map={"question": "instruction", "answer": "output"})
+    assert res.ingested["s"] == 1 and res.quarantined == {"bad_file": 2}
+    q = {e["file"].rsplit("/", 1)[-1]: e for e in quarantined()}
+    assert "line 1 names none of the fields" in q["a.csv"]["detail"] and "'What is 1?'" in q["a.csv"]["detail"]
+    assert "';'" in q["b.csv"]["detail"]
+    assert not [r for r in read_csv(io.BytesIO(b"What is 1?,It is 1.\nq,a\n"), Limits()) if r.error]  # no fields
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+def test_utf16_and_utf32_files_are_refused_whole_with_their_encoding_named(encoding):
+    """Read as UTF-8, a UTF-16 JSONL file was one error per line (invalid_utf8, then 'Expecting value' for each
+    other line), a JSON or CSV file a row of bytes; now one bad_file that names the encoding."""
+    bom = {"utf-16": b"", "utf-16-be": b"\xfe\xff", "utf-32": b""}[encoding]
+    jsonl = bom + "".join(json.dumps(alpaca(i)) + "\n" for i in range(3)).encode(encoding)
+    array = bom + json.dumps([alpaca(1)]).encode(encoding)
+    table = bom + "instruction,output\nq,a\n".encode(encoding)
+    for reader, data in ((read_jsonl, jsonl), (read_json_array, array), (read_csv, table)):
+        [rec] = list(reader(io.BytesIO(data), Limits()))
+        assert rec.line is None and rec.error is not None and rec.error.reason == "bad_file"
+        assert encoding.upper()[:6] in rec.error.detail and "UTF-8" in rec.error.detail
