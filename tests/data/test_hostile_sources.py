@@ -85,3 +85,37 @@ def test_utf16_and_utf32_files_are_refused_whole_with_their_encoding_named(encod
         [rec] = list(reader(io.BytesIO(data), Limits()))
         assert rec.line is None and rec.error is not None and rec.error.reason == "bad_file"
         assert encoding.upper()[:6] in rec.error.detail and "UTF-8" in rec.error.detail
+
+
+def test_parquet_rows_are_measured_in_arrow_before_they_become_python_objects(tmp_path):
+    """A compressed Parquet file is small on disk and huge decoded: rows were converted 256 at a time and measured
+    as JSON (a 7 KB file with a 200 MB value took the check 1.9 GB). Now a row over max_record_bytes is quarantined
+    unconverted, the others are converted a few MB at a time, and a row group whose column averages more than
+    max_record_bytes a row (over 64 MiB, by the file's metadata) is not decoded at all."""
+    import tracemalloc
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jobs.data.readers import read_parquet
+
+    lim = Limits(max_record_bytes=1 << 20)
+    medium = [f"{i:04d}" + "w" * 200_000 for i in range(300)]  # 60 MB decoded, in one row group
+    medium[7] = "h" * (3 << 20)  # one row over the limit
+    pq.write_table(pa.table({"instruction": [f"q{i}" for i in range(300)], "output": medium}),
+                   tmp_path / "medium.parquet", compression="zstd")
+    pq.write_table(pa.table({"instruction": ["big", "small"], "output": ["v" * (70 << 20), "ok"]}),
+                   tmp_path / "bomb.parquet", compression="zstd")
+    del medium
+    tracemalloc.start()
+    with open(tmp_path / "medium.parquet", "rb") as f:
+        got = [(r.line, r.error.reason if r.error else r.record["output"][:4]) for r in read_parquet(f, lim)]
+    with open(tmp_path / "bomb.parquet", "rb") as f:
+        bomb = list(read_parquet(f, lim))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert got == [(i + 1, "too_large" if i == 7 else f"{i:04d}") for i in range(300)]
+    [rec] = bomb
+    assert rec.line == 1 and rec.error is not None and rec.error.reason == "too_large"
+    assert "row group 1 (rows 1-2)" in rec.error.detail and "'output'" in rec.error.detail
+    assert peak < 24 << 20, f"reading took {peak / 1e6:.0f} MB of Python objects"
