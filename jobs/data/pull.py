@@ -237,8 +237,7 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
                         kept.append((c.hash, c.ids, c.labels, c.reply))
                 if p.token_cache is not None and kept:
                     p.token_cache.put_encoded(kept)
-            after = os.fstat(fh.fileno())
-            if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+            if stat_key(os.fstat(fh.fileno())) != key:  # its ctime too: a rewrite that set its mtime back
                 raise _Retry("it changed while it was read")
             ledger.finish_file(conn, file_id, records=counts["records"], accepted=counts["accepted"],
                                duplicates=counts["duplicates"], quarantined=counts["quarantined"])

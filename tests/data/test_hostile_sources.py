@@ -119,3 +119,32 @@ def test_parquet_rows_are_measured_in_arrow_before_they_become_python_objects(tm
     assert rec.line == 1 and rec.error is not None and rec.error.reason == "too_large"
     assert "row group 1 (rows 1-2)" in rec.error.detail and "'output'" in rec.error.detail
     assert peak < 24 << 20, f"reading took {peak / 1e6:.0f} MB of Python objects"
+
+
+def test_a_file_rewritten_in_place_while_it_is_read_is_retried_even_with_its_mtime_set_back(env, monkeypatch):
+    """Hashed, then read: a producer that rewrote the file between the two (same size, its mtime set back with
+    utime) had the new records recorded under the old content's hash (the old records never read: known by that
+    hash). The file's ctime, which no user can set back, is compared too: it is read again at the next pull."""
+    import os
+
+    import jobs.data.pull as pull_mod
+
+    inbox, ledger, do_pull, quarantined = env
+    p = inbox / "a.jsonl"
+    p.write_text("".join(json.dumps(alpaca(i)) + "\n" for i in range(3)))
+    real = pull_mod.read_stream
+
+    def rewrite_then_read(fh, suffix, lim):
+        st = os.stat(p)
+        with open(p, "r+b") as f:
+            f.write(p.read_bytes().replace(b"Add", b"Sum"))
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+        return real(fh, suffix, lim)
+
+    monkeypatch.setattr(pull_mod, "read_stream", rewrite_then_read)
+    res = do_pull()
+    assert res.ingested["s"] == 0 and res.quarantined == {"unreadable": 1}
+    assert "changed while it was read" in quarantined()[0]["detail"]
+    assert ledger.db.execute("SELECT COUNT(*) FROM files").fetchone()[0] == 0
+    monkeypatch.setattr(pull_mod, "read_stream", real)
+    assert do_pull().ingested["s"] == 3
