@@ -148,3 +148,27 @@ def test_a_file_rewritten_in_place_while_it_is_read_is_retried_even_with_its_mti
     assert ledger.db.execute("SELECT COUNT(*) FROM files").fetchone()[0] == 0
     monkeypatch.setattr(pull_mod, "read_stream", real)
     assert do_pull().ingested["s"] == 3
+
+
+def test_a_conversation_the_chat_template_refuses_is_quarantined_in_its_words(env, tokenizer):
+    """Many real templates raise on a conversation they do not take (roles that do not alternate, a system turn
+    in the middle): that is the record's fault, said in the template's words (was: `internal_error`, as a bug)."""
+    import copy
+
+    inbox, _, _, quarantined = env
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = (
+        "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    twice = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                          {"role": "assistant", "content": "c"}]}
+    (inbox / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (alpaca(1), twice, alpaca(2))))
+    ledger = Ledger(inbox.parent / "l2.sqlite")
+    res = pull([SourceConfig(name="s", inbox=inbox, settle_seconds=0)], ledger, strict, run_id="r1",
+               quarantine=Quarantine(inbox.parent / "quarantine" / "r1.jsonl"), max_seq_length=64,
+               overlong="reject", workers=0)
+    assert res.ingested["s"] == 2 and res.quarantined == {"wrong_type": 1}
+    [e] = quarantined()
+    assert e["line"] == 2 and "chat template refuses" in e["detail"] and "must alternate" in e["detail"]
