@@ -89,7 +89,9 @@ def decode_json(raw: bytes, line: int | None, lim: Limits) -> RawRecord:
     except RecursionError:
         err = RecordError("too_large", "nested too deeply to parse")
     except json.JSONDecodeError as e:
-        err = RecordError("invalid_json", f"invalid JSON: {e}")
+        cr = "\r" in text[: e.pos] and e.msg == "Extra data"  # old Mac line ends: the whole file one line
+        err = RecordError("invalid_json", f"invalid JSON: {e}" + (" (lines that end in a carriage return alone? JSON "
+                                                                  "Lines needs \\n or \\r\\n)" if cr else ""))
     except ValueError as e:  # e.g. an integer of more digits than Python converts
         err = RecordError("too_large", f"cannot parse: {e}")
     else:

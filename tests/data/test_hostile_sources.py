@@ -172,3 +172,12 @@ def test_a_conversation_the_chat_template_refuses_is_quarantined_in_its_words(en
     assert res.ingested["s"] == 2 and res.quarantined == {"wrong_type": 1}
     [e] = quarantined()
     assert e["line"] == 2 and "chat template refuses" in e["detail"] and "must alternate" in e["detail"]
+
+
+def test_lines_that_end_in_a_carriage_return_alone_are_named_as_such():
+    """Old Mac line ends make a whole JSONL or CSV file one line: the reason says so (it said 'Extra data' and
+    'do you need to open the file in universal-newline mode?')."""
+    [rec] = list(read_jsonl(io.BytesIO(b'{"text": "a"}\r{"text": "b"}\r'), Limits()))
+    assert rec.error is not None and "carriage return alone" in rec.error.detail
+    [rec] = list(read_csv(io.BytesIO(b"instruction,output\rq1,a1\rq2,a2\r"), Limits()))
+    assert rec.error is not None and rec.error.reason == "bad_file" and "carriage return alone" in rec.error.detail
