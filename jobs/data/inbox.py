@@ -46,6 +46,7 @@ class Listing:
     files: list[InboxFile] = field(default_factory=list)  # to read, oldest first
     refused: list[tuple[str, str, str]] = field(default_factory=list)  # (file, reason, detail), never opened
     unmatched: list[str] = field(default_factory=list)  # names matching no pattern
+    directories: list[str] = field(default_factory=list)  # directories named like data (Spark's `x.parquet/`)
 
 
 def roots(cfg: SourceConfig) -> list[Path]:
@@ -66,7 +67,11 @@ def list_inbox(cfg: SourceConfig, *, now: float) -> Listing:
     found: list[Path] = []
     with os.scandir(inbox) as entries:
         for e in entries:
-            if e.name.startswith(".") or e.is_dir(follow_symlinks=False):
+            if e.name.startswith("."):
+                continue
+            if e.is_dir(follow_symlinks=False):  # reported where a pattern would take its name, never read
+                if any(fnmatch.fnmatchcase(e.name.lower(), pat) for pat in simple) and len(simple) == len(cfg.patterns):
+                    out.directories.append(printable(Path(e.name)))
                 continue
             if any(fnmatch.fnmatchcase(e.name.lower(), pat) for pat in simple):
                 found.append(Path(e.path))

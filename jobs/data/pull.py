@@ -178,6 +178,10 @@ def _pull_source(p: _Pull, src: SourceConfig, excerpt_bytes: int) -> None:
         p.result.unmatched += len(listing.unmatched)
         log.warning("files_not_matching_patterns", source=src.name, count=len(listing.unmatched),
                     examples=listing.unmatched[:5], patterns=src.patterns)
+    if listing.directories:
+        log.warning("directories_not_read", source=src.name, count=len(listing.directories),
+                    examples=listing.directories[:5], detail="an inbox reads files, not directories (a Spark or Hadoop "
+                    "output directory? a pattern with a '/' reads below the inbox, e.g. 'x.parquet/*.parquet')")
     allowed = roots(src)
     for f in [*listing.files, *(_grown_moved(p, src) if src.move_processed else [])]:
         p.check_stop()

@@ -290,9 +290,14 @@ def read_parquet(f: IO[bytes], lim: Limits) -> Iterator[RawRecord]:
         pf = pq.ParquetFile(f, buffer_size=1 << 20)  # a column chunk streamed, not read whole
         meta = pf.metadata
         groups = [meta.row_group(g) for g in range(meta.num_row_groups)]
+        names = list(pf.schema_arrow.names)
     except Exception as e:  # not Parquet, or damaged beyond its footer
         yield RawRecord(None, None, RecordError("bad_file", f"cannot read as parquet: {type(e).__name__}: "
                                                 f"{str(e).strip()}"))
+        return
+    if dupes := sorted({c for c in names if names.count(c) > 1}):  # as a CSV header (a row kept one, silently)
+        yield RawRecord(None, None, RecordError("bad_file", f"the file names the columns {dupes} more than once: "
+                                                "which column is meant is ambiguous"))
         return
     n = 0
     try:

@@ -181,3 +181,32 @@ def test_lines_that_end_in_a_carriage_return_alone_are_named_as_such():
     assert rec.error is not None and "carriage return alone" in rec.error.detail
     [rec] = list(read_csv(io.BytesIO(b"instruction,output\rq1,a1\rq2,a2\r"), Limits()))
     assert rec.error is not None and rec.error.reason == "bad_file" and "carriage return alone" in rec.error.detail
+
+
+def test_a_parquet_file_naming_a_column_twice_is_refused_like_a_csv(env):
+    """Two columns named 'output': a row kept the last one, silently; a CSV header doing so is refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    inbox, _, do_pull, quarantined = env
+    table = pa.Table.from_arrays([pa.array(["q"]), pa.array(["a1"]), pa.array(["a2"])],
+                                 names=["instruction", "output", "output"])
+    pq.write_table(table, inbox / "a.parquet")
+    res = do_pull()
+    assert res.ingested["s"] == 0 and res.quarantined == {"bad_file": 1}
+    assert "['output'] more than once" in quarantined()[0]["detail"]
+
+
+def test_a_directory_named_like_data_is_reported_not_silently_skipped(env):
+    """Spark and Hadoop write `x.parquet/` as a directory of part files: the inbox reads none of it, and says so
+    in its log with how to read it (it was skipped without a word)."""
+    from structlog.testing import capture_logs
+
+    inbox, _, do_pull, _ = env
+    (inbox / "x.parquet").mkdir()
+    (inbox / "processed").mkdir()
+    with capture_logs() as logs:
+        res = do_pull()
+    assert res.files == 0 and not res.quarantined
+    [warn] = [e for e in logs if e["event"] == "directories_not_read"]
+    assert warn["examples"] == ["x.parquet"] and "pattern with a '/'" in warn["detail"]
