@@ -47,6 +47,7 @@ def source_for(path: Path, sources: Sequence[SourceConfig], name: str | None = N
 def check_files(paths: Sequence[Path], cfg: NightConfig, tokenizer: Any, ledger: Ledger, *,
                 source: str | None = None) -> Iterator[FileCheck]:
     seen: set[str] = set()  # content hashes of the valid records so far, over all the files
+    contents: dict[tuple[str, str], str] = {}  # (source, file sha256) -> the first file named with that content
     for path in paths:
         src = source_for(path, cfg.sources, source)
         counts = {"records": 0, "would_train": 0, "known": 0, "repeated": 0, "tokens": 0}
@@ -68,7 +69,13 @@ def check_files(paths: Sequence[Path], cfg: NightConfig, tokenizer: Any, ledger:
             inbox = Path(src.inbox).resolve()
             # as the inbox opens it: in an inbox, its links followed only inside it (or allow_symlinks_to)
             admitted(path, roots(src) if path.parent.resolve().is_relative_to(inbox) else [Path("/")])
-            already = ledger.file_known_by_hash(src.name, sha256_file(path))
+            digest = sha256_file(path)
+            already = ledger.file_known_by_hash(src.name, digest)
+            if (first := contents.setdefault((src.name, digest), printable(path))) != printable(path):
+                note = f"the same content as {first}: an inbox reads it once"  # as the pull: known by its hash
+                yield FileCheck(file=printable(path), source=src.name, already_ingested=already, problems=[],
+                                note=note, **counts)
+                continue
             for c in checked_records(path, src, tokenizer, max_seq_length=cfg.train.max_seq_length,
                                      overlong=cfg.train.overlong, special_tokens=cfg.train.special_tokens,
                                      excerpt_bytes=cfg.quarantine.excerpt_bytes):

@@ -112,3 +112,16 @@ def test_check_files_takes_a_file_of_an_inbox_as_the_inbox_does(night_env, token
                    ".part.jsonl": ([], 1), "secret.jsonl": ([], 1)}  # named outside any inbox: read
     assert all(json.loads(c.model_dump_json()) for c in checks)
     assert "starts with '.'" in (checks[5].note or "")
+
+
+def test_the_same_content_under_two_names_is_checked_once_as_the_inbox_reads_it(night_env, tokenizer, tmp_path):
+    """The pull knows a file by its content: an empty `.parquet` beside an empty `.csv` (or a copy of a bad file) is
+    not read again, so validate does not count its problems twice (it said 'bad_file' for the second)."""
+    inbox, make = night_env
+    cfg = make(sources=[{"name": "inbox", "inbox": inbox, "settle_seconds": 0}])
+    (inbox / "empty.csv").write_text("")
+    (inbox / "empty.parquet").write_text("")
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    first, second = check_files([inbox / "empty.csv", inbox / "empty.parquet"], cfg, tokenizer, ledger)
+    assert not first.problems and not second.problems and second.records == 0
+    assert second.note is not None and "same content as" in second.note and "empty.csv" in second.note
