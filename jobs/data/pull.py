@@ -22,10 +22,10 @@ key changed is read again (its known records count as duplicates, the appended o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import shutil
 import sqlite3
 import stat
 import threading
@@ -369,15 +369,26 @@ def _move_processed(ledger: Ledger, src: SourceConfig, f: InboxFile, file_id: in
     that were read, so bytes appended after the read (before or after the move) make it differ."""
     try:
         dest_dir = _processed_dir(src)
-        dest_dir.mkdir(exist_ok=True)
-        dest = dest_dir / f.path.name
-        if dest.exists():
-            dest = dest_dir / f"{f.path.stem}.{(digest or str(file_id))[:8]}{f.path.suffix}"
-        ledger.set_file_moved(file_id, printable(dest), None)  # watched from now on, whatever happens next
-        reached(FILE_MOVING)
-        shutil.move(str(f.path), dest)
-        reached(FILE_MOVED)
-        now = os.stat(dest, follow_symlinks=False)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(dest_dir)
+        try:  # processed/ itself, never where a link in its place points (a producer could aim the moves anywhere)
+            fd = os.open(dest_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise OSError(f"{printable(dest_dir)} is not a directory of the inbox (a symbolic link?): files are left "
+                          f"where they are ({e.strerror or e})") from None
+        try:
+            name = f.path.name
+            with contextlib.suppress(FileNotFoundError):
+                os.stat(name, dir_fd=fd, follow_symlinks=False)
+                name = f"{f.path.stem}.{(digest or str(file_id))[:8]}{f.path.suffix}"
+            dest = dest_dir / name
+            ledger.set_file_moved(file_id, printable(dest), None)  # watched from now on, whatever happens next
+            reached(FILE_MOVING)
+            os.rename(f.path, name, dst_dir_fd=fd)
+            reached(FILE_MOVED)
+            now = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        finally:
+            os.close(fd)
         key = f"{now.st_dev}:{now.st_ino}:{read.st_size}:{read.st_mtime_ns}:{now.st_ctime_ns}"
         ledger.set_file_moved(file_id, printable(dest), key)
     except OSError as e:  # ingested all the same; known by its hash at the next pull

@@ -236,3 +236,21 @@ def test_a_flood_of_bad_records_is_counted_not_listed_past_a_bound(env, monkeypa
     assert sum(e["event"] == "record_quarantined" for e in logs) == 2
     [rest] = [e for e in logs if e["event"] == "records_quarantined_not_logged"]
     assert rest["count"] == 10
+
+
+def test_a_processed_link_out_of_the_inbox_does_not_aim_the_moves(env, tmp_path):
+    """With move_processed, a producer that puts a symbolic link named `processed` in the inbox had every ingested
+    file moved to where it points (any directory the service may write); now the files stay where they are, are
+    ingested all the same, and the link's target is untouched."""
+    inbox, _, do_pull, _ = env
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (inbox / "processed").symlink_to(elsewhere)
+    (inbox / "a.jsonl").write_text(json.dumps(alpaca(1)) + "\n")
+    res = do_pull(move_processed=True)
+    assert res.ingested["s"] == 1
+    assert list(elsewhere.iterdir()) == [] and (inbox / "a.jsonl").exists()
+    (inbox / "processed").unlink()
+    (inbox / "b.jsonl").write_text(json.dumps(alpaca(2)) + "\n")
+    assert do_pull(move_processed=True).ingested["s"] == 1
+    assert sorted(p.name for p in (inbox / "processed").iterdir()) == ["a.jsonl", "b.jsonl"]  # a real one: moved
