@@ -254,3 +254,41 @@ def test_a_processed_link_out_of_the_inbox_does_not_aim_the_moves(env, tmp_path)
     (inbox / "b.jsonl").write_text(json.dumps(alpaca(2)) + "\n")
     assert do_pull(move_processed=True).ingested["s"] == 1
     assert sorted(p.name for p in (inbox / "processed").iterdir()) == ["a.jsonl", "b.jsonl"]  # a real one: moved
+
+
+def test_the_record_ends_the_skipping_finds_are_the_csv_modules():
+    """Skipping a record to its end follows the csv module's own quoting: on random snippets of quotes, commas,
+    newlines and carriage returns, a record ends after the same lines for both (at the end of the data a record
+    still inside quotes ends too)."""
+    import csv
+    import random
+
+    from jobs.data.csv_rows import csv_state
+
+    rng = random.Random(7)
+    compared = 0
+    for _ in range(3000):
+        data = "".join(rng.choice('ab ,"\r\n') for _ in range(rng.randint(1, 30))) + "\n"
+        lines = [x + "\n" for x in data.split("\n")[:-1]]
+        taken: list[str] = []
+        feed = iter(lines)
+
+        def lines_read(feed=feed, taken=taken):
+            for x in feed:
+                taken.append(x)
+                yield x
+
+        try:
+            theirs = [len(taken) for _ in csv.reader(lines_read())]
+        except csv.Error:
+            continue
+        ours, state = [], 0
+        for k, line in enumerate(lines, 1):
+            state = csv_state(line.encode(), state)
+            if state != 2:
+                ours.append(k)
+                state = 0
+        ours += [len(lines)] if state == 2 else []
+        assert ours == theirs, data
+        compared += 1
+    assert compared > 1000
