@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -17,7 +18,7 @@ from typing import Any
 
 from daemon.settings import Settings
 from daemon.supervisor import child_env
-from jobs.contract import ExitCode, FileCheck
+from jobs.contract import ExitCode, FileCheck, QuarantineReason
 
 
 def add_command(sub: Any) -> None:
@@ -56,17 +57,19 @@ def render(checks: list[FileCheck]) -> str:
         for p in c.problems:
             where = f"line {p.line}" if p.line is not None else "the whole file"
             out.append(f"  {where}: {p.reason.value}: {p.detail}")
-    bad = Counter(p.reason.value for c in checks for p in c.problems)
+    bad = Counter(p.reason.value for c in checks for p in c.problems if p.reason != QuarantineReason.unreadable)
     total = f"{len(checks)} file(s): {sum(c.would_train for c in checks):,} records would train, "
     total += f"{sum(bad.values()):,} would be quarantined" + (
         f" ({', '.join(f'{k} {v}' for k, v in sorted(bad.items()))})" if bad else "")
+    if unread := sum(p.reason == QuarantineReason.unreadable for c in checks for p in c.problems):
+        total += f", {unread:,} cannot be read now (a night retries them)"
     return "\n".join([*out, total])
 
 
 def cmd_validate(args: argparse.Namespace, s: Settings) -> int:
-    wrong = [f"{f}: " + ("a directory: give the files in it (nightshift validate DIR/*)" if f.is_dir() else
-                         "no such file") for f in args.files if not f.is_file()]
-    if wrong:  # a mistyped name is the command line's fault, not a record the inbox would quarantine
+    wrong = [f"{f}: no such file" for f in args.files if not os.path.lexists(f)]
+    if wrong:  # a mistyped name is the command line's fault; a directory, link, FIFO or device is reported as the
+        # inbox would take it (`validate inbox/*` names its processed/ directory, and whatever a producer left there)
         print("\n".join(f"nightshift validate: {w}" for w in wrong), file=sys.stderr)
         return ExitCode.USAGE
     rc, checks = run_checks(s, args.files, args.source)

@@ -20,6 +20,7 @@ from jobs.contract import QuarantineReason
 
 Format = Literal["auto", "alpaca", "chat", "prompt_completion", "text", "preference"]
 ROLES = {"system", "user", "assistant"}
+RECORD_FIELDS = ("messages", "instruction", "input", "output", "prompt", "completion", "text")  # what detect() reads
 MAX_MESSAGES = 256  # per conversation: finding the trained spans renders every prefix (quadratic in turns)
 
 

@@ -46,6 +46,7 @@ class Listing:
     files: list[InboxFile] = field(default_factory=list)  # to read, oldest first
     refused: list[tuple[str, str, str]] = field(default_factory=list)  # (file, reason, detail), never opened
     unmatched: list[str] = field(default_factory=list)  # names matching no pattern
+    directories: list[str] = field(default_factory=list)  # directories named like data (Spark's `x.parquet/`)
 
 
 def roots(cfg: SourceConfig) -> list[Path]:
@@ -66,7 +67,11 @@ def list_inbox(cfg: SourceConfig, *, now: float) -> Listing:
     found: list[Path] = []
     with os.scandir(inbox) as entries:
         for e in entries:
-            if e.name.startswith(".") or e.is_dir(follow_symlinks=False):
+            if e.name.startswith("."):
+                continue
+            if e.is_dir(follow_symlinks=False):  # reported where a pattern would take its name, never read
+                if any(fnmatch.fnmatchcase(e.name.lower(), pat) for pat in simple) and len(simple) == len(cfg.patterns):
+                    out.directories.append(printable(Path(e.name)))
                 continue
             if any(fnmatch.fnmatchcase(e.name.lower(), pat) for pat in simple):
                 found.append(Path(e.path))
@@ -78,17 +83,9 @@ def list_inbox(cfg: SourceConfig, *, now: float) -> Listing:
     for p in found:
         display = printable(p)
         try:
-            real = p.resolve(strict=True)
-            st = os.stat(real)
-        except (OSError, RuntimeError) as e:  # a dangling link, a loop, a file gone already
-            out.refused.append((display, "unreadable", f"cannot be opened: {getattr(e, 'strerror', None) or e}"))
-            continue
-        if not _inside(real, allowed):
-            out.refused.append((display, "outside_inbox", f"a symbolic link to {printable(real)}, outside the inbox: "
-                                "not followed (list its directory in allow_symlinks_to to read it)"))
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            out.refused.append((display, "bad_file", "not a regular file (a FIFO, socket or device): not read"))
+            real, st = admitted(p, allowed)
+        except Refused as e:
+            out.refused.append((display, e.reason, e.detail))
             continue
         if real in seen or now - st.st_mtime < cfg.settle_seconds:
             continue
@@ -96,6 +93,30 @@ def list_inbox(cfg: SourceConfig, *, now: float) -> Listing:
         out.files.append(InboxFile(p, real, display, st.st_mtime))
     out.files.sort(key=lambda f: (f.mtime, f.display))
     return out
+
+
+class Refused(Exception):
+    """A file of the inbox that is not read: (reason, detail) as the quarantine shows them."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+def admitted(p: Path, allowed: list[Path]) -> tuple[Path, os.stat_result]:
+    """What the inbox opens for `p` (the file it resolves to, and its stat), or Refused: a dangling link, a loop, a
+    file gone already, a link out of `allowed`, anything but a regular file."""
+    try:
+        real = p.resolve(strict=True)
+        st = os.stat(real)
+    except (OSError, RuntimeError) as e:
+        raise Refused("unreadable", f"cannot be opened: {getattr(e, 'strerror', None) or e}") from None
+    if not _inside(real, allowed):
+        raise Refused("outside_inbox", f"a symbolic link to {printable(real)}, outside the inbox: not followed (list "
+                      "its directory in allow_symlinks_to to read it)")
+    if not stat.S_ISREG(st.st_mode):
+        raise Refused("bad_file", "not a regular file (a FIFO, socket or device): not read")
+    return real, st
 
 
 class LeftInbox(OSError):

@@ -33,7 +33,7 @@ import structlog
 from jobs.data import parallel
 from jobs.data.check import Checked, Stored, check_for_store
 from jobs.data.inbox import InboxFile, list_inbox, open_inbox_file, roots, stat_key
-from jobs.data.readers import Limits, read_jsonl
+from jobs.data.readers import Limits, foreign_encoding, read_jsonl
 from jobs.data.sources import SourceConfig
 
 if TYPE_CHECKING:
@@ -148,6 +148,8 @@ def check_ahead(pool: CheckPool, sources: list[SourceConfig], *, options: dict[s
                 try:
                     with open_inbox_file(f, allowed) as fh:
                         st = os.fstat(fh.fileno())
+                        if foreign_encoding(fh):  # refused whole by the pull: no ranges of it
+                            continue
                 except OSError:
                     continue
                 key = stat_key(st)

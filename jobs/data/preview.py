@@ -12,9 +12,8 @@ import structlog
 from jobs.data.check import check_record
 from jobs.data.inbox import list_inbox, open_inbox_file, roots, stat_key
 from jobs.data.pull import PullResult, file_sha256
-from jobs.data.readers import read_stream
 from jobs.data.render import OverlongPolicy, SpecialTokens
-from jobs.data.sources import SourceConfig
+from jobs.data.sources import SourceConfig, read_stream
 from jobs.store.ledger import Ledger, SampleRow
 
 log = structlog.get_logger("nightshift.pull")

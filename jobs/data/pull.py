@@ -22,10 +22,10 @@ key changed is read again (its known records count as duplicates, the appended o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import shutil
 import sqlite3
 import stat
 import threading
@@ -54,15 +54,17 @@ from jobs.data.parallel import (
 )
 from jobs.data.prefetch import take
 from jobs.data.quarantine import Quarantine
-from jobs.data.readers import Limits, RawRecord, read_stream
+from jobs.data.readers import Limits, RawRecord
 from jobs.data.render import OverlongPolicy, SpecialTokens
-from jobs.data.sources import SourceConfig
+from jobs.data.sources import SourceConfig, read_stream
 from jobs.data.token_cache import TokenCache
 from jobs.store.ledger import Ledger, SampleRow
 
 __all__ = ["PullResult", "Quarantine", "pull"]
 log = structlog.get_logger("nightshift.pull")
 
+KEPT_PER_FILE = 10_000  # quarantined records of one file kept one by one (quarantine file, ledger); the rest counted
+LOGGED_PER_FILE = 20  # of them, logged one by one (the rest: one line)
 FILE_COMMITTING = declare("pull.file_committing", "a file's records are in its transaction, not committed yet")
 FILE_COMMITTED = declare("pull.file_committed", "a file's transaction committed (its samples are pending)")
 FILE_MOVING = declare("pull.file_moving", "the ledger says where the file goes; it is not moved yet")
@@ -102,6 +104,8 @@ class _Pull:
     workers: int = 0  # processes that check a large file's records (jobs/data/parallel.py); 0: this one
     pool: CheckPool | None = None  # started by the first large file, shared by the rest
     stop: threading.Event | None = None  # set by SIGTERM: the pull ends between two chunks
+    in_file: int = 0  # records of the file being read quarantined so far
+    beyond: Counter[str] = field(default_factory=Counter)  # by reason, those past KEPT_PER_FILE
 
     def check_stop(self) -> None:
         if self.stop is not None and self.stop.is_set():
@@ -124,9 +128,15 @@ class _Pull:
 
     def reject(self, conn: sqlite3.Connection | None, src: SourceConfig, file: str, raw: RawRecord,
                err: RecordError) -> None:
-        """Quarantine (file and ledger); counted here for a whole file, by the file's own tally for records."""
+        """Quarantine (file and ledger); counted here for a whole file, by the file's own tally for records. A file's
+        records past KEPT_PER_FILE are counted by reason only, past LOGGED_PER_FILE not logged (`flooded`)."""
         if conn is None:
             self.result.quarantined[err.reason] += 1
+        else:
+            self.in_file += 1
+            if self.in_file > KEPT_PER_FILE:
+                self.beyond[err.reason] += 1
+                return
         self.quarantine.add(source=src.name, file=file, line=raw.line, reason=err.reason, detail=err.detail,
                             record=raw.record, raw=raw.raw, size=raw.size, sha256=raw.sha256)
         detail = printable(err.detail, 500)
@@ -137,7 +147,25 @@ class _Pull:
         else:
             with self.ledger.tx() as c:
                 self.ledger.add_quarantine(c, **row)
-        log.warning("record_quarantined", source=src.name, file=file, line=raw.line, reason=err.reason, detail=detail)
+        if conn is None or self.in_file <= LOGGED_PER_FILE:
+            log.warning("record_quarantined", source=src.name, file=file, line=raw.line, reason=err.reason,
+                        detail=detail)
+
+    def flooded(self, conn: sqlite3.Connection, src: SourceConfig, file: str) -> None:
+        """The end of a file with more quarantined records than are kept or logged one by one: one entry for the
+        rest. (200,000 bad lines of 2 bytes each made a 36 MB quarantine, 31 MB of ledger and 67 MB of log.)"""
+        if self.in_file > LOGGED_PER_FILE:
+            log.warning("records_quarantined_not_logged", source=src.name, file=file,
+                        count=self.in_file - LOGGED_PER_FILE, detail="the quarantine file lists them")
+        if not self.beyond:
+            return
+        n, (reason, _) = sum(self.beyond.values()), self.beyond.most_common(1)[0]
+        why = ", ".join(f"{k} {v:,}" for k, v in sorted(self.beyond.items()))
+        detail = f"{n:,} more records of this file quarantined ({why}), not listed one by one: the first " \
+                 f"{KEPT_PER_FILE:,} are"
+        self.quarantine.add(source=src.name, file=file, line=None, reason=reason, detail=detail)
+        self.ledger.add_quarantine(conn, run_id=self.run_id, source=src.name, file=file, line=None, reason=reason,
+                                   detail=detail)
 
 
 def pull(
@@ -178,6 +206,10 @@ def _pull_source(p: _Pull, src: SourceConfig, excerpt_bytes: int) -> None:
         p.result.unmatched += len(listing.unmatched)
         log.warning("files_not_matching_patterns", source=src.name, count=len(listing.unmatched),
                     examples=listing.unmatched[:5], patterns=src.patterns)
+    if listing.directories:
+        log.warning("directories_not_read", source=src.name, count=len(listing.directories),
+                    examples=listing.directories[:5], detail="an inbox reads files, not directories (a Spark or Hadoop "
+                    "output directory? a pattern with a '/' reads below the inbox, e.g. 'x.parquet/*.parquet')")
     allowed = roots(src)
     for f in [*listing.files, *(_grown_moved(p, src) if src.move_processed else [])]:
         p.check_stop()
@@ -219,6 +251,7 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
             _move_known(ledger, src, f, st)
             return
         counts, reasons = Counter[str](), Counter[str]()
+        p.in_file, p.beyond = 0, Counter()
         started, waited = time.monotonic(), [0.0]
         with ledger.tx() as conn:
             file_id = ledger.record_file(conn, source=src.name, path=f.display, size=st.st_size, mtime=st.st_mtime,
@@ -237,9 +270,9 @@ def _ingest_file(p: _Pull, src: SourceConfig, f: InboxFile, allowed: list[Path],
                         kept.append((c.hash, c.ids, c.labels, c.reply))
                 if p.token_cache is not None and kept:
                     p.token_cache.put_encoded(kept)
-            after = os.fstat(fh.fileno())
-            if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+            if stat_key(os.fstat(fh.fileno())) != key:  # its ctime too: a rewrite that set its mtime back
                 raise _Retry("it changed while it was read")
+            p.flooded(conn, src, f.display)
             ledger.finish_file(conn, file_id, records=counts["records"], accepted=counts["accepted"],
                                duplicates=counts["duplicates"], quarantined=counts["quarantined"])
             p.quarantine.sync()  # durable before the ledger says the file was seen
@@ -336,15 +369,26 @@ def _move_processed(ledger: Ledger, src: SourceConfig, f: InboxFile, file_id: in
     that were read, so bytes appended after the read (before or after the move) make it differ."""
     try:
         dest_dir = _processed_dir(src)
-        dest_dir.mkdir(exist_ok=True)
-        dest = dest_dir / f.path.name
-        if dest.exists():
-            dest = dest_dir / f"{f.path.stem}.{(digest or str(file_id))[:8]}{f.path.suffix}"
-        ledger.set_file_moved(file_id, printable(dest), None)  # watched from now on, whatever happens next
-        reached(FILE_MOVING)
-        shutil.move(str(f.path), dest)
-        reached(FILE_MOVED)
-        now = os.stat(dest, follow_symlinks=False)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(dest_dir)
+        try:  # processed/ itself, never where a link in its place points (a producer could aim the moves anywhere)
+            fd = os.open(dest_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise OSError(f"{printable(dest_dir)} is not a directory of the inbox (a symbolic link?): files are left "
+                          f"where they are ({e.strerror or e})") from None
+        try:
+            name = f.path.name
+            with contextlib.suppress(FileNotFoundError):
+                os.stat(name, dir_fd=fd, follow_symlinks=False)
+                name = f"{f.path.stem}.{(digest or str(file_id))[:8]}{f.path.suffix}"
+            dest = dest_dir / name
+            ledger.set_file_moved(file_id, printable(dest), None)  # watched from now on, whatever happens next
+            reached(FILE_MOVING)
+            os.rename(f.path, name, dst_dir_fd=fd)
+            reached(FILE_MOVED)
+            now = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        finally:
+            os.close(fd)
         key = f"{now.st_dev}:{now.st_ino}:{read.st_size}:{read.st_mtime_ns}:{now.st_ctime_ns}"
         ledger.set_file_moved(file_id, printable(dest), key)
     except OSError as e:  # ingested all the same; known by its hash at the next pull

@@ -4,14 +4,14 @@ a reader raise.
 
 Memory per record is bounded: at most `max_record_bytes` of one record are held (a longer JSONL line,
 JSON element or CSV record is skipped while it is read, keeping only an excerpt, its size and its
-sha256), JSON arrays are split into elements by a streaming scanner and parsed one at a time, CSV is
-read row by row and Parquet batch by batch. Nesting deeper than `max_depth`, numbers too long for
-Python to parse, invalid UTF-8 and a UTF-8 byte-order mark are handled per record.
+sha256), JSON arrays are split into elements by a streaming scanner and parsed one at a time, Parquet is
+read batch by batch (CSV row by row: jobs/data/csv_rows.py; which reader reads a file: jobs/data/sources.py).
+Nesting deeper than `max_depth`, numbers too long for Python to parse, invalid UTF-8 and a UTF-8 byte-order
+mark are handled per record.
 """
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
 import re
@@ -29,6 +29,7 @@ class Limits:
     max_record_bytes: int = 1 << 20  # bytes of one record held in memory; a longer one is quarantined
     excerpt_bytes: int = 4096  # what the quarantine keeps of a record it cannot keep whole
     max_depth: int = 64  # nesting of arrays/objects in one record (a real record has 3 or 4)
+    fields: frozenset[str] = frozenset()  # names a CSV header must hold one of (the source's); empty: any
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,24 @@ class RawRecord:
     raw: str | None = None  # what to keep in quarantine when the record could not be decoded (an excerpt)
     size: int | None = None  # bytes of the record, when only an excerpt of it is kept
     sha256: str | None = None  # of the whole record, when only an excerpt of it is kept
+
+
+_FOREIGN_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32 (little-endian)"), (b"\x00\x00\xfe\xff", "UTF-32 (big-endian)"),
+                 (b"\xff\xfe", "UTF-16 (little-endian)"), (b"\xfe\xff", "UTF-16 (big-endian)"))
+
+
+def foreign_encoding(f: IO[bytes]) -> RawRecord | None:
+    """A text file that starts with the byte-order mark of UTF-16 or UTF-32 (what some editors and Windows tools
+    save as "Unicode"), refused whole with its name: read as UTF-8 each of its lines was a different error."""
+    pos = f.tell()
+    head = f.read(4)
+    f.seek(pos)
+    for bom, name in _FOREIGN_BOMS:
+        if head.startswith(bom):
+            return RawRecord(None, None, RecordError("bad_file", f"{name} text (it starts with the byte-order mark "
+                                                     f"{bom.hex(' ').upper()}): the inbox reads UTF-8; convert it, "
+                                                     f"e.g. iconv -f {name.split()[0]} -t UTF-8"))
+    return None
 
 
 def excerpt(data: bytes, limit: int) -> str:
@@ -70,7 +89,9 @@ def decode_json(raw: bytes, line: int | None, lim: Limits) -> RawRecord:
     except RecursionError:
         err = RecordError("too_large", "nested too deeply to parse")
     except json.JSONDecodeError as e:
-        err = RecordError("invalid_json", f"invalid JSON: {e}")
+        cr = "\r" in text[: e.pos] and e.msg == "Extra data"  # old Mac line ends: the whole file one line
+        err = RecordError("invalid_json", f"invalid JSON: {e}" + (" (lines that end in a carriage return alone? JSON "
+                                                                  "Lines needs \\n or \\r\\n)" if cr else ""))
     except ValueError as e:  # e.g. an integer of more digits than Python converts
         err = RecordError("too_large", f"cannot parse: {e}")
     else:
@@ -94,6 +115,9 @@ def _too_large(line: int | None, head: bytes, size: int, digest: str, lim: Limit
 def read_jsonl(f: IO[bytes], lim: Limits, *, first_line: int = 1, stop: int | None = None) -> Iterator[RawRecord]:
     """From where `f` is: its line number `first_line` (only line 1 may start with a byte-order mark); `stop`:
     the lines that start before this offset (the one that starts before it is read whole), else to the end."""
+    if first_line == 1 and (foreign := foreign_encoding(f)):
+        yield foreign
+        return
     n = first_line - 1
     while stop is None or f.tell() < stop:
         raw = f.readline(lim.max_record_bytes + 1)
@@ -163,6 +187,9 @@ class _Element:
 
 def read_json_array(f: IO[bytes], lim: Limits) -> Iterator[RawRecord]:
     """The elements of a top-level JSON array, one at a time (the file is never held whole)."""
+    if foreign := foreign_encoding(f):
+        yield foreign
+        return
     chunk = f.read(1 << 16)
     if chunk.startswith(BOM):
         chunk = chunk[len(BOM):]
@@ -245,131 +272,118 @@ def _after_array(rest: bytes, f: IO[bytes]) -> Iterator[RawRecord]:
             return
 
 
-# ---- CSV, row by row against the header ------------------------------------------------------------
-
-
-class _LineProblem(Exception):
-    def __init__(self, rec: RawRecord) -> None:
-        self.rec = rec
-
-
-class _Lines:
-    """Decoded physical lines for csv.reader, each and each record bounded; a problem is raised to the
-    reader's caller and the iterator stays usable (the caller starts a new reader after it)."""
-
-    def __init__(self, f: IO[bytes], lim: Limits) -> None:
-        self.f, self.lim, self.n, self.record_bytes = f, lim, 0, 0
-
-    def __iter__(self) -> _Lines:
-        return self
-
-    def __next__(self) -> str:
-        lim = self.lim
-        raw = self.f.readline(lim.max_record_bytes + 1)
-        if not raw:
-            raise StopIteration
-        self.n += 1
-        if self.n == 1 and raw.startswith(BOM):
-            raw = raw[len(BOM):]
-        if len(raw) > lim.max_record_bytes and not raw.endswith(b"\n"):
-            h, size, head = hashlib.sha256(raw), len(raw), raw
-            while not raw.endswith(b"\n") and (raw := self.f.readline(1 << 20)):
-                h.update(raw)
-                size += len(raw)
-            raise _LineProblem(_too_large(self.n, head, size, h.hexdigest(), lim, "a line"))
-        self.record_bytes += len(raw)
-        if self.record_bytes > lim.max_record_bytes:
-            raise _LineProblem(RawRecord(self.n, None, RecordError(
-                "too_large", f"a record spanning lines up to {self.n} is over max_record_bytes "
-                f"{lim.max_record_bytes:,}"), excerpt(raw, lim.excerpt_bytes)))
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise _LineProblem(RawRecord(self.n, None, RecordError("invalid_utf8", f"not UTF-8: {e}"),
-                                         raw[: lim.excerpt_bytes].hex())) from None
-
-
-def read_csv(f: IO[bytes], lim: Limits) -> Iterator[RawRecord]:
-    """Every cell is text; the first row is the header (unique names); each row is checked against it:
-    more or fewer fields quarantine that row alone, never shift its columns."""
-    csv.field_size_limit(max(csv.field_size_limit(), lim.max_record_bytes))
-    lines = _Lines(f, lim)
-    reader = csv.reader(lines)
-    header: list[str] | None = None
-    while True:
-        start, lines.record_bytes = lines.n + 1, 0
-        try:
-            row = next(reader)
-        except StopIteration:
-            return
-        except (_LineProblem, csv.Error) as e:
-            rec = e.rec if isinstance(e, _LineProblem) else RawRecord(start, None, RecordError("bad_row", f"CSV: {e}"))
-            if header is None:  # without a header no row can be read
-                yield RawRecord(None, None, RecordError("bad_file", f"unreadable header (line {rec.line}): "
-                                                        f"{rec.error.detail if rec.error else ''}"), rec.raw)
-                return
-            yield rec
-            reader = csv.reader(lines)
-            continue
-        if not row or (len(row) == 1 and not row[0].strip() and header is not None):
-            continue  # a blank line
-        if header is None:
-            header = [h.strip() for h in row]
-            dupes = sorted({h for h in header if header.count(h) > 1})
-            if dupes:
-                yield RawRecord(None, None, RecordError("bad_file", f"the header names {dupes} more than once: "
-                                                        "which column is meant is ambiguous"), ",".join(row)[:500])
-                return
-            continue
-        if len(row) != len(header):
-            yield RawRecord(start, None, RecordError("bad_row", f"{len(row)} fields where the header has "
-                                                     f"{len(header)} ({', '.join(header)[:200]})"),
-                            ",".join(row)[: lim.excerpt_bytes])
-            continue
-        yield RawRecord(start, dict(zip(header, row, strict=True)))
-
-
 # ---- Parquet, batch by batch ------------------------------------------------------------------------
 
 
+PARQUET_BATCH_ROWS = 64  # rows decoded at a time: what Arrow holds is these rows' values
+PARQUET_SLICE_BYTES = 8 << 20  # rows turned into Python objects at a time, by their size in Arrow
+
+
 def read_parquet(f: IO[bytes], lim: Limits) -> Iterator[RawRecord]:
+    """Batch by batch, each row's size taken from Arrow before it becomes Python objects: a row over
+    max_record_bytes is quarantined unconverted, the others are converted a few MB at a time. (A 7 KB file can
+    hold a 200 MB value, compressed, and a small dictionary-encoded one 300 MB of repeated strings: converted
+    256 rows at a time and measured as JSON, they took the check 1.9 GB and 1.1 GB.)"""
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(f)
-        batches = pf.iter_batches(batch_size=256)
+        pf = pq.ParquetFile(f, buffer_size=1 << 20)  # a column chunk streamed, not read whole
+        meta = pf.metadata
+        groups = [meta.row_group(g) for g in range(meta.num_row_groups)]
+        names = list(pf.schema_arrow.names)
     except Exception as e:  # not Parquet, or damaged beyond its footer
-        yield RawRecord(None, None, RecordError("bad_file", f"cannot read as parquet: {type(e).__name__}: {e}"))
+        yield RawRecord(None, None, RecordError("bad_file", f"cannot read as parquet: {type(e).__name__}: "
+                                                f"{str(e).strip()}"))
+        return
+    if dupes := sorted({c for c in names if names.count(c) > 1}):  # as a CSV header (a row kept one, silently)
+        yield RawRecord(None, None, RecordError("bad_file", f"the file names the columns {dupes} more than once: "
+                                                "which column is meant is ambiguous"))
         return
     n = 0
     try:
-        for batch in batches:
-            try:
-                rows: list[Any] | None = batch.to_pylist()
-            except Exception:
-                rows = None  # one value Python cannot hold: convert row by row to find it
-            for i in range(batch.num_rows):
-                n += 1
-                try:
-                    row = rows[i] if rows is not None else batch.slice(i, 1).to_pylist()[0]
-                    size = len(json.dumps(row, default=str))
-                except Exception as e:  # a value that converts to nothing Python or JSON can hold
-                    yield RawRecord(n, None, RecordError("wrong_type", f"row {n} cannot be converted: "
-                                                         f"{type(e).__name__}"))
-                    continue
-                yield (RawRecord(n, None, RecordError("too_large", f"row {n} of ~{size:,} bytes > max_record_bytes "
-                                                      f"{lim.max_record_bytes:,}"))
-                       if size > lim.max_record_bytes else RawRecord(n, row))
+        for g, group in enumerate(groups):
+            if too_big := _oversized_column(group, lim):
+                yield RawRecord(n + 1, None, RecordError("too_large", f"row group {g + 1} (rows {n + 1}-"
+                                                         f"{n + group.num_rows}): {too_big}; not read"))
+                n += group.num_rows
+                continue
+            for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[g]):
+                yield from _parquet_batch(batch, n, lim)
+                n += batch.num_rows
     except Exception as e:  # a damaged row group: what was read stays
-        yield RawRecord(None, None, RecordError("bad_file", f"cannot read past row {n}: {type(e).__name__}: {e}"))
+        yield RawRecord(None, None, RecordError("bad_file", f"cannot read past row {n}: {type(e).__name__}: "
+                                                f"{str(e).strip()}"))
 
 
-READERS = {".jsonl": read_jsonl, ".json": read_json_array, ".csv": read_csv, ".parquet": read_parquet}
+def _oversized_column(group: Any, lim: Limits) -> str | None:
+    """A column whose values in a row group average more than max_record_bytes a row, uncompressed, where that
+    is over 64 MiB (its pages decode whole whatever is read of them), as the file's metadata says; else None."""
+    for c in range(group.num_columns):
+        col = group.column(c)
+        size = col.total_uncompressed_size
+        if size > max(64 << 20, lim.max_record_bytes * max(1, group.num_rows)):
+            return (f"its column '{col.path_in_schema}' holds {size:,} bytes uncompressed for {group.num_rows:,} "
+                    f"rows, more than max_record_bytes {lim.max_record_bytes:,} a row")
+    return None
 
 
-def read_stream(f: IO[bytes], suffix: str, lim: Limits) -> Iterator[RawRecord]:
-    reader = READERS.get(suffix.lower())
-    if reader is None:
-        yield RawRecord(None, None, RecordError("bad_file", f"unsupported file type '{suffix}'"))
-        return
-    yield from reader(f, lim)
+def _parquet_batch(batch: Any, n: int, lim: Limits) -> Iterator[RawRecord]:
+    """Rows n+1... of a decoded batch: a row over max_record_bytes unconverted, the others a few MB at a time."""
+    sizes = _row_sizes(batch)
+    i = 0
+    while i < batch.num_rows:
+        if sizes[i] > lim.max_record_bytes:
+            n, i = n + 1, i + 1
+            yield RawRecord(n, None, RecordError("too_large", f"row {n} of ~{sizes[i - 1]:,} bytes > "
+                                                 f"max_record_bytes {lim.max_record_bytes:,} (not read)"))
+            continue
+        j, held = i, 0
+        while j < batch.num_rows and sizes[j] <= lim.max_record_bytes and (
+                j == i or held + sizes[j] <= PARQUET_SLICE_BYTES):
+            held, j = held + sizes[j], j + 1
+        yield from _parquet_rows(batch.slice(i, j - i), n, lim)
+        n, i = n + j - i, j
+
+
+def _row_sizes(batch: Any) -> list[int]:
+    """Bytes each row's values take in Arrow (text by its length, a dictionary-encoded value by its own entry)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    def each(values: Any) -> list[int]:
+        t = values.type
+        if any(f(t) for f in (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary,
+                              pa.types.is_large_binary)):
+            return list(pc.binary_length(values).fill_null(0).to_pylist())
+        if pa.types.is_primitive(t):
+            return [8] * len(values)
+        return [values.slice(k, 1).nbytes for k in range(len(values))]  # nested: each row's slice
+
+    sizes = [0] * batch.num_rows
+    for col in batch.columns:
+        if pa.types.is_dictionary(col.type):
+            lengths = each(col.dictionary)
+            per = [0 if k is None else lengths[k] for k in col.indices.to_pylist()]
+        else:
+            per = each(col)
+        sizes = [a + b for a, b in zip(sizes, per, strict=True)]
+    return sizes
+
+
+def _parquet_rows(piece: Any, n: int, lim: Limits) -> Iterator[RawRecord]:
+    """Rows n+1... of a slice of a batch, as Python records."""
+    try:
+        rows: list[Any] | None = piece.to_pylist()
+    except Exception:
+        rows = None  # one value Python cannot hold: convert row by row to find it
+    for i in range(piece.num_rows):
+        n += 1
+        try:
+            row = rows[i] if rows is not None else piece.slice(i, 1).to_pylist()[0]
+            size = len(json.dumps(row, default=str))
+        except Exception as e:  # a value that converts to nothing Python or JSON can hold
+            yield RawRecord(n, None, RecordError("wrong_type", f"row {n} cannot be converted: {type(e).__name__}"))
+            continue
+        yield (RawRecord(n, None, RecordError("too_large", f"row {n} of ~{size:,} bytes > max_record_bytes "
+                                              f"{lim.max_record_bytes:,}"))
+               if size > lim.max_record_bytes else RawRecord(n, row))

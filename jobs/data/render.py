@@ -59,6 +59,17 @@ def closing_eos(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
     return ""
 
 
+def _render(tokenizer: Any, messages: list[dict[str, Any]], **kw: Any) -> str:
+    """The conversation through the chat template; a template that refuses it (`raise_exception`: roles that do
+    not alternate, a system turn where it allows none) is the record's fault, said in the template's words."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return str(tokenizer.apply_chat_template(messages, tokenize=False, **kw))
+    except TemplateError as e:
+        raise RecordError("wrong_type", f"the model's chat template refuses this conversation: {e}") from None
+
+
 def char_spans(tokenizer: Any, record: dict[str, Any]) -> tuple[str, list[tuple[int, int]]]:
     """The full training text and the character spans that are trained on."""
     if "text" in record:
@@ -67,18 +78,18 @@ def char_spans(tokenizer: Any, record: dict[str, Any]) -> tuple[str, list[tuple[
             text += tokenizer.eos_token
         return text, [(0, len(text))]
     messages = record["messages"]
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    full = _render(tokenizer, messages)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
         # the last turn's prefix is the whole conversation: one render fewer per record
-        upto = full if i == len(messages) - 1 else tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        upto = full if i == len(messages) - 1 else _render(tokenizer, messages[: i + 1])
         if not full.startswith(upto) or not upto.startswith(before):
             # Template rewrites earlier turns (e.g. strips reasoning): train on the last reply only.
             last = max(j for j, x in enumerate(messages) if x["role"] == "assistant")
-            before = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
+            before = _render(tokenizer, messages[:last], add_generation_prompt=True)
             full += closing_eos(tokenizer, messages)
             return full, [(len(before), len(full))]
         spans.append((len(before), len(upto)))
@@ -130,9 +141,7 @@ def _pieces(tokenizer: Any, record: dict[str, Any]) -> list[tuple[str, bool]] | 
     if any(_MARK in m["content"] for m in messages):
         return None
     marks = [f"{_MARK}{i}{_MARK}" for i in range(len(messages))]
-    rest = tokenizer.apply_chat_template([{"role": m["role"], "content": mk} for m, mk in zip(messages, marks,
-                                                                                              strict=True)],
-                                         tokenize=False)
+    rest = _render(tokenizer, [{"role": m["role"], "content": mk} for m, mk in zip(messages, marks, strict=True)])
     pieces: list[tuple[str, bool]] = []
     for m, mk in zip(messages, marks, strict=True):
         before, sep, rest = rest.partition(mk)

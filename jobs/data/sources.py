@@ -1,7 +1,8 @@
 """Sources: a directory that other systems drop data files into, and reading its files record by record.
 
 Listing the inbox (which files, symbolic links, special files) is `jobs/data/inbox.py`; decoding
-a file into records, each inside its own guard and with bounded memory, is `jobs/data/readers.py`.
+a file into records, each inside its own guard and with bounded memory, is `jobs/data/readers.py` (JSON
+Lines, JSON arrays, Parquet) and `jobs/data/csv_rows.py` (CSV); `read_stream` picks the reader.
 Nothing in the inbox is ever deleted.
 """
 
@@ -9,12 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import IO, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from jobs.data.formats import Format, RecordError
-from jobs.data.readers import Limits, RawRecord, read_stream
+from jobs.data.csv_rows import read_csv
+from jobs.data.formats import RECORD_FIELDS, Format, RecordError
+from jobs.data.preference import PREFERENCE_KEYS
+from jobs.data.readers import Limits, RawRecord, read_json_array, read_jsonl, read_parquet
 
 __all__ = ["Limits", "RawRecord", "SourceConfig", "read_records"]
 
@@ -48,7 +51,12 @@ class SourceConfig(BaseModel):
         return v
 
     def limits(self, excerpt_bytes: int = 16384) -> Limits:
-        return Limits(max_record_bytes=self.max_record_bytes, excerpt_bytes=excerpt_bytes)
+        return Limits(max_record_bytes=self.max_record_bytes, excerpt_bytes=excerpt_bytes, fields=self.fields())
+
+    def fields(self) -> frozenset[str]:
+        """The names a record of this source is read by: ours and, through `field_map`, theirs (a CSV header
+        naming none of them is no header)."""
+        return frozenset(RECORD_FIELDS) | frozenset(PREFERENCE_KEYS) | frozenset(self.field_map)
 
 
 def read_records(path: Path, limits: Limits | None = None) -> Iterator[RawRecord]:
@@ -60,3 +68,14 @@ def read_records(path: Path, limits: Limits | None = None) -> Iterator[RawRecord
         return
     with f:
         yield from read_stream(f, Path(path).suffix, limits or Limits())
+
+
+READERS = {".jsonl": read_jsonl, ".json": read_json_array, ".csv": read_csv, ".parquet": read_parquet}
+
+
+def read_stream(f: IO[bytes], suffix: str, lim: Limits) -> Iterator[RawRecord]:
+    reader = READERS.get(suffix.lower())
+    if reader is None:
+        yield RawRecord(None, None, RecordError("bad_file", f"unsupported file type '{suffix}'"))
+        return
+    yield from reader(f, lim)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 
 from jobs.contract import ExitCode, FileCheck, QuarantineReason, RecordProblem
 from jobs.data.check import checked_records
+from jobs.data.inbox import Refused, admitted, printable, roots
 from jobs.data.sources import SourceConfig
 from jobs.night.config import NightConfig
 from jobs.store.files import sha256_file
@@ -32,7 +34,7 @@ def source_for(path: Path, sources: Sequence[SourceConfig], name: str | None = N
     else the defaults (format auto, no field map)."""
     if name is not None:
         return next(s for s in sources if s.name == name)
-    where = path.resolve().parent
+    where = path.parent.resolve()  # the directory named, not where a link in it points
     here = [s for s in sources if Path(s.inbox).resolve() == where]
     for s in here:  # sources sharing an inbox tell their files apart by their patterns
         if any(fnmatch.fnmatch(path.name, pat) for pat in s.patterns):
@@ -45,6 +47,7 @@ def source_for(path: Path, sources: Sequence[SourceConfig], name: str | None = N
 def check_files(paths: Sequence[Path], cfg: NightConfig, tokenizer: Any, ledger: Ledger, *,
                 source: str | None = None) -> Iterator[FileCheck]:
     seen: set[str] = set()  # content hashes of the valid records so far, over all the files
+    contents: dict[tuple[str, str], str] = {}  # (source, file sha256) -> the first file named with that content
     for path in paths:
         src = source_for(path, cfg.sources, source)
         counts = {"records": 0, "would_train": 0, "known": 0, "repeated": 0, "tokens": 0}
@@ -53,16 +56,33 @@ def check_files(paths: Sequence[Path], cfg: NightConfig, tokenizer: Any, ledger:
         note = None
         if not any(fnmatch.fnmatch(path.name, pat) for pat in src.patterns):
             note = f"the inbox of source '{src.name}' would not pick this name up (patterns {src.patterns})"
+        elif path.name.startswith("."):
+            note = f"the inbox of source '{src.name}' would not pick this name up (it starts with '.')"
+        if path.is_dir() and not path.is_symlink():
+            note = "a directory: an inbox reads none (give the files in it: nightshift validate DIR/*)"
+            yield FileCheck(file=printable(path), source=src.name, already_ingested=False, problems=[], note=note,
+                            **counts)
+            continue
         try:
-            if not path.is_file():
-                raise OSError(f"{path}: not a file" if path.exists() else f"{path}: no such file")
-            already = ledger.file_known_by_hash(src.name, sha256_file(path))
+            if not os.path.lexists(path):
+                raise OSError(f"{path}: no such file")
+            inbox = Path(src.inbox).resolve()
+            # as the inbox opens it: in an inbox, its links followed only inside it (or allow_symlinks_to)
+            admitted(path, roots(src) if path.parent.resolve().is_relative_to(inbox) else [Path("/")])
+            digest = sha256_file(path)
+            already = ledger.file_known_by_hash(src.name, digest)
+            if (first := contents.setdefault((src.name, digest), printable(path))) != printable(path):
+                note = f"the same content as {first}: an inbox reads it once"  # as the pull: known by its hash
+                yield FileCheck(file=printable(path), source=src.name, already_ingested=already, problems=[],
+                                note=note, **counts)
+                continue
             for c in checked_records(path, src, tokenizer, max_seq_length=cfg.train.max_seq_length,
                                      overlong=cfg.train.overlong, special_tokens=cfg.train.special_tokens,
                                      excerpt_bytes=cfg.quarantine.excerpt_bytes):
                 counts["records"] += 1
                 if c.error is not None:
-                    problems.append(RecordProblem(line=c.raw.line, reason=c.error.reason, detail=c.error.detail))
+                    problems.append(RecordProblem(line=c.raw.line, reason=c.error.reason,
+                                                  detail=printable(c.error.detail)))
                 elif c.norm is not None and c.tokens is not None:
                     if c.norm.hash in seen:
                         counts["repeated"] += 1
@@ -72,10 +92,12 @@ def check_files(paths: Sequence[Path], cfg: NightConfig, tokenizer: Any, ledger:
                         counts["would_train"] += 1
                         counts["tokens"] += c.tokens.n_tokens
                     seen.add(c.norm.hash)
+        except Refused as e:  # what the inbox would not open
+            problems.append(RecordProblem(line=None, reason=QuarantineReason(e.reason), detail=e.detail))
         except Exception as e:  # validate reports, it never stops on a file
             problems.append(RecordProblem(line=None, reason=QuarantineReason.bad_file,
-                                          detail=f"cannot read: {type(e).__name__}: {e}"))
-        yield FileCheck(file=str(path), source=src.name, already_ingested=already, problems=problems, note=note,
+                                          detail=printable(f"cannot read: {type(e).__name__}: {e}")))
+        yield FileCheck(file=printable(path), source=src.name, already_ingested=already, problems=problems, note=note,
                         **counts)
 
 

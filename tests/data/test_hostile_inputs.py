@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from jobs.data.csv_rows import read_csv
 from jobs.data.pull import Quarantine, pull
 from jobs.data.quarantine import prune_quarantine
-from jobs.data.readers import Limits, read_csv, read_json_array, read_jsonl
+from jobs.data.readers import Limits, read_json_array, read_jsonl
 from jobs.data.render import tokenize_record
 from jobs.data.sources import SourceConfig
 from jobs.store.ledger import Ledger

@@ -69,17 +69,18 @@ def test_bytes_appended_between_the_read_and_the_move_are_not_lost(env, monkeypa
 
     inbox, ledger, clock, do_pull = env
     path = write_jsonl(inbox / "feed.jsonl", [alpaca(i) for i in range(3)])
-    real_move = pull_mod.shutil.move
+    real_move = pull_mod.os.rename
 
-    def late_write_then_move(src: str, dst: Any) -> Any:
-        with open(src, "a") as f:
-            f.write(json.dumps(alpaca(99)) + "\n")
-        return real_move(src, dst)
+    def late_write_then_move(src: Any, dst: Any, **kw: Any) -> Any:
+        if str(src) == str(path):  # the move into processed/ (a rename into its directory)
+            with open(src, "a") as f:
+                f.write(json.dumps(alpaca(99)) + "\n")
+        return real_move(src, dst, **kw)
 
-    monkeypatch.setattr(pull_mod.shutil, "move", late_write_then_move)
+    monkeypatch.setattr(pull_mod.os, "rename", late_write_then_move)
     clock.t = path.stat().st_mtime + 60
     assert do_pull(move_processed=True, settle_seconds=0).ingested["s"] == 3
-    monkeypatch.setattr(pull_mod.shutil, "move", real_move)
+    monkeypatch.setattr(pull_mod.os, "rename", real_move)
     clock.t += 60
     assert do_pull(move_processed=True, settle_seconds=0).ingested["s"] == 1
     assert ledger.backlog()[0] == 4

@@ -77,3 +77,22 @@ def test_first_night_of_the_demo_quarantines_hidden_bad_input(night_env, tmp_pat
                    ("broken.jsonl", 4): "too_large", ("object.json", None): "bad_file",  # DEEP: nested too deep
                    ("truncated.json", 1): "invalid_json", ("latin1.json", 1): "invalid_utf8"}
     assert s["quarantined"] == plan.quarantined  # the plan said what the night would quarantine
+
+
+def test_the_tokenizer_corpus_holds_no_huge_line_and_no_huge_word(tmp_path, monkeypatch):
+    """A hostile inbox before the first night: a JSONL line longer than LINE_MAX_BYTES is skipped unread (it was
+    read whole into memory, then parsed), and a run of characters without a space is cut into words of at most
+    WORD_MAX_CHARS (BPE training is quadratic in a word's length: a record holding a 4 MB word stalled the demo
+    model's build, and `plan`, for hours)."""
+    import jobs.training.models.tiny as tiny
+
+    monkeypatch.setattr(tiny, "LINE_MAX_BYTES", 4096)
+    with open(tmp_path / "a.jsonl", "w") as f:
+        f.write(json.dumps({"instruction": "huge", "output": "h" * 50_000}) + "\n")  # skipped: over the cap
+        f.write(json.dumps({"instruction": "word", "output": "w" * 3000}) + "\n")  # kept, cut into words
+        f.write(json.dumps(alpaca(1)) + "\n")
+    texts = texts_for_tokenizer([tmp_path / "a.jsonl"])
+    assert "huge" not in texts and "Add 1 and 2." in texts
+    [word] = [t for t in texts if t.startswith("www")]
+    assert word.replace(" ", "") == "w" * 3000
+    assert max(len(w) for t in texts for w in t.split()) <= tiny.WORD_MAX_CHARS

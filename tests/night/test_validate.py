@@ -74,6 +74,54 @@ def test_validate_command_exit_status_and_nothing_written(tmp_path, tiny_model):
     # a mistyped name is a bad command line (exit 2, named), not "1 would be quarantined" (it said so, exit 1)
     r = validate(str(good), str(tmp_path / "typo.jsonl"), str(tmp_path))
     assert (r.returncode, r.stdout) == (2, ""), r.stderr
-    assert r.stderr.splitlines() == [f"nightshift validate: {tmp_path / 'typo.jsonl'}: no such file",
-                                     f"nightshift validate: {tmp_path}: a directory: give the files in it "
-                                     "(nightshift validate DIR/*)"]
+    assert r.stderr.splitlines() == [f"nightshift validate: {tmp_path / 'typo.jsonl'}: no such file"]
+    # what `validate inbox/*` names beside the data (processed/, a FIFO, a link out): each as the inbox takes it,
+    # the rest checked (one such name refused the whole command line, a FIFO as "no such file")
+    (inbox / "processed").mkdir()
+    os.mkfifo(inbox / "pipe.jsonl")
+    (inbox / "passwd.jsonl").symlink_to("/etc/passwd")
+    r = validate(str(good), str(inbox / "processed"), str(inbox / "pipe.jsonl"), str(inbox / "passwd.jsonl"))
+    assert r.returncode == 1 and "note: a directory: an inbox reads none" in r.stdout, r.stderr
+    assert "the whole file: bad_file: not a regular file (a FIFO" in r.stdout
+    assert "the whole file: outside_inbox: a symbolic link to /etc/passwd" in r.stdout and "root:" not in r.stdout
+    assert r.stdout.splitlines()[-1] == "4 file(s): 5 records would train, 2 would be quarantined " \
+                                        "(bad_file 1, outside_inbox 1)"
+
+
+def test_check_files_takes_a_file_of_an_inbox_as_the_inbox_does(night_env, tokenizer, tmp_path):
+    """In an inbox, a link is followed only inside it (as the pull does: it was read, /etc/passwd's lines shown as
+    bad records), a FIFO or dangling link is refused without being opened, a name that is not UTF-8 is shown
+    escaped (its FileCheck could not be written: the check failed with a traceback), and a name the inbox skips
+    says so."""
+    inbox, make = night_env
+    cfg = make(sources=[{"name": "inbox", "inbox": inbox, "settle_seconds": 0}])
+    secret = write_jsonl(tmp_path / "elsewhere" / "secret.jsonl", [alpaca(1)])
+    (inbox / "out.jsonl").symlink_to(secret)
+    (inbox / "in.jsonl").symlink_to(write_jsonl(inbox / "real.jsonl", [alpaca(2)]))
+    (inbox / "gone.jsonl").symlink_to(inbox / "nothing.jsonl")
+    os.mkfifo(inbox / "pipe.jsonl")
+    odd = Path(os.fsdecode(os.fsencode(inbox) + b"/caf\xe9.jsonl"))
+    write_jsonl(odd, [alpaca(3)])
+    hidden = write_jsonl(inbox / ".part.jsonl", [alpaca(4)])
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    names = ["out.jsonl", "in.jsonl", "gone.jsonl", "pipe.jsonl"]
+    checks = list(check_files([*(inbox / n for n in names), odd, hidden, secret], cfg, tokenizer, ledger))
+    got = {Path(c.file).name: ([(p.line, p.reason.value) for p in c.problems], c.would_train) for c in checks}
+    assert got == {"out.jsonl": ([(None, "outside_inbox")], 0), "in.jsonl": ([], 1), "gone.jsonl":
+                   ([(None, "unreadable")], 0), "pipe.jsonl": ([(None, "bad_file")], 0), "caf\\xe9.jsonl": ([], 1),
+                   ".part.jsonl": ([], 1), "secret.jsonl": ([], 1)}  # named outside any inbox: read
+    assert all(json.loads(c.model_dump_json()) for c in checks)
+    assert "starts with '.'" in (checks[5].note or "")
+
+
+def test_the_same_content_under_two_names_is_checked_once_as_the_inbox_reads_it(night_env, tokenizer, tmp_path):
+    """The pull knows a file by its content: an empty `.parquet` beside an empty `.csv` (or a copy of a bad file) is
+    not read again, so validate does not count its problems twice (it said 'bad_file' for the second)."""
+    inbox, make = night_env
+    cfg = make(sources=[{"name": "inbox", "inbox": inbox, "settle_seconds": 0}])
+    (inbox / "empty.csv").write_text("")
+    (inbox / "empty.parquet").write_text("")
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    first, second = check_files([inbox / "empty.csv", inbox / "empty.parquet"], cfg, tokenizer, ledger)
+    assert not first.problems and not second.problems and second.records == 0
+    assert second.note is not None and "same content as" in second.note and "empty.csv" in second.note

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -53,6 +54,12 @@ vocabulary needs no more, and the build (and a plan's build in a temporary direc
 inbox of gigabytes, where reading all of it took minutes and a Ctrl-C waited for the end of it (issue 42)."""
 
 JSON_FILE_MAX_BYTES = 64_000_000  # a `.json` file is parsed whole: larger ones are left to the pull
+LINE_MAX_BYTES = 1 << 20  # a longer JSONL line is skipped unread (the pull quarantines it: max_record_bytes)
+WORD_MAX_CHARS = 256
+"""A longer run of characters without a space is cut into pieces of this length for the tokenizer: BPE training is
+quadratic in a word's length (one 200,000-character word took 16 s on the 2-core box, a record holding a 4 MB one
+stalled a first night's build for hours); no useful token is longer."""
+_LONG_WORD = re.compile(rf"\S{{{WORD_MAX_CHARS}}}")
 
 
 def texts_for_tokenizer(paths: Iterable[Path], max_chars: int = TOKENIZER_TEXT_CHARS) -> list[str]:
@@ -71,8 +78,9 @@ def texts_for_tokenizer(paths: Iterable[Path], max_chars: int = TOKENIZER_TEXT_C
         while todo and left > 0:
             x = todo.pop()
             if isinstance(x, str):
-                out.append(x[:left])
-                left -= len(out[-1])
+                piece = x[:left]
+                out.append(_LONG_WORD.sub(r"\g<0> ", piece))
+                left -= len(piece)
             elif isinstance(x, dict):
                 todo.extend(reversed(list(x.values())))
             elif isinstance(x, list):
@@ -80,8 +88,13 @@ def texts_for_tokenizer(paths: Iterable[Path], max_chars: int = TOKENIZER_TEXT_C
 
     def chunks(p: Path) -> Iterator[bytes]:
         if p.suffix == ".jsonl":
-            with p.open("rb") as f:
-                yield from f  # a line at a time: the file may be larger than memory
+            with p.open("rb") as f:  # a line at a time: the file may be larger than memory, a line too
+                while line := f.readline(LINE_MAX_BYTES + 1):
+                    if len(line) <= LINE_MAX_BYTES or line.endswith(b"\n"):
+                        yield line
+                        continue
+                    while (line := f.readline(LINE_MAX_BYTES)) and not line.endswith(b"\n"):
+                        pass
         elif p.suffix == ".json" and p.stat().st_size <= JSON_FILE_MAX_BYTES:
             yield p.read_bytes()
 
