@@ -27,7 +27,8 @@ def add_command(sub: Any) -> None:
         description="Read each FILE exactly as the inbox would (file type, format, field map, chat template, "
                     "max_seq_length) and print what would train and every record that would be quarantined, "
                     "with its line and reason. Exit status 1 if any record would be quarantined.")
-    p.add_argument("files", nargs="+", type=Path, metavar="FILE", help="JSONL, JSON array, Parquet or CSV files")
+    p.add_argument("files", nargs="+", type=Path, metavar="FILE",
+                   help="JSONL, JSON array, Parquet or CSV files; a source's inbox for the files in it")
     p.add_argument("--source", metavar="NAME",
                    help="read as this [[sources]] entry (format, field_map, patterns); default: the source "
                         "whose inbox holds the file, else the first one")
@@ -66,13 +67,27 @@ def render(checks: list[FileCheck]) -> str:
     return "\n".join([*out, total])
 
 
+def inbox_files(s: Settings, files: list[Path]) -> list[Path]:
+    """A source's inbox named as a FILE (`nightshift validate inbox`) stands for what is in it, in name order
+    (hidden names and directories, such as processed/, left out, as the inbox leaves them);
+    any other directory is reported as the inbox would take it."""
+    inboxes = {Path(src.inbox).resolve() for src in s.sources}
+    out: list[Path] = []
+    for f in files:
+        if f.is_dir() and not f.is_symlink() and f.resolve() in inboxes:
+            out += sorted(p for p in f.iterdir() if not p.name.startswith(".") and (p.is_symlink() or not p.is_dir()))
+        else:
+            out.append(f)
+    return out
+
+
 def cmd_validate(args: argparse.Namespace, s: Settings) -> int:
     wrong = [f"{f}: no such file" for f in args.files if not os.path.lexists(f)]
     if wrong:  # a mistyped name is the command line's fault; a directory, link, FIFO or device is reported as the
         # inbox would take it (`validate inbox/*` names its processed/ directory, and whatever a producer left there)
         print("\n".join(f"nightshift validate: {w}" for w in wrong), file=sys.stderr)
         return ExitCode.USAGE
-    rc, checks = run_checks(s, args.files, args.source)
+    rc, checks = run_checks(s, inbox_files(s, args.files), args.source)
     if rc != ExitCode.OK:
         print(f"nightshift validate: the check failed (exit status {rc})", file=sys.stderr)
         return rc if rc == ExitCode.USAGE else ExitCode.FAILED

@@ -86,6 +86,12 @@ def test_validate_command_exit_status_and_nothing_written(tmp_path, tiny_model):
     assert "the whole file: outside_inbox: a symbolic link to /etc/passwd" in r.stdout and "root:" not in r.stdout
     assert r.stdout.splitlines()[-1] == "4 file(s): 5 records would train, 2 would be quarantined " \
                                         "(bad_file 1, outside_inbox 1)"
+    # the inbox itself named (`nightshift validate inbox`): what is in it, processed/ and hidden names left out
+    (inbox / ".partial.jsonl").write_text("{not json\n")
+    r = validate(str(inbox))
+    files = [line.split("  (source")[0] for line in r.stdout.splitlines() if "  (source" in line]
+    assert files == sorted(str(p) for p in inbox.iterdir() if not p.name.startswith(".") and p.name != "processed")
+    assert r.returncode == 1 and "note: a directory" not in r.stdout, r.stdout
 
 
 def test_check_files_takes_a_file_of_an_inbox_as_the_inbox_does(night_env, tokenizer, tmp_path):
