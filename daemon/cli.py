@@ -19,6 +19,7 @@ from daemon import capture_cli, config_cli, report, report_cli, several_view, te
 from daemon.adapters_cli import add_commands as add_adapter_commands
 from daemon.cli_help import DESCRIPTION, CommandParser, exit_codes_help
 from daemon.doctor import add_command as add_doctor_command
+from daemon.lineage import lineage_notes
 from daemon.notify import Notifier
 from daemon.preflight import before_a_night, one_line
 from daemon.progress import NightProgress, choose_mode, relay
@@ -230,6 +231,8 @@ def cmd_check_config(args: argparse.Namespace, s: Settings) -> int:
     if problems:
         print(str(ConfigError(args.config, problems)), file=sys.stderr)
         return 2
+    for note in lineage_notes(s):
+        print(f"note: {note}", file=sys.stderr)
     print(f"{args.config}: OK")
     return 0
 

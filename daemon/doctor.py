@@ -8,7 +8,7 @@ import argparse
 import json
 from typing import Any
 
-from daemon.lineage import lineage_problems
+from daemon.lineage import lineage_notes, lineage_problems
 from daemon.preflight import disk_problem
 from jobs.contract import ExitCode
 from jobs.store.doctor import Finding, as_dicts, diagnose
@@ -33,7 +33,8 @@ def disk(s: Any) -> list[Finding]:
 
 def cmd_doctor(args: argparse.Namespace, s: Any) -> int:
     timeout = s.registry.lock_timeout_seconds
-    config = [Finding("problem", "config", text) for text in lineage_problems(s)]  # daemon/lineage.py
+    config = ([Finding("problem", "config", text) for text in lineage_problems(s)]  # daemon/lineage.py
+              + [Finding("note", "config", text) for text in lineage_notes(s)])
     places = [("", s.state_dir, config + disk(s) + diagnose(s.state_dir, name=s.model.name, lock_timeout=timeout))]
     for a in getattr(s, "adapters", None) or []:  # [[adapters]]: each adapter's own state directory
         state = StatePaths(s.state_dir).adapter(a.name).root

@@ -4,8 +4,8 @@ A night continues the lineage of the adapter in service and never silently start
 (docs/reliability.md). Three edits of the config broke that without a word from `check-config`: adding
 `[[adapters]]` to a config whose state directory holds one adapter's versions (each adapter then starts from the
 base under `by-adapter/<name>/`, the old version left in service), taking `[[adapters]]` out again (a new lineage
-at the top), and pointing `[model] path` at other weights (the adapter in service continued on a base it was not
-trained on). Each is a problem here, so `check-config`, `plan`, `once` and the service say it before a night.
+at the top): problems, so `check-config`, `plan`, `once` and the service refuse before a night. Pointing
+`[model] path` at other weights, or another LoRA rank or alpha, is said (notes) and not refused: a night goes on.
 """
 
 from __future__ import annotations
@@ -39,8 +39,17 @@ def lineage_problems(s: Any) -> list[str]:
                 f"state_dir {top.root} holds the versions of adapters {', '.join(held)} (a config with "
                 "[[adapters]]): without [[adapters]] a night would start another adapter from the base model. Put "
                 "the [[adapters]] tables back, or give this config a state_dir of its own")
+    return out
+
+
+def lineage_notes(s: Any) -> list[str]:
+    """Edits a night goes on under, said by `check-config`, `doctor` and before a night rather than refused: a
+    base whose fingerprint differs from the one the adapter in service was trained on (re-saved or other weights:
+    only the operator knows), a LoRA rank or alpha other than the adapter in service's (the night keeps its
+    shape)."""
     model = Path(s.model.path)
-    places = [(a.night.state_dir, a.night.train) for a in s.night_config().adapters] or [(top.root, s.train)]
+    places = [(a.night.state_dir, a.night.train) for a in s.night_config().adapters] or [(Path(s.state_dir), s.train)]
+    out: list[str] = []
     for root, train in places:
         if (model / "config.json").is_file():
             out += _base_problems(Path(root), model)
@@ -61,7 +70,7 @@ def _shape_problems(root: Path, train: Any) -> list[str]:
         return []
     return [f"[train] lora_rank {train.lora_rank}, lora_alpha {train.lora_alpha:g}: the adapter in service "
             f"{current.name} has rank {r}" + (f", alpha {alpha:g}" if alpha is not None else "") + ", and a night "
-            "continues it in that shape (the configured one would not be used). Set them back, or start the new "
+            "continues it in that shape (the configured one is not used). Set them back, or start the new "
             "shape in a state_dir of its own"]
 
 
@@ -94,5 +103,6 @@ def _base_problems(root: Path, model: Path) -> list[str]:
     if not was or was == now:
         return []
     return [f"[model] path: {model} is not the base model the adapter in service {current.name} was trained on "
-            f"({base.get('path')}, fingerprint {was}; this one is {now}): a night would continue it on other "
-            "weights. Point [model] path back at that model, or give the new base a state_dir of its own"]
+            f"({base.get('path')}, fingerprint {was}; this one is {now}): a night continues it on these "
+            "weights (re-saved weights read as other weights too). Point [model] path back at that model, or give "
+            "the new base a state_dir of its own"]

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 import structlog
 
+from daemon.lineage import lineage_notes
 from daemon.settings import ConfigError, Settings, check_paths
 from jobs.contract import ExitCode
 from jobs.store.files import DamagedState, StatePermission
@@ -57,6 +58,9 @@ def before_a_night(s: Settings, config: Path | None, what: str) -> Iterator[Stat
     problems = check_paths(s)
     if problems:
         raise ConfigError(config, problems)
+    for note in lineage_notes(s):  # a night goes on; said where the operator looks
+        print(f"{what}: note: {note}", file=sys.stderr)
+        log.warning("config_note", note=note)
     problem = disk_problem(s.state_dir, s.daemon.min_free_disk_gb)
     if problem:
         raise Refused(problem)
