@@ -20,14 +20,14 @@ from daemon.cli_help import EXIT_CODE_MEANINGS
 from daemon.config_cli import CONFIG_ENV, leaves, resolve_config_path, schema, to_toml
 from daemon.settings import ConfigError, load_settings
 from jobs.contract import ExitCode, nightshift_version
-from tests.conftest import REPO
+from tests.conftest import REPO, hang_bound
 
 
 def nightshift(*args, cwd=REPO, env=None):
     full_env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV}
     full_env.update({"PYTHONPATH": str(REPO), **(env or {})})
     return subprocess.run([sys.executable, "-m", "daemon", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120, env=full_env)
+                          timeout=hang_bound(120), env=full_env)
 
 
 def test_version_and_every_exit_code_in_the_help_and_the_readme():

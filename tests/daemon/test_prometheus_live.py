@@ -99,7 +99,7 @@ def ledger_facts(state: Path, run_id: str) -> dict[str, Any]:
 
 
 def fetch(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
+    with urllib.request.urlopen(url, timeout=hang_bound(10)) as r:
         return r.read().decode()
 
 

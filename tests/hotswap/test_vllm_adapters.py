@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import hang_bound
 from tests.fixtures.real_vllm import MAX_LORA_RANK, VllmServer, greedy_in_process, load_in_process, prompt_ids
 
 pytestmark = pytest.mark.vllm
@@ -34,7 +35,7 @@ def test_both_adapters_of_one_night_are_served_as_peft_answers(vllm_server: Vllm
                   "batching": "padded", "max_seq_length": 128, "gradient_checkpointing": False},
         "eval": {"min_eval_samples": 1},
         "hotswap": {"targets": [{"kind": "vllm", "name": "vllm", "base_url": vllm_server.url, "retries": 0,
-                                 "max_lora_rank": MAX_LORA_RANK, "timeout_s": 120, "keep_loaded": 1}]}})
+                                 "max_lora_rank": MAX_LORA_RANK, "timeout_s": hang_bound(120), "keep_loaded": 1}]}})
     cfg = with_adapters(base, [AdapterConfig(name="arith", sources=["arith-in"]),
                                AdapterConfig(name="polite", sources=["polite-in"], train={"lora_rank": 8})])
     s = run_adapters(cfg, night="2026-11-21", deadline=time.time() + 3600, emit=lambda ev: None,

@@ -13,6 +13,7 @@ import pytest
 
 from jobs.hotswap import AdapterRef, HotswapConfig, notify_all, shadow
 from jobs.hotswap.config import ShadowConfig
+from tests.conftest import hang_bound
 from tests.fixtures.real_vllm import (
     MAX_LORA_RANK,
     VllmServer,
@@ -35,7 +36,7 @@ def published(model: Path, state: Path, version: int, seed: int, rank: int = 4) 
 
 def target(srv: VllmServer, **kw: Any) -> dict[str, Any]:
     return {"kind": "vllm", "name": "vllm", "base_url": srv.url, "max_lora_rank": MAX_LORA_RANK,
-            "retries": 0, "timeout_s": 120, **kw}
+            "retries": 0, "timeout_s": hang_bound(120), **kw}
 
 
 def hs(srv: VllmServer, newest: Path | None = None, **kw: Any) -> HotswapConfig:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from jobs.training.backends.unsloth import compile_job_id, setup_caches
+from tests.conftest import hang_bound
 
 KEYS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "UNSLOTH_DISABLE_STATISTICS",
         "PYTORCH_CUDA_ALLOC_CONF", "UNSLOTH_MOE_BACKEND", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
@@ -70,7 +71,7 @@ def graphs(script, cache, *values, env):
     import sys
 
     out = subprocess.run([sys.executable, str(script), str(cache), *map(str, values)], capture_output=True, text=True,
-                         env=env, timeout=300, check=True)
+                         env=env, timeout=hang_bound(300), check=True)
     return int(out.stdout.split()[-1])
 
 
