@@ -140,6 +140,14 @@ def ours(names: list[str] | dict[str, Any], prefix: str) -> list[str]:
     return [n for _, n in sorted(found)]
 
 
+def from_this_state(served: dict[str, Any], lora_path: str) -> dict[str, Any]:
+    """The served names loaded from this state directory's adapters (beside `lora_path`, as the server names the
+    files), or from files the server does not name: two state directories publishing the same adapter name to one
+    server each kept only their own `keep_loaded` and unloaded the other's version in service."""
+    home = lora_path.rstrip("/").rpartition("/")[0]
+    return {n: r for n, r in served.items() if r is None or str(r).rstrip("/").rpartition("/")[0] == home}
+
+
 def plan_unloads(loaded: list[str], just_loaded: str, keep_loaded: int) -> list[str]:
     """Which of our loaded names to unload, oldest first: we keep the one just loaded and the
     keep_loaded - 1 newest others (after a rollback these are the versions clients were
@@ -227,8 +235,9 @@ def swap(
         if served[name] not in (None, path):
             raise TargetError(f"{name} is served from {served[name]}, not {path}", retryable=True)
         detail["confirmed_by"] = said_by
-        detail["unloaded"], detail["unload_errors"] = _unload_extra(c, adapter, list(served), t.keep_loaded)
-        detail["loaded"] = [n for n in ours(served, adapter.prefix) if n not in detail["unloaded"]]
+        mine = from_this_state(served, path)
+        detail["unloaded"], detail["unload_errors"] = _unload_extra(c, adapter, list(mine), t.keep_loaded)
+        detail["loaded"] = [n for n in ours(mine, adapter.prefix) if n not in detail["unloaded"]]
         return detail
 
     return with_retries(

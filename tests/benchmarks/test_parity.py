@@ -143,8 +143,10 @@ def test_the_parity_model_learns_where_a_reply_ends(tmp_path: Path):
     assert [t for t in s.labels if t != -100] == [code, tok.eos_token_id]
     prompt = tok.apply_chat_template(record["messages"][:1], tokenize=False, add_generation_prompt=True)
     assert s.input_ids[: len(tok(prompt, add_special_tokens=False).input_ids) + 1][-1] == code
-    old = AutoTokenizer.from_pretrained(built)  # the built model's own directory keeps its template
-    assert [t for t in tokenize_record(old, 1, record, max_seq_length=64).labels if t != -100] == [code]
+    old = AutoTokenizer.from_pretrained(built)  # the built model's own directory keeps its template, which closes
+    # a reply with nothing: the product now follows the final reply with the end-of-sequence token there too
+    assert [t for t in tokenize_record(old, 1, record, max_seq_length=64).labels if t != -100] == [
+        code, old.eos_token_id]
     assert (model / "model.safetensors").is_symlink()
 
 

@@ -63,14 +63,19 @@ def test_preflight_refuses_a_rank_the_server_cannot_hold_at_once(vllm_server: Vl
 def test_two_state_directories_never_get_each_others_weights(vllm_server: VllmServer, tiny_model: Path,
                                                              tmp_path: Path) -> None:
     """Both publish tiny-v0001, with other weights: each served name answers with its own weights, also
-    where the server already holds a name from other files (a restored backup loaded by hand)."""
+    where the server already holds a name from other files (a restored backup loaded by hand). A third state
+    directory's tiny-v0002 on the same server is not theirs to unload, nor theirs its: each keeps its own
+    `keep_loaded` (b's load unloaded a's version in service, kept c's as the newer tiny, when run after other
+    tests had loaded one)."""
     prompts = prompt_ids(tiny_model)
     a = published(tiny_model, tmp_path / "a", 1, seed=11)
     b = published(tiny_model, tmp_path / "b", 1, seed=12)
+    c = published(tiny_model, tmp_path / "c", 2, seed=13)
     assert a.name == b.name and a.served_name != b.served_name
-    for ref in (a, b):
+    for ref in (c, a, b):
         [out] = notify_all(hs(vllm_server, keep_loaded=2), ref)
-        assert out.ok, out.error
+        assert out.ok and out.detail["unloaded"] == [], out
+    assert {a.served_name, b.served_name, c.served_name} <= set(vllm_server.models())
     want_a, want_b = in_process(tiny_model, a.path, prompts), in_process(tiny_model, b.path, prompts)
     assert want_a != want_b
     assert [vllm_server.greedy(a.served_name, p) for p in prompts] == want_a
