@@ -14,31 +14,12 @@ from pathlib import Path
 import pytest
 
 from jobs.data.csv_rows import read_csv
-from jobs.data.pull import Quarantine, pull
+from jobs.data.pull import Quarantine
 from jobs.data.quarantine import prune_quarantine
 from jobs.data.readers import Limits, read_json_array, read_jsonl
 from jobs.data.render import tokenize_record
 from jobs.data.sources import SourceConfig
-from jobs.store.ledger import Ledger
 from tests.conftest import alpaca, write_jsonl
-
-
-@pytest.fixture()
-def env(tmp_path, tokenizer):
-    inbox = tmp_path / "inbox"
-    inbox.mkdir()
-    ledger = Ledger(tmp_path / "ledger.sqlite")
-    qfile = tmp_path / "quarantine" / "r1.jsonl"
-
-    def do_pull(run_id="r1", special_tokens="escape", excerpt_bytes=16384, **src):
-        cfg = SourceConfig(name="s", inbox=inbox, settle_seconds=0, **src)
-        return pull([cfg], ledger, tokenizer, run_id=run_id, quarantine=Quarantine(qfile, excerpt_bytes=excerpt_bytes),
-                    max_seq_length=64, overlong="reject", special_tokens=special_tokens, excerpt_bytes=excerpt_bytes)
-
-    def quarantined():
-        return [json.loads(x) for x in qfile.read_text().splitlines()] if qfile.exists() else []
-
-    return inbox, ledger, do_pull, quarantined
 
 
 def records(ledger):

@@ -4,6 +4,7 @@ around it are read as written."""
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 
@@ -18,21 +19,10 @@ from tests.conftest import alpaca
 
 
 @pytest.fixture()
-def env(tmp_path, tokenizer):
-    inbox = tmp_path / "inbox"
-    inbox.mkdir()
-    ledger = Ledger(tmp_path / "ledger.sqlite")
-    qfile = tmp_path / "quarantine" / "r1.jsonl"
-
-    def do_pull(**src):
-        cfg = SourceConfig(name="s", inbox=inbox, settle_seconds=0, **src)
-        return pull([cfg], ledger, tokenizer, run_id="r1", quarantine=Quarantine(qfile), max_seq_length=64,
-                    overlong="reject", workers=0)
-
-    def quarantined():
-        return [json.loads(x) for x in qfile.read_text().splitlines()] if qfile.exists() else []
-
-    return inbox, ledger, do_pull, quarantined
+def env(env):
+    """tests/data/conftest.py's, its pull without worker processes."""
+    inbox, ledger, do_pull, quarantined = env
+    return inbox, ledger, functools.partial(do_pull, workers=0), quarantined
 
 
 def test_a_csv_record_too_large_or_not_utf8_is_skipped_to_its_end_and_the_rows_after_it_are_rows():
