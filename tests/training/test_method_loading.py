@@ -3,6 +3,8 @@ a version and its continuation are, by method."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 import types
 from collections.abc import Iterator
@@ -12,11 +14,14 @@ from typing import Any
 import pytest
 
 from jobs.contract import Method
-from jobs.training.backends.unsloth import LoraSpec, load_unsloth
+from jobs.training.backends.unsloth import LoraSpec, base_cache_key, load_unsloth, refused_marker
+from jobs.training.backends.unsloth_lora import DEFAULT_TARGETS, attach_lora, spec_for
 from jobs.training.load import check_start
 
 
-class Called(Exception):
+class Called(BaseException):
+    """The stand-in's stop at a call: not an Exception, so no fallback of the load catches it."""
+
     def __init__(self, who: str, kwargs: dict[str, Any]) -> None:
         super().__init__(who)
         self.who, self.kwargs = who, kwargs
@@ -143,3 +148,101 @@ def test_an_unsloth_without_the_patched_modules_is_left_as_shipped(fake_unsloth,
     monkeypatch.delitem(sys.modules, "unsloth.utils.attention_dispatch")
     monkeypatch.delattr(sys.modules["unsloth.utils"], "attention_dispatch")
     assert enable_varlen_attention() == "unavailable"
+
+
+def cached_copy(model: Path, cache_dir: Path) -> Path:
+    """The NF4 copy of `model` as an earlier night leaves it in the cache."""
+    c = cache_dir / "bases" / base_cache_key(model)
+    c.mkdir(parents=True)
+    (c / "config.json").write_text("{}")
+    (c / "nightshift_base.json").write_text("{}")
+    return c
+
+
+def test_a_base_with_experts_is_never_cached(fake_unsloth, tiny_model, tmp_path):
+    """Transformers' save keeps no quantisation state for fused 4-bit experts and Unsloth refuses the copy: every
+    GPT-OSS QLoRA night after the first failed on it (H200). A dense base still loads its copy."""
+    dense = cached_copy(tiny_model, tmp_path / "dense")
+    assert call(tiny_model, "qlora", cache_dir=tmp_path / "dense").kwargs["model_name"] == str(dense)
+    moe = tmp_path / "moe"
+    shutil.copytree(tiny_model, moe)
+    cfg = json.loads((moe / "config.json").read_text())
+    (moe / "config.json").write_text(json.dumps({**cfg, "num_local_experts": 4, "num_experts_per_tok": 2}))
+    cached_copy(moe, tmp_path / "moe-cache")
+    assert call(moe, "qlora", cache_dir=tmp_path / "moe-cache").kwargs["model_name"] == str(moe)
+
+
+def test_a_cached_base_unsloth_refuses_is_set_aside_and_the_source_loaded(fake_unsloth, tiny_model, tmp_path,
+                                                                          monkeypatch):
+    cache = cached_copy(tiny_model, tmp_path)
+    tried: list[str] = []
+
+    def from_pretrained(**kwargs: Any) -> Any:
+        tried.append(kwargs["model_name"])
+        if kwargs["model_name"] == str(cache):
+            raise RuntimeError("fused expert weights were saved without their bitsandbytes quantization state")
+        raise Called("FastLanguageModel", kwargs)
+
+    monkeypatch.setattr(sys.modules["unsloth"].FastLanguageModel, "from_pretrained", staticmethod(from_pretrained))
+    assert call(tiny_model, "qlora", cache_dir=tmp_path).kwargs["model_name"] == str(tiny_model)
+    assert tried == [str(cache), str(tiny_model)] and not cache.exists()
+    assert "quantization state" in json.loads(refused_marker(cache).read_text())["refused"]
+    tried.clear()  # the next night loads the source at once (and writes no copy again)
+    assert call(tiny_model, "qlora", cache_dir=tmp_path).kwargs["model_name"] == str(tiny_model)
+    assert tried == [str(tiny_model)]
+
+
+def gpt_oss_like() -> Any:
+    """GPT-OSS's module names: attention projections, a router and fused 3-D expert weights, two layers."""
+    import torch
+    from torch import nn
+
+    def layer() -> nn.Module:
+        attn, experts, mlp, block = nn.Module(), nn.Module(), nn.Module(), nn.Module()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(attn, name, nn.Linear(4, 4))
+        experts.gate_up_proj = nn.Parameter(torch.zeros(2, 4, 8))
+        experts.down_proj = nn.Parameter(torch.zeros(2, 4, 4))
+        mlp.router, mlp.experts = nn.Linear(4, 2), experts
+        block.self_attn, block.mlp = attn, mlp
+        return block
+
+    inner, root = nn.Module(), nn.Module()
+    inner.layers = nn.ModuleList([layer(), layer()])
+    root.model = inner
+    return root
+
+
+# what Unsloth 2026.10.9 saved for GPT-OSS's first night of `target_modules = "all-linear"` (H200)
+GPT_OSS_PARENT = {
+    "r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+    "target_modules": r"(?:model\.layers\.\d+\.self_attn\.k_proj|model\.layers\.\d+\.self_attn\.o_proj|"
+                      r"model\.layers\.\d+\.self_attn\.q_proj|model\.layers\.\d+\.self_attn\.v_proj)",
+    "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+}
+
+
+def test_a_parent_saved_as_a_regex_over_attention_and_fused_experts_is_continued_with_its_names(
+        fake_unsloth, tmp_path, monkeypatch):
+    """GPT-OSS's second night handed Unsloth the parent's regex as a module name: "No layers to finetune" on every
+    path (H200). It gets back the names of its first night: the regex read as PEFT reads it, the experts by name."""
+    parent = tmp_path / "v0001"
+    parent.mkdir()
+    (parent / "adapter_config.json").write_text(json.dumps(GPT_OSS_PARENT))
+    spec = spec_for(LoraSpec(r=16, target_modules="all-linear"), parent)
+    assert (spec.r, spec.alpha) == (8, 16)
+    assert spec.names_on(gpt_oss_like()) == sorted(DEFAULT_TARGETS)
+
+    def get_peft_model(model: Any, **kwargs: Any) -> Any:
+        raise Called("get_peft_model", kwargs)
+
+    monkeypatch.setattr(sys.modules["unsloth"].FastLanguageModel, "get_peft_model", staticmethod(get_peft_model),
+                        raising=False)
+    with pytest.raises(Called) as e:
+        attach_lora(gpt_oss_like(), None, lora=LoraSpec(target_modules="all-linear"), parent_adapter=parent,
+                    gc_arg=False, max_seq_length=512, info={}, t0=0.0)
+    assert e.value.kwargs["target_modules"] == sorted(DEFAULT_TARGETS) and e.value.kwargs["r"] == 8
+    # a dense parent's list is handed on as it is; a regex that names nothing of this base is said so
+    assert LoraSpec(target_modules=["v_proj", "q_proj"]).names_on(gpt_oss_like()) == ["v_proj", "q_proj"]
+    with pytest.raises(ValueError, match=r"target_modules .*lm_head.* name no module of this base"):
+        LoraSpec(target_modules=r"lm_head").names_on(gpt_oss_like())

@@ -105,6 +105,29 @@ def is_prequantized(model_path: Path) -> bool:
     return bool(cfg.get("quantization_config"))
 
 
+def cacheable(model_path: Path) -> bool:
+    """May the loaded NF4 base be saved for the next night? Not a base that is quantised already, nor one with
+    experts: transformers' save keeps no quantisation state for fused 4-bit experts and Unsloth refuses the copy
+    ("saved without their bitsandbytes quantization state"): every GPT-OSS QLoRA night after the first failed
+    on it (RESULTS.md: 2026-11-28, FP8 / NF4 / bf16 task accuracy (GPT-OSS))."""
+    cfg = json.loads((model_path / "config.json").read_text())
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    experts = max(int(c.get(k) or 0) for c in (cfg, text)
+                  for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+    return not cfg.get("quantization_config") and experts == 0
+
+
+def refused_marker(cache_path: Path) -> Path:
+    return cache_path.with_name(cache_path.name + ".refused")
+
+
+def refuse_cache(cache_path: Path, why: str) -> None:
+    """Remove a cached base Unsloth would not load and remember it, so no later night writes it again."""
+    shutil.rmtree(cache_path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        refused_marker(cache_path).write_text(json.dumps({"refused": why, "at": time.time()}) + "\n")
+
+
 def enable_varlen_attention() -> str:
     """Give Unsloth's packed attention a varlen kernel where it would fall back to one SDPA per sample.
 
@@ -239,23 +262,38 @@ def load_unsloth(
 
     # 1. the base: the cached NF4 copy if there is one (qlora)
     load_from, cache_hit, cache_path = model_path, False, None
-    if quantized and cache_dir is not None and cache_base and not is_prequantized(model_path):
+    if quantized and cache_dir is not None and cache_base and cacheable(model_path):
         cache_path = Path(cache_dir) / "bases" / base_cache_key(model_path)
-        if (cache_path / "config.json").exists() and (cache_path / "nightshift_base.json").exists():
+        if refused_marker(cache_path).exists():
+            cache_path = None  # a copy of this base was written before and Unsloth refused it: never again
+        elif (cache_path / "config.json").exists() and (cache_path / "nightshift_base.json").exists():
             load_from, cache_hit = cache_path, True
+
+    def from_pretrained(source: Path) -> tuple[Any, Any]:
+        return FastLanguageModel.from_pretrained(
+            model_name=str(source),
+            max_seq_length=max_seq_length,
+            dtype=torch.bfloat16,
+            load_in_4bit=quantized,
+            **({} if quantized else {"load_in_16bit": True}),  # both flags: Unsloth refuses 16-bit with 4-bit on
+            local_files_only=True,
+            use_gradient_checkpointing=gc_arg,
+            fix_tokenizer=False,
+            trust_remote_code=False,
+            **rank_device_map(),
+        )
+
     t1 = time.perf_counter()
-    model, tokenizer = FastLanguageModel.from_pretrained(
-        model_name=str(load_from),
-        max_seq_length=max_seq_length,
-        dtype=torch.bfloat16,
-        load_in_4bit=quantized,
-        **({} if quantized else {"load_in_16bit": True}),  # both flags: Unsloth refuses 16-bit with 4-bit on
-        local_files_only=True,
-        use_gradient_checkpointing=gc_arg,
-        fix_tokenizer=False,
-        trust_remote_code=False,
-        **rank_device_map(),
-    )
+    try:
+        model, tokenizer = from_pretrained(load_from)
+    except Exception as e:
+        if not cache_hit or cache_path is None:
+            raise
+        # a cache is an optimisation: a copy Unsloth will not load is set aside and the night loads the source
+        info["base_cache_refused"] = f"{type(e).__name__}: {e}"[:300]
+        refuse_cache(cache_path, info["base_cache_refused"])
+        load_from, cache_hit, cache_path = model_path, False, None
+        model, tokenizer = from_pretrained(model_path)
     info["base_load_seconds"] = round(time.perf_counter() - t1, 2)
     info.update(base_loaded_from=str(load_from), base_cache_hit=cache_hit, quantized_4bit=quantized)
     # [distributed] one writer per host: the first rank of each host saves the NF4 copy, the others load as is

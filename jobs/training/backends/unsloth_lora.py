@@ -4,6 +4,7 @@ one where a night of several adapters holds the base from the adapter before (jo
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ class LoraSpec:
     dropout: float = 0.0
     target_modules: list[str] | str = field(default_factory=lambda: list(DEFAULT_TARGETS))
     seed: int = 3407
+    target_parameters: list[str] = field(default_factory=list)  # a parent's fused experts (PEFT's name)
 
     @classmethod
     def from_train_config(cls, cfg: Any) -> LoraSpec:
@@ -35,6 +37,24 @@ class LoraSpec:
         """ "all-linear" means every projection of attention and MLP (experts included), not the router."""
         tm = self.target_modules
         return list(DEFAULT_TARGETS) if tm == "all-linear" else list(tm if isinstance(tm, list) else [tm])
+
+    def names_on(self, model: Any) -> list[str]:
+        """The module names to hand Unsloth for this LoRA on `model`. A parent that Unsloth's MoE path saved holds
+        one regex over its attention modules plus `target_parameters` for the fused experts; handed back as a
+        name, Unsloth matched nothing and refused GPT-OSS's second night ("No layers to finetune", RESULTS.md:
+        2026-11-28, FP8 / NF4 / bf16 task accuracy (GPT-OSS)). The regex is read as PEFT reads it (re.fullmatch on
+        the base's module names) and each fused expert weight named by its projections again."""
+        tm = self.target_modules
+        if not isinstance(tm, str) or tm == "all-linear":
+            return self.modules()
+        names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules() if n and re.fullmatch(tm, n)}
+        for p in self.target_parameters:
+            leaf = p.rsplit(".", 1)[-1]  # gate_up_proj: gate_proj and up_proj reach it (moe/lora.py _wanted_fused)
+            names |= ({f"{s}_proj" for s in leaf.removesuffix("_proj").split("_")} if leaf.endswith("_proj")
+                      else {leaf})
+        if not names:
+            raise ValueError(f"the parent adapter's target_modules {tm!r} name no module of this base")
+        return sorted(names)
 
 
 def parameter_counts(model: Any) -> dict[str, Any]:
@@ -73,7 +93,7 @@ def attach_lora(model: Any, tokenizer: Any, *, lora: LoraSpec, parent_adapter: P
         r=spec.r,
         lora_alpha=spec.alpha,
         lora_dropout=spec.dropout,
-        target_modules=spec.modules(),
+        target_modules=spec.names_on(model),
         bias="none",
         use_gradient_checkpointing=gc_arg,
         random_state=spec.seed,
@@ -105,7 +125,8 @@ def spec_for(lora: LoraSpec, parent_adapter: Path | str | None) -> LoraSpec:
     tm = pcfg.get("target_modules") or lora.modules()
     tm = sorted(tm) if isinstance(tm, list | set) else tm
     return LoraSpec(r=int(pcfg.get("r", lora.r)), alpha=int(pcfg.get("lora_alpha", lora.alpha)),
-                    dropout=float(pcfg.get("lora_dropout", lora.dropout)), target_modules=tm, seed=lora.seed)
+                    dropout=float(pcfg.get("lora_dropout", lora.dropout)), target_modules=tm, seed=lora.seed,
+                    target_parameters=sorted(pcfg.get("target_parameters") or []))
 
 
 def restart_lora(model: Any, tokenizer: Any, *, init: dict[str, Any], parent_adapter: Path | str | None,
