@@ -68,13 +68,14 @@ def render(checks: list[FileCheck]) -> str:
 
 
 def inbox_files(s: Settings, files: list[Path]) -> list[Path]:
-    """A source's inbox named as a FILE (`nightshift validate inbox`) stands for what is in it, in name order
-    (hidden names and directories, such as processed/, left out, as the inbox leaves them);
-    any other directory is reported as the inbox would take it."""
+    """A directory named as a FILE (`nightshift validate inbox`, `nightshift validate incoming/`) stands for what
+    is in it, in name order (hidden names and directories left out, as an inbox leaves them); one inside an inbox
+    (processed/, a Spark `x.parquet/` that `validate inbox/*` names) is reported as the inbox would take it."""
     inboxes = {Path(src.inbox).resolve() for src in s.sources}
     out: list[Path] = []
     for f in files:
-        if f.is_dir() and not f.is_symlink() and f.resolve() in inboxes:
+        within = f.resolve() not in inboxes and any(f.resolve().is_relative_to(i) for i in inboxes)
+        if f.is_dir() and not f.is_symlink() and not within:
             out += sorted(p for p in f.iterdir() if not p.name.startswith(".") and (p.is_symlink() or not p.is_dir()))
         else:
             out.append(f)

@@ -92,6 +92,16 @@ def test_validate_command_exit_status_and_nothing_written(tmp_path, tiny_model):
     files = [line.split("  (source")[0] for line in r.stdout.splitlines() if "  (source" in line]
     assert files == sorted(str(p) for p in inbox.iterdir() if not p.name.startswith(".") and p.name != "processed")
     assert r.returncode == 1 and "note: a directory" not in r.stdout, r.stdout
+    # a directory outside the inboxes (files to check before they are dropped in): what is in it, as for an inbox
+    elsewhere = tmp_path / "incoming"
+    (elsewhere / "sub").mkdir(parents=True)
+    (elsewhere / "a.jsonl").write_text(good.read_text())
+    (elsewhere / "b.jsonl").write_text(bad.read_text())
+    r = validate(str(elsewhere))
+    files = [line.split("  (source")[0] for line in r.stdout.splitlines() if "  (source" in line]
+    assert files == [str(elsewhere / "a.jsonl"), str(elsewhere / "b.jsonl")] and "note: a directory" not in r.stdout
+    assert r.returncode == 1 and r.stdout.splitlines()[-1] == "2 file(s): 5 records would train, 2 would be " \
+                                                              "quarantined (empty_field 1, invalid_json 1)"
 
 
 def test_check_files_takes_a_file_of_an_inbox_as_the_inbox_does(night_env, tokenizer, tmp_path):
