@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -121,8 +121,13 @@ SOLO = Solo()
 @dataclass
 class _Share:
     tokens: int = 0  # label tokens this rank's loss summed over
-    loss_sum: float = 0.0
+    losses: list[tuple[int, Any]] = field(default_factory=list)  # (label tokens, HostLoss) of each batch it ran
     split: bool = False
+
+    def loss_sum(self) -> float:
+        """The label-token sum of this rank's loss: each batch's mean, copied to the host after its forward (read
+        after the backwards were queued, it waits for no GPU work of this step's backward)."""
+        return sum(n * loss.value() for n, loss in self.losses)
 
 
 class Group(Solo):
@@ -148,6 +153,8 @@ class Group(Solo):
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cuda else "gloo")
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_seconds))
         self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.setup_timeout_seconds))
+        # the host's side of every step (agree, the step's totals): CPU, under the steps' own timeout
+        self.host = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_seconds))
         self.others_peak = None
         self._sent = False
         log.info("rank_started", rank=self.rank, world=self.world, local_rank=self.local_rank, node=self.node,
@@ -174,12 +181,13 @@ class Group(Solo):
             dist.broadcast(p.data, src=0)
 
     def agree(self, *flags: bool) -> list[bool]:
-        """Each flag true on every rank if true on any (all-reduce MAX)."""
+        """Each flag true on every rank if true on any (all-reduce MAX), on the host (gloo): asked before every
+        step, on the GPU's stream it waited for the step before to finish."""
         import torch
         import torch.distributed as dist
 
-        t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.host)
         return [bool(x) for x in t.tolist()]
 
     def smallest(self, value: int) -> int:
@@ -216,33 +224,35 @@ class Group(Solo):
                 for h in halves:
                     self._contribute(model, h, device, share)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
-        tail = torch.tensor([share.tokens, share.loss_sum, float(share.split)], dtype=torch.float32)
-        flat = torch.cat([g.detach().reshape(-1).float() for g in grads] + [tail.to(self.device)])
+        # the step's label tokens, loss and OOM split over the ranks, on the host (gloo): no wait for the GPU
+        n, loss_sum, split = self._host_sum([float(share.tokens), share.loss_sum(), float(share.split)])
+        flat = torch.cat([g.detach().reshape(-1).float() for g in grads])
         reached(one_step.BACKWARD)
         dist.all_reduce(flat)  # SUM: exactly one gradient reduction per optimizer step
         reached(REDUCED)
-        n, loss_sum, split = (float(x) for x in flat[-3:].tolist())
         if n > 0:
-            flat = flat[:-3] / n
-            offset = 0
-            for p, g in zip(ps, grads, strict=True):
-                k = g.numel()
-                mean = flat[offset: offset + k].view_as(g).to(p.dtype)
-                if p.grad is None:
-                    p.grad = mean.clone()
-                else:
-                    p.grad.copy_(mean)
-                offset += k
+            means = flat.div_(n).split([g.numel() for g in grads])
+            for p, mean in zip(ps, means, strict=True):  # views of the reduced buffer: no copy a weight
+                p.grad = mean.view_as(p) if p.dtype == torch.float32 else mean.view_as(p).to(p.dtype)
             if max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(ps, max_grad_norm)
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
+        # no synchronize: the reduction and the update run on the GPU while the host queues the next step's forward,
+        # as one card's step does (jobs/training/step.py); a caller that times a window synchronises at its end
         return StepStat(sum(b.real_tokens for b in rows), time.perf_counter() - t0, loss_sum / n if n else 0.0,
                         split > 0)
+
+    def _host_sum(self, values: list[float]) -> list[float]:
+        """Each value summed over the ranks on the host (gloo): no GPU stream to wait for."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=self.host)
+        return [float(x) for x in t.tolist()]
 
     @staticmethod
     def _contribute(model: Any, batch: Batch, device: Any, share: _Share) -> None:
@@ -251,9 +261,10 @@ class Group(Solo):
         if n == 0:
             return
         out = model(**model_inputs(batch, device, unsloth=is_unsloth(model)))
+        loss = one_step.HostLoss(out.loss)  # on its way to the host before the backward is queued
         (out.loss * n).backward()
         share.tokens += n
-        share.loss_sum += float(out.loss.detach()) * n
+        share.losses.append((n, loss))
 
     def finish(self) -> None:
         """After the last step: the other ranks' peak memory, summed, for rank 0's summary (CUDA only)."""
