@@ -8,7 +8,8 @@
 #   benchmarks/drivers/gpus_n.sh            start it detached (results in /tmp/gn), then return
 #   benchmarks/drivers/gpus_n.sh --wait S   wait up to S seconds for it, print its logs, pack $OUT/gn.tar.xz
 #
-# Environment: GPUS=4 RECORDS=200000 NIGHT_S=300 ARCH=llama3.1-8b (a random-initialised model, built once).
+# Environment: GPUS=4 RECORDS=200000 NIGHT_S=300 ARCH=llama3.1-8b (a random-initialised model, built once);
+# STEPS=scaling,calibrate,night (which of (1)-(3) to run).
 set -u
 R=/tmp/gn
 if [ "${1:-}" = "--wait" ]; then
@@ -24,6 +25,8 @@ fi
 cd "$(dirname "$0")/../.." || exit 1
 exec > $R/driver.log 2>&1
 GPUS=${GPUS:-4} RECORDS=${RECORDS:-200000} NIGHT_S=${NIGHT_S:-300} ARCH=${ARCH:-llama3.1-8b}
+STEPS=${STEPS:-scaling,calibrate,night}
+step() { case ",$STEPS," in *",$1,"*) return 0 ;; *) echo "=== $1 skipped"; return 1 ;; esac; }
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 { date -u +%F; cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null
@@ -36,10 +39,12 @@ stamp() { echo "=== $1 $(date +%T)"; }
 M=/tmp/models/$ARCH W=/tmp/gnnight
 stamp build
 python3 -m benchmarks.model --path "$M" --result $R/model.json --arch "$ARCH" > $R/build.log 2>&1 || echo "build failed"
+if step scaling; then
 stamp scaling; s=$(date +%s)
 timeout 600 python3 -m benchmarks scaling --arch "$ARCH" --gpus "$GPUS" --seconds 12 --warmup 10 --max-steps 400 \
   --models-dir /tmp/models --out $R/scaling > $R/scaling.log 2>&1
 echo "scaling exit $? in $(( $(date +%s) - s )) s"
+fi
 conf() {  # $1: the night's folder, $2: gpus
 cat <<TOML
 state_dir = "$1/state"
@@ -61,6 +66,7 @@ TOML
 }
 mkdir -p $W/one/inbox $W/n/inbox
 conf $W/one 1 > $W/one.toml; conf $W/n "$GPUS" > $W/n.toml
+if step calibrate; then
 stamp calibrate-1; s=$(date +%s)
 timeout 300 python3 -m daemon --config $W/one.toml calibrate --seconds 10 --no-checkpointing-line --out $R/calibrate-1 \
   > $R/calibrate-1.log 2>&1
@@ -69,6 +75,8 @@ stamp calibrate-n; s=$(date +%s)
 timeout 360 python3 -m daemon --config $W/n.toml calibrate --seconds 10 --no-checkpointing-line --out $R/calibrate-n \
   > $R/calibrate-n.log 2>&1
 echo "calibrate on $GPUS exit $? in $(( $(date +%s) - s )) s"
+fi
+if step night; then
 python3 -c "
 from pathlib import Path
 from benchmarks.acceptance.run import records, write_jsonl
@@ -80,6 +88,7 @@ echo "once exit $? in $(( $(date +%s) - s )) s"
 python3 -m daemon --config $W/n.toml report --json > $R/report.json 2> $R/report.err
 python3 -m daemon --config $W/n.toml status --json > $R/status.json 2> $R/status.err
 cp $W/n/state/adapters/*/manifest.json $R/ 2>/dev/null
+fi
 stamp done
 kill %1 2>/dev/null
 touch $R/DONE
