@@ -88,7 +88,11 @@ def cmd_validate(args: argparse.Namespace, s: Settings) -> int:
         # inbox would take it (`validate inbox/*` names its processed/ directory, and whatever a producer left there)
         print("\n".join(f"nightshift validate: {w}" for w in wrong), file=sys.stderr)
         return ExitCode.USAGE
-    rc, checks = run_checks(s, inbox_files(s, args.files), args.source)
+    files = inbox_files(s, args.files)
+    if not files:  # only empty directories: nothing to read, and nothing wrong with that
+        print(f"0 file(s): {', '.join(str(f) for f in args.files)} holds no files")
+        return ExitCode.OK
+    rc, checks = run_checks(s, files, args.source)
     if rc != ExitCode.OK:
         print(f"nightshift validate: the check failed (exit status {rc})", file=sys.stderr)
         return rc if rc == ExitCode.USAGE else ExitCode.FAILED

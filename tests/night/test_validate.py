@@ -102,6 +102,8 @@ def test_validate_command_exit_status_and_nothing_written(tmp_path, tiny_model):
     assert files == [str(elsewhere / "a.jsonl"), str(elsewhere / "b.jsonl")] and "note: a directory" not in r.stdout
     assert r.returncode == 1 and r.stdout.splitlines()[-1] == "2 file(s): 5 records would train, 2 would be " \
                                                               "quarantined (empty_field 1, invalid_json 1)"
+    r = validate(str(elsewhere / "sub"))  # an empty directory: said so (the check's own usage line leaked)
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"0 file(s): {elsewhere / 'sub'} holds no files\n", "")
 
 
 def test_check_files_takes_a_file_of_an_inbox_as_the_inbox_does(night_env, tokenizer, tmp_path):
