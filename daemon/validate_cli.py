@@ -28,7 +28,8 @@ def add_command(sub: Any) -> None:
                     "max_seq_length) and print what would train and every record that would be quarantined, "
                     "with its line and reason. Exit status 1 if any record would be quarantined.")
     p.add_argument("files", nargs="+", type=Path, metavar="FILE",
-                   help="JSONL, JSON array, Parquet or CSV files; a source's inbox for the files in it")
+                   help="JSONL, JSON array, Parquet or CSV files; a directory (a source's inbox, or files to "
+                        "check before they are dropped in) for the files in it")
     p.add_argument("--source", metavar="NAME",
                    help="read as this [[sources]] entry (format, field_map, patterns); default: the source "
                         "whose inbox holds the file, else the first one")
