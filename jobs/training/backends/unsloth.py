@@ -286,6 +286,8 @@ def load_unsloth(
     t1 = time.perf_counter()
     try:
         model, tokenizer = from_pretrained(load_from)
+    except torch.OutOfMemoryError:
+        raise  # the card's memory, not the copy: kept for the night the card is free
     except Exception as e:
         if not cache_hit or cache_path is None:
             raise
