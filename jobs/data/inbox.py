@@ -95,6 +95,10 @@ def list_inbox(cfg: SourceConfig, *, now: float) -> Listing:
     return out
 
 
+# what to do about a directory in an inbox (said by the pull's warning and by validate's note)
+BELOW_THE_INBOX = "a Spark or Hadoop output directory? a pattern with a '/' reads below the inbox, e.g. " \
+                  "'x.parquet/*.parquet'"
+
 class Refused(Exception):
     """A file of the inbox that is not read: (reason, detail) as the quarantine shows them."""
 

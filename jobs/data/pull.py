@@ -41,7 +41,7 @@ import structlog
 from jobs.contract.crashpoints import declare, reached
 from jobs.data.check import Checked, Stored, check_for_store
 from jobs.data.formats import RecordError
-from jobs.data.inbox import InboxFile, list_inbox, open_inbox_file, printable, roots, stat_key
+from jobs.data.inbox import BELOW_THE_INBOX, InboxFile, list_inbox, open_inbox_file, printable, roots, stat_key
 from jobs.data.parallel import (
     PARALLEL_MIN_BYTES,
     TOKENIZE_BATCH,
@@ -208,8 +208,8 @@ def _pull_source(p: _Pull, src: SourceConfig, excerpt_bytes: int) -> None:
                     examples=listing.unmatched[:5], patterns=src.patterns)
     if listing.directories:
         log.warning("directories_not_read", source=src.name, count=len(listing.directories),
-                    examples=listing.directories[:5], detail="an inbox reads files, not directories (a Spark or Hadoop "
-                    "output directory? a pattern with a '/' reads below the inbox, e.g. 'x.parquet/*.parquet')")
+                    examples=listing.directories[:5],
+                    detail=f"an inbox reads files, not directories ({BELOW_THE_INBOX})")
     allowed = roots(src)
     for f in [*listing.files, *(_grown_moved(p, src) if src.move_processed else [])]:
         p.check_stop()

@@ -20,7 +20,7 @@ from typing import Any
 
 from jobs.contract import ExitCode, FileCheck, QuarantineReason, RecordProblem
 from jobs.data.check import checked_records
-from jobs.data.inbox import Refused, admitted, printable, roots
+from jobs.data.inbox import BELOW_THE_INBOX, Refused, admitted, printable, roots
 from jobs.data.sources import SourceConfig
 from jobs.night.config import NightConfig
 from jobs.store.files import sha256_file
@@ -59,7 +59,7 @@ def check_files(paths: Sequence[Path], cfg: NightConfig, tokenizer: Any, ledger:
         elif path.name.startswith("."):
             note = f"the inbox of source '{src.name}' would not pick this name up (it starts with '.')"
         if path.is_dir() and not path.is_symlink():
-            note = "a directory: an inbox reads none (give the files in it: nightshift validate DIR/*)"
+            note = f"a directory: an inbox reads none of it ({BELOW_THE_INBOX})"
             yield FileCheck(file=printable(path), source=src.name, already_ingested=False, problems=[], note=note,
                             **counts)
             continue

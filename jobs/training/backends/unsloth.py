@@ -272,15 +272,9 @@ def load_unsloth(
     def from_pretrained(source: Path) -> tuple[Any, Any]:
         return FastLanguageModel.from_pretrained(
             model_name=str(source),
-            max_seq_length=max_seq_length,
-            dtype=torch.bfloat16,
             load_in_4bit=quantized,
             **({} if quantized else {"load_in_16bit": True}),  # both flags: Unsloth refuses 16-bit with 4-bit on
-            local_files_only=True,
-            use_gradient_checkpointing=gc_arg,
-            fix_tokenizer=False,
-            trust_remote_code=False,
-            **rank_device_map(),
+            **_local_load(max_seq_length, gc_arg),
         )
 
     t1 = time.perf_counter()
@@ -314,10 +308,19 @@ def load_unsloth(
                        max_seq_length=max_seq_length, info=info, t0=t0)
 
 
+def _local_load(max_seq_length: int, gc_arg: bool | str) -> dict[str, Any]:
+    """What every Unsloth load of a night asks: bf16, local files only (no hub at run time), the tokenizer and
+    code as saved, this rank's card."""
+    import torch
+
+    return {"max_seq_length": max_seq_length, "dtype": torch.bfloat16, "local_files_only": True,
+            "use_gradient_checkpointing": gc_arg, "fix_tokenizer": False, "trust_remote_code": False,
+            **rank_device_map()}
+
+
 def _load_full(model_path: Path, start: Path | str | None, max_seq_length: int, gc_arg: bool | str,
                info: dict[str, Any], t0: float) -> tuple[Any, Any, dict[str, Any]]:
     """Unsloth's full fine-tuning: the model in service (or the base) with every weight trainable."""
-    import torch
     from unsloth import FastModel
 
     from jobs.training.step import UNSLOTH_FLAG
@@ -327,15 +330,9 @@ def _load_full(model_path: Path, start: Path | str | None, max_seq_length: int, 
     model, tokenizer = FastModel.from_pretrained(
         model_name=str(source),
         tokenizer_name=str(model_path),  # a checkpoint holds no tokenizer: the base's is the one
-        max_seq_length=max_seq_length,
-        dtype=torch.bfloat16,
         load_in_4bit=False,
         full_finetuning=True,
-        local_files_only=True,
-        use_gradient_checkpointing=gc_arg,
-        fix_tokenizer=False,
-        trust_remote_code=False,
-        **rank_device_map(),
+        **_local_load(max_seq_length, gc_arg),
     )
     info.update(base_load_seconds=round(time.perf_counter() - t1, 2), base_loaded_from=str(source),
                 base_cache_hit=False, quantized_4bit=False)
