@@ -101,7 +101,8 @@ class CaptureServer:
                  clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
         self.cfg, self.clock = cfg, clock
         self.metrics = Metrics(registry or CollectorRegistry())
-        self.store = CaptureStore(cfg, clock=clock, on_drop=lambda: self.metrics.requests.labels("dropped").inc())
+        self.store = CaptureStore(cfg, clock=clock, on_drop=lambda: self.metrics.requests.labels("dropped").inc(),
+                                  on_capture=lambda: self.metrics.requests.labels("captured").inc())
         self.capture_rate = Bucket(cfg.captures_per_second, monotonic)
         self.feedback_rate = Bucket(cfg.feedback_per_second, monotonic)
         up = urlsplit(cfg.upstream)
@@ -146,9 +147,8 @@ class CaptureServer:
             m.labels("not_captured").inc()
             return
         msgs, text, model, rid = parsed
-        if self.store.add(Capture(id=rid, at=self.clock(), model=model, version=served_version(model),
-                                  messages=msgs, reply=text)):
-            m.labels("captured").inc()
+        self.store.add(Capture(id=rid, at=self.clock(), model=model, version=served_version(model),
+                               messages=msgs, reply=text))
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         server = self

@@ -105,8 +105,8 @@ def served_version(model: str | None) -> int | None:
 
 class CaptureStore:
     def __init__(self, cfg: CaptureConfig, *, clock: Callable[[], float] = time.time,
-                 on_drop: Callable[[], None] = lambda: None) -> None:
-        self.cfg, self.clock, self.on_drop = cfg, clock, on_drop
+                 on_drop: Callable[[], None] = lambda: None, on_capture: Callable[[], None] = lambda: None) -> None:
+        self.cfg, self.clock, self.on_drop, self.on_capture = cfg, clock, on_drop, on_capture
         self.redact = Redactor(cfg.redact)
         cfg.state.mkdir(parents=True, exist_ok=True)
         cfg.inbox.mkdir(parents=True, exist_ok=True)
@@ -127,13 +127,15 @@ class CaptureStore:
     # ---- captures ----
 
     def add(self, capture: Capture) -> bool:
-        """Held for feedback at once; journaled by the writer thread. False: the queue was full (dropped)."""
+        """Held for feedback at once; journaled by the writer thread. False: the queue was full (dropped).
+        Counted before it is held: whoever sees it held sees it counted."""
         capture = Capture.model_validate(self.redact(capture.model_dump()))
         try:
             self.q.put_nowait(capture)
         except queue.Full:
             self.on_drop()
             return False
+        self.on_capture()
         self._hold(capture)
         return True
 

@@ -211,3 +211,29 @@ def test_feedback_sent_the_moment_the_reply_arrives_waits_for_its_capture(tmp_pa
         release.set()
         t.join(60)
         assert got and got[0][0] == 200, got
+
+
+def test_a_capture_is_counted_before_it_is_held(tmp_path):
+    """Whoever sees a reply held (feedback on it, a scrape) sees it counted: CI once read the counter of the 40th
+    capture between its hold and its count (39 != 40)."""
+    cfg = CaptureConfig(upstream="http://127.0.0.1:1", inbox=tmp_path / "inbox", state=tmp_path / "capture", port=0)
+    srv = CaptureServer(cfg, registry=CollectorRegistry())
+    seen: list[tuple[int, float]] = []
+    hold = srv.store._hold
+
+    def counting_hold(capture):
+        seen.append((len(srv.store.held), metric(srv, "nightshift_capture_requests_total", outcome="captured")))
+        hold(capture)
+
+    srv.store._hold = counting_hold
+    try:
+        for i in range(3):
+            request = json.dumps({"model": "tiny-v0001", "messages": [{"role": "user", "content": f"q{i}"}]})
+            reply = json.dumps({"id": f"c{i}", "model": "tiny-v0001",
+                                "choices": [{"message": {"role": "assistant", "content": f"a{i}"}}]})
+            srv.captured("/v1/chat/completions", request.encode(), reply.encode(), 200, "application/json", True)
+    finally:
+        srv.httpd.server_close()
+        srv.store.close()
+    assert seen == [(0, 1.0), (1, 2.0), (2, 3.0)]
+    assert list(srv.store.held) == ["c0", "c1", "c2"]
