@@ -38,7 +38,7 @@ from jobs.hotswap.core import (
     Sleep,
     backoff_delays,
 )
-from jobs.hotswap.lora_server import loaded_versions, plan_unloads
+from jobs.hotswap.lora_server import plan_unloads
 from jobs.hotswap.webhook import verify_signature
 
 __all__ = [
@@ -50,7 +50,6 @@ __all__ = [
     "SecretError",
     "Target",
     "WebhookTarget",
-    "loaded_versions",
     "notify_all",
     "notify_one",
     "plan_unloads",

@@ -162,13 +162,6 @@ def _version(name: str) -> int:
     return parsed[1] if parsed else -1
 
 
-def loaded_versions(t: LoraServerTarget, prefix: str) -> list[str]:
-    """The 'kept loaded' set: our versions that the server lists now, oldest first (an SGLang that
-    lists no adapters in /v1/models cannot say without a load: [])."""
-    served, _ = Client(t).served()
-    return ours(served or {}, prefix)
-
-
 def lora_path_for(t: LoraServerTarget, adapter: AdapterRef) -> str:
     if t.remote_adapters_dir:
         return f"{t.remote_adapters_dir.rstrip('/')}/{adapter.path.name}"

@@ -21,16 +21,21 @@ from jobs.contract import parse_version_name, version_name
 from jobs.hotswap import (
     AdapterRef,
     HotswapConfig,
-    loaded_versions,
     notify_all,
     plan_unloads,
     verify_signature,
 )
+from jobs.hotswap.lora_server import Client, ours
 from tests.fixtures.lora_servers import BASE, Fake, start
 
 DIGEST = AdapterRef(version=1, name="t-v0001", path=Path("/x"), base_model=BASE,
                     manifest={"files": {"adapter_config.json": "ab" * 32}}).digest
 
+
+
+def listed(target: Any) -> list[str]:
+    """Our versions the server lists now, oldest first (what the swap's detail calls loaded)."""
+    return ours(Client(target).served()[0] or {}, "tiny")
 
 def adapter(tmp_path: Path, version: int, prefix: str = "tiny") -> AdapterRef:
     d = tmp_path / "adapters" / version_name(prefix, version)
@@ -164,7 +169,7 @@ def test_vllm_loads_versioned_names_and_honours_keep_loaded(tmp_path: Path, serv
         assert out.kind == "vllm" and out.target == "vllm"
         assert out.detail["loaded"] == [sn(n) for n in range(max(1, v - 1), v + 1)]
         assert sorted((p.name, p.stat().st_mtime_ns) for p in a.path.iterdir()) == before  # untouched
-        assert loaded_versions(c.targets[0], "tiny") == out.detail["loaded"]  # type: ignore[arg-type]
+        assert listed(c.targets[0]) == out.detail["loaded"]
     loads = [r["body"] for r in srv.posts("/v1/load_lora_adapter")]
     assert [b["lora_name"] for b in loads] == [sn(v) for v in range(1, 6)]
     assert all(Path(b["lora_path"]).is_absolute() and b["lora_name"].startswith(Path(b["lora_path"]).name + "-")
@@ -266,7 +271,7 @@ def test_sglang_load_is_confirmed_from_its_answer_where_v1_models_lists_only_the
     # a re-send: SGLang says "already loaded" (its error answer lists nothing here): held, so a success
     [again] = notify_all(c, adapter(tmp_path, 3), sleep=Sleeps())
     assert again.ok and again.detail["already_loaded"] and again.attempts == 1
-    assert loaded_versions(c.targets[0], "tiny") == []  # /v1/models cannot tell on this build
+    assert listed(c.targets[0]) == []  # /v1/models cannot tell on this build
 
 
 def test_a_lora_server_that_cannot_confirm_a_load_is_a_clear_failure(tmp_path: Path, servers: list[Fake]) -> None:
