@@ -34,10 +34,6 @@ from jobs.store.paths import StatePaths
 from jobs.store.registry import IntegrityError
 from jobs.store.schema import published_dirs
 
-EXIT_REFUSED = 1
-EXIT_HOTSWAP_FAILED = 4
-EXIT_BUSY = int(ExitCode.BUSY)
-
 
 def add_commands(sub: Any) -> None:
     """Register `adapters` (with its sub-commands) and `hotswap` on the CLI's subparsers."""
@@ -133,7 +129,7 @@ def _guarded(fn: Callable[[argparse.Namespace, WithTargets], int], *,
             ad = open_adapters(s, read_only=read_only, adapter=getattr(args, "adapter", None))
         except AdapterError as e:
             print(f"refused: {e}", file=sys.stderr)
-            return EXIT_REFUSED
+            return ExitCode.FAILED
         try:
             return int(fn(args, ad))
         except IntegrityError as e:
@@ -141,12 +137,12 @@ def _guarded(fn: Callable[[argparse.Namespace, WithTargets], int], *,
             print(f"refused: {e}; {cur.name if cur else 'nothing'} stays in service", file=sys.stderr)
         except LockTimeout as e:
             print(f"busy: {e}; nothing changed", file=sys.stderr)
-            return EXIT_BUSY
+            return ExitCode.BUSY
         except AdapterError as e:
             print(f"refused: {e}", file=sys.stderr)
         finally:
             ad.close()
-        return EXIT_REFUSED
+        return ExitCode.FAILED
 
     return run
 
@@ -272,7 +268,7 @@ def _report(ad: WithTargets, outcomes: list[HotswapOutcome] | None) -> int:
     if any(not o.ok for o in outcomes):
         print(f"  the move stands: {_vname(ad, ad.registry.current_version())} is in service here; "
               "`nightshift hotswap` re-sends it once the server is up", file=sys.stderr)
-        return EXIT_HOTSWAP_FAILED
+        return ExitCode.HOTSWAP_FAILED
     return 0
 
 
@@ -352,4 +348,4 @@ def cmd_hotswap(args: argparse.Namespace, ad: WithTargets) -> int:
         if failed:
             print(f"  not taken by {', '.join(failed)}; {_vname(ad, ad.registry.current_version())} stays in service "
                   "here: run `nightshift hotswap` again once the server is up", file=sys.stderr)
-    return EXIT_HOTSWAP_FAILED if any(not o.ok for o in outcomes) else 0
+    return ExitCode.HOTSWAP_FAILED if any(not o.ok for o in outcomes) else 0

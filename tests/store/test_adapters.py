@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from daemon.adapters_cli import EXIT_BUSY, EXIT_HOTSWAP_FAILED, EXIT_REFUSED, add_commands
+from daemon.adapters_cli import add_commands
+from jobs.contract import ExitCode
 from jobs.hotswap import HotswapConfig
 from jobs.store.adapters import RegistryConfig
 from jobs.store.ledger import Ledger
@@ -162,7 +163,7 @@ def test_list_show_diff(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     keys = {r["key"] for r in json.loads(capsys.readouterr().out)}
     assert {"config.train.lora_rank", "version", "name", "data.samples"} <= keys
 
-    assert cli(s, "adapters", "show", "99") == EXIT_REFUSED
+    assert cli(s, "adapters", "show", "99") == ExitCode.FAILED
     assert "no version '99'" in capsys.readouterr().err
 
 
@@ -190,7 +191,7 @@ def test_promote_verifies_moves_current_records_and_notifies(
     assert list(vllm.loaded.values()) == [str((state / "adapters/tiny-v0002").resolve())]
     assert bare([(tmp_path / "newest").read_text().strip()]) == ["tiny-v0002"]
     assert (tmp_path / "newest").read_text() == f"{next(iter(vllm.loaded))}\n"
-    assert cli(s, "adapters", "promote", "2") == EXIT_REFUSED  # already in service
+    assert cli(s, "adapters", "promote", "2") == ExitCode.FAILED  # already in service
     assert "already in service" in capsys.readouterr().err
 
 
@@ -203,13 +204,13 @@ def test_a_corrupted_adapter_is_refused_and_current_stays(
     s = settings(state, vllm_target(vllm))
     weights = v1 / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-10])  # truncated
-    assert cli(s, "adapters", "promote", "1") == EXIT_REFUSED
+    assert cli(s, "adapters", "promote", "1") == ExitCode.FAILED
     err = capsys.readouterr().err
     assert "adapter_model.safetensors does not match its sha256" in err and "tiny-v0002 stays in service" in err
     assert current(state) == "tiny-v0002" and vllm.requests == []
-    assert cli(s, "adapters", "rollback") == EXIT_REFUSED  # the rollback target is the same bad one
+    assert cli(s, "adapters", "rollback") == ExitCode.FAILED  # the rollback target is the same bad one
     assert current(state) == "tiny-v0002" and vllm.requests == []
-    assert cli(s, "hotswap", "--version", "1") == EXIT_REFUSED  # never sent to a server either
+    assert cli(s, "hotswap", "--version", "1") == ExitCode.FAILED  # never sent to a server either
     assert vllm.requests == []
     led = Ledger(state / "ledger.sqlite")
     assert led.version(1)["promoted_at"] < led.version(2)["promoted_at"] and not led.hotswaps()
@@ -228,7 +229,7 @@ def test_rollback_walks_back_the_service_history_and_notifies(
     )
     assert cli(s, "adapters", "rollback") == 0
     assert current(state) == "tiny-v0001"
-    assert cli(s, "adapters", "rollback") == EXIT_REFUSED  # nothing before v1; v2/v3 were rolled back from
+    assert cli(s, "adapters", "rollback") == ExitCode.FAILED  # nothing before v1; v2/v3 were rolled back from
     assert "no earlier promoted version" in capsys.readouterr().err and current(state) == "tiny-v0001"
     assert cli(s, "adapters", "promote", "3") == 0
     assert cli(s, "adapters", "rollback") == 0  # undoes that promote
@@ -247,7 +248,7 @@ def test_a_failed_hotswap_never_undoes_the_promotion(tmp_path: Path, capsys: pyt
     down = Fake("fail", status=400)
     try:
         s = settings(state, {"kind": "vllm", "name": "down", "base_url": down.url, "retries": 0})
-        assert cli(s, "adapters", "rollback") == EXIT_HOTSWAP_FAILED
+        assert cli(s, "adapters", "rollback") == ExitCode.HOTSWAP_FAILED
     finally:
         down.close()
     assert current(state) == "tiny-v0001"
@@ -323,7 +324,7 @@ def test_prune_keeps_in_service_pinned_last_k_and_anything_being_written(
     assert [r["version"] for r in pruned] == [2, 4]
     assert cli(s, "adapters", "show", "4", "--json") == 0  # the ledger keeps a pruned version's manifest
     assert json.loads(capsys.readouterr().out)["version"] == 4
-    assert cli(s, "adapters", "promote", "4") == EXIT_REFUSED  # its files are gone
+    assert cli(s, "adapters", "promote", "4") == ExitCode.FAILED  # its files are gone
     assert "pruned" in capsys.readouterr().err
     assert cli(s, "adapters", "rollback") == 0  # history: 1, 3, 4, 5 (6 was rolled back from): v4 is gone
     assert current(state) == "tiny-v0003"
@@ -368,8 +369,8 @@ def test_a_busy_lock_is_reported_and_nothing_changes(tmp_path: Path, capsys: pyt
     craft(state, 2)
     s = settings(state, lock_timeout=0.2)
     with StateLock(state / "lock", what="publish"):
-        assert cli(s, "adapters", "rollback") == EXIT_BUSY  # waited lock_timeout_seconds, then status 5
-        assert cli(s, "adapters", "prune") == EXIT_BUSY
+        assert cli(s, "adapters", "rollback") == ExitCode.BUSY  # waited lock_timeout_seconds, then status 5
+        assert cli(s, "adapters", "prune") == ExitCode.BUSY
     err = capsys.readouterr().err
     assert "held by another nightshift process" in err and "for rollback" in err
     assert current(state) == "tiny-v0002"
