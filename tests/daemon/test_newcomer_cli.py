@@ -250,3 +250,15 @@ def test_a_command_like_no_other_gets_no_guess_only_the_choices(capsys):
         build_parser().parse_args(["xyzzy"])
     err = capsys.readouterr().err
     assert "did you mean" not in err and "'once'" in err, err
+
+
+def test_a_misspelt_variable_is_named_as_the_variable(tmp_path, monkeypatch):
+    """`NIGHTSHIFT_TRAIN__LORA_RNAK=4` was reported as "[train] lora_rnak: unknown key", a key the config file does
+    not have: the operator searched the file for it."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[model]\npath = "{tmp_path}"\n[train]\nlora_rank = 8\n')
+    monkeypatch.setenv("NIGHTSHIFT_TRAIN__LORA_RNAK", "4")
+    with pytest.raises(ConfigError) as e:
+        load_settings(cfg)
+    said = "NIGHTSHIFT_TRAIN__LORA_RNAK: unknown key (did you mean NIGHTSHIFT_TRAIN__LORA_RANK?)"
+    assert said in e.value.problems and not any("lora_rnak" in p for p in e.value.problems)
