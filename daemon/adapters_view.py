@@ -53,15 +53,16 @@ def show_lines(name: str, state: str, manifest: dict[str, Any], extra: Sequence[
             f"\n\n(the whole manifest: nightshift adapters show {name} --json)")
 
 
-# figures of every set under every model: only exact match and loss get a line of their own in `diff` (a diff of
-# two nights printed 92 lines, 45 of them these: issue 42); the rest count in one line each, every key in --json
-_HEADLINE = (".exact_match", ".loss")
-_SUMMED = ("metrics.", "regression_slices.")
+# figures of every set under every model: in `diff` only the version's own answers (each set's `_after` exact match
+# and reply tokens; its losses are `losses.*`) get a line of their own: with every set's before/reference/base loss
+# and exact match, two nights' diff printed 65 lines (issue 42); the rest count in one line each, all in --json
+_HEADLINE = re.compile(r"^metrics\.[a-z]+_after\.(exact_match|token_accuracy)$")
+_SUMMED = ("metrics.", "regression_slices.", "phase_seconds.", "plan.")
 
 
 def _group(key: str) -> str:
     """The line a differing key is shown on: a list's entries, and the detail of the figures, share one."""
-    if key.startswith(_SUMMED) and not (key.startswith("metrics.") and key.endswith(_HEADLINE)):
+    if key.startswith(_SUMMED) and not _HEADLINE.match(key):
         head = key.split(".", 1)[0]
         return f"{head} (other figures)" if head == "metrics" else head
     m = _INDEX.search(key)
@@ -86,7 +87,9 @@ def diff_lines(a: str, b: str, rows: list[tuple[str, Any, Any]]) -> str:
             out.append(f"  {key.ljust(width)}  {_when(va)} -> {_when(vb)}  ({vb - va:+,.0f} s)")
             continue
         if isinstance(va, int | float) and isinstance(vb, int | float) and not isinstance(va, bool) and va:
-            delta = f"  ({vb - va:+.4g}, {(vb - va) / abs(va) * 100:+.1f}%)"
+            share = "" if key.endswith("version") else f", {(vb - va) / abs(va) * 100:+.1f}%"  # a number, not a size
+            change = f"{vb - va:+,}" if isinstance(va, int) and isinstance(vb, int) else f"{vb - va:+.4g}"
+            delta = f"  ({change}{share})"
         out.append(f"  {key.ljust(width)}  {_short(va)} -> {_short(vb)}{delta}")
     return "\n".join(out)
 
@@ -96,6 +99,10 @@ def _when(ts: float) -> str:
 
 
 def _short(v: Any) -> str:
+    if isinstance(v, float):  # a loss to 4 decimals (as `show`), not 3.4344150571894825
+        return f"{v:.4f}" if abs(v) < 1000 else f"{v:,.1f}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
     if isinstance(v, list) and len(v) > 4:
         return f"[{len(v)} values]"
     text = json.dumps(v, default=str) if not isinstance(v, str) else v

@@ -206,6 +206,8 @@ def format_error(err: dict[str, Any]) -> str:
     in_list = any(isinstance(x, int) for x in loc)
     if err["type"] == "extra_forbidden":
         hint = difflib.get_close_matches(str(loc[-1]).lower(), user_loc(loc[:-1])[1], n=1) if loc else []
+        if not in_list and loc and env.upper() in map(str.upper, os.environ):  # the variable's, not the file's
+            return f"{env}: unknown key" + (f" (did you mean {key_name((*loc[:-1], hint[0]))[1]}?)" if hint else "")
         return f"{name}: unknown key" + (f" (did you mean '{hint[0]}'?)" if hint else "")
     if err["type"] in ("union_tag_not_found", "union_tag_invalid"):  # [[hotswap.targets]] kind = "vlm"
         key, tag = str(err["ctx"]["discriminator"]).strip("'"), err["ctx"].get("tag")

@@ -24,6 +24,7 @@ from jobs.store.paths import StatePaths
 
 INTERACTIVE = ("once", "plan")
 KEEP_LOGS = 20  # once-*.jsonl files kept in <state_dir>/logs
+SHORT = 160  # a warning's terminal line, at most (two lines of a terminal; a quarantined record's took three)
 _QUIET_KEYS = {"event", "level", "logger", "timestamp", "run_id", "night", "rank"}
 _child: dict[str, TextIO | None] = {"stream": None}
 
@@ -42,8 +43,9 @@ def warning_line(line: str) -> str | None:
         return None
     if not isinstance(rec, dict) or rec.get("level") not in ("warning", "error", "critical"):
         return None
-    extra = " ".join(f"{k}={v}" for k, v in rec.items() if k not in _QUIET_KEYS)
-    return f"{rec['level']}: {rec.get('event')}" + (f" ({extra})" if extra else "")
+    extra = " ".join(f"{k}={v}" for k, v in rec.items() if k not in _QUIET_KEYS and v is not None)  # no line=None
+    line = f"{rec['level']}: {rec.get('event')}" + (f" ({extra})" if extra else "")
+    return line if len(line) <= SHORT else line[:SHORT - 1] + "…"  # the whole record is in the log file
 
 
 class LogTee(io.TextIOBase):

@@ -25,8 +25,9 @@ def add_command(sub: Any) -> None:
     p = sub.add_parser(
         "validate", help="check data files as the inbox would read them; writes nothing",
         description="Read each FILE exactly as the inbox would (file type, format, field map, chat template, "
-                    "max_seq_length) and print what would train and every record that would be quarantined, "
-                    "with its line and reason. Exit status 1 if any record would be quarantined.")
+                    "max_seq_length) and print what would train, every record that would be quarantined, "
+                    "with its line and reason, and what cannot be read now. Exit status 1 if any record would be "
+                    "quarantined or a file cannot be read.")
     p.add_argument("files", nargs="+", type=Path, metavar="FILE",
                    help="JSONL, JSON array, Parquet or CSV files; a directory (a source's inbox, or files to "
                         "check before they are dropped in) for the files in it")
@@ -53,10 +54,14 @@ def render(checks: list[FileCheck]) -> str:
             out.append("  already ingested (the ledger has this very file): the inbox would skip it")
         if c.note:
             out.append(f"  note: {c.note}")
+        bad = [p for p in c.problems if p.reason != QuarantineReason.unreadable]
         out.append(f"  {c.records:,} records: {c.would_train:,} would train ({c.tokens:,} tokens), "
                    f"{c.known:,} already in the ledger, {c.repeated:,} repeated, "
-                   f"{len(c.problems):,} would be quarantined")
+                   f"{len(bad):,} would be quarantined")
         for p in c.problems:
+            if p.reason == QuarantineReason.unreadable:  # the pull leaves it in place: it is not quarantined
+                out.append(f"  the whole file: {p.detail} (a night leaves it in the inbox and tries it again)")
+                continue
             where = f"line {p.line}" if p.line is not None else "the whole file"
             out.append(f"  {where}: {p.reason.value}: {p.detail}")
     bad = Counter(p.reason.value for c in checks for p in c.problems if p.reason != QuarantineReason.unreadable)

@@ -38,6 +38,7 @@ from typing import IO, Any
 
 import structlog
 
+from jobs.contract import QuarantineReason
 from jobs.contract.crashpoints import declare, reached
 from jobs.data.check import Checked, Stored, check_for_store
 from jobs.data.formats import RecordError
@@ -147,7 +148,9 @@ class _Pull:
         else:
             with self.ledger.tx() as c:
                 self.ledger.add_quarantine(c, **row)
-        if conn is None or self.in_file <= LOGGED_PER_FILE:
+        if err.reason == QuarantineReason.unreadable:  # left in place and retried: not called quarantined
+            log.warning("file_not_read", source=src.name, file=file, detail=detail)
+        elif conn is None or self.in_file <= LOGGED_PER_FILE:
             log.warning("record_quarantined", source=src.name, file=file, line=raw.line, reason=err.reason,
                         detail=detail)
 

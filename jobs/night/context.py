@@ -24,7 +24,7 @@ from jobs.store.ledger import Ledger
 from jobs.store.paths import StatePaths
 from jobs.store.readonly import open_read_only
 from jobs.store.registry import Registry
-from jobs.store.stale import close_expired_runs
+from jobs.store.stale import close_expired_runs, expired
 from jobs.training.ranks.collectives import SOLO, Solo
 
 log = structlog.get_logger("nightshift.night")
@@ -137,8 +137,12 @@ def open_context(cfg: NightConfig, *, model_path: Path, fingerprint: str, night:
                                                                                           clock=clock)
     if not plan_only:  # a run whose window ended is closed (its samples pending again), never resumed later
         close_expired_runs(ledger, clock())
-    open_run = None if plan_only else ledger.open_run(night)
-    if open_run is not None:
+    open_run = ledger.open_run(night)
+    if open_run is not None and plan_only and expired(open_run, clock()):
+        open_run = None  # the next night closes it and plans afresh, as this plan does
+    if open_run is not None and plan_only:  # what a start now would resume: its stored plan, the time left now
+        run_id = str(open_run["id"])  # (a plan that planned afresh showed other samples and another version)
+    elif open_run is not None:
         run_id = str(open_run["id"])
         attempt = ledger.resume_run(run_id, deadline)
         ledger.add_event("resumed", run_id=run_id, detail={"attempt": attempt, "deadline": deadline})

@@ -94,6 +94,9 @@ def check_files(paths: Sequence[Path], cfg: NightConfig, tokenizer: Any, ledger:
                     seen.add(c.norm.hash)
         except Refused as e:  # what the inbox would not open
             problems.append(RecordProblem(line=None, reason=QuarantineReason(e.reason), detail=e.detail))
+        except OSError as e:  # as the pull takes it: left in the inbox, read again at the next night (not bad_file)
+            problems.append(RecordProblem(line=None, reason=QuarantineReason.unreadable,
+                                          detail=printable(f"cannot be read now: {e.strerror or e}")))
         except Exception as e:  # validate reports, it never stops on a file
             problems.append(RecordProblem(line=None, reason=QuarantineReason.bad_file,
                                           detail=printable(f"cannot read: {type(e).__name__}: {e}")))

@@ -118,18 +118,27 @@ def test_adapters_show_and_diff_summarise_and_keep_the_whole_json_behind_a_flag(
     rows = [(f"losses.curve.{i}.loss", 1.0 + i, 2.0 + i) for i in range(176)] + [("data.samples", 300, 342)]
     text = diff_lines("tiny-v0001", "tiny-v0002", rows)
     assert len(text.splitlines()) == 3 and "176 entries differ" in text and "300 -> 342" in text
-    # every set's figures under every model, and the per-night slices: exact match and loss have lines of their
-    # own, the rest one line each (two nights' diff printed 92 lines, 45 of them these)
+    # every set's figures under every model, the per-night slices, the phases' seconds, the plan's detail: only the
+    # version's own answers (each set's exact match and reply tokens after) have lines of their own, the rest one
+    # line each (two nights' diff printed 92 lines, 45 of them these; then still 65, with each set's before,
+    # reference and base loss and exact match, and 3.4344150571894825 for a loss)
     sets = [f"{d}_{m}" for d in ("heldout", "regression", "canary", "retention", "tonight")
             for m in ("before", "after", "reference", "base")]
     rows = [(f"metrics.{s}.{f}", 0.5, 0.6) for s in sets for f in ("exact_match", "token_accuracy", "loss", "n")]
     rows += [(f"regression_slices.2026-11-{d}/inbox.after.exact_match", 0.5, 0.6) for d in range(10, 28)]
+    rows += [(f"phase_seconds.{p}", 0.1, 0.2) for p in ("pull", "plan", "load", "train", "publish")]
+    rows += [("plan.tokens_per_second", 8789.091113997425, 7645.607315180137), ("plan.train_tokens", 8196, 135066),
+             ("losses.heldout_after", 3.4344150571894825, 2.487746770502655), ("version", 2, 3)]
     text = diff_lines("tiny-v0001", "tiny-v0002", rows)
-    assert "metrics.heldout_after.exact_match" in text and "metrics.tonight_base.loss" in text
+    assert "metrics.heldout_after.exact_match" in text and "metrics.tonight_after.token_accuracy" in text
+    assert "metrics.tonight_base" not in text and "metrics.heldout_after.loss" not in text
     lines = {line.split()[0]: line for line in text.splitlines()[1:]}
-    assert "(other figures)" in lines["metrics"] and lines["metrics"].endswith("40 entries differ")
+    assert "(other figures)" in lines["metrics"] and lines["metrics"].endswith("70 entries differ")
     assert lines["regression_slices"].endswith("18 entries differ")
-    assert len(text.splitlines()) == 1 + 2 * len(sets) + 2
+    assert lines["phase_seconds"].endswith("5 entries differ") and lines["plan"].endswith("2 entries differ")
+    assert lines["losses.heldout_after"].endswith("3.4344 -> 2.4877  (-0.9467, -27.6%)")
+    assert lines["version"].endswith("2 -> 3  (+1)")  # a number, not a size: no +50 %
+    assert len(text.splitlines()) == 1 + 2 * 5 + 1 + 1 + 1 + 1 + 1 + 1
 
 
 def test_plan_asks_the_child_for_the_night_and_deadline_once_will_use(tmp_path, monkeypatch):
@@ -241,3 +250,15 @@ def test_a_command_like_no_other_gets_no_guess_only_the_choices(capsys):
         build_parser().parse_args(["xyzzy"])
     err = capsys.readouterr().err
     assert "did you mean" not in err and "'once'" in err, err
+
+
+def test_a_misspelt_variable_is_named_as_the_variable(tmp_path, monkeypatch):
+    """`NIGHTSHIFT_TRAIN__LORA_RNAK=4` was reported as "[train] lora_rnak: unknown key", a key the config file does
+    not have: the operator searched the file for it."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[model]\npath = "{tmp_path}"\n[train]\nlora_rank = 8\n')
+    monkeypatch.setenv("NIGHTSHIFT_TRAIN__LORA_RNAK", "4")
+    with pytest.raises(ConfigError) as e:
+        load_settings(cfg)
+    said = "NIGHTSHIFT_TRAIN__LORA_RNAK: unknown key (did you mean NIGHTSHIFT_TRAIN__LORA_RANK?)"
+    assert said in e.value.problems and not any("lora_rnak" in p for p in e.value.problems)

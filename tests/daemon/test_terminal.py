@@ -38,6 +38,16 @@ def test_the_tee_keeps_every_line_and_shows_only_warnings_and_errors():
     assert warning_line(json.dumps({"event": "slow_step", "level": "info"})) is None
 
 
+def test_a_warning_is_one_short_line():
+    """A quarantined record's warning took three terminal lines (`line=None`, the whole detail): short, the rest
+    in the log file."""
+    rec = {"event": "file_not_read", "level": "warning", "source": "s", "file": "/srv/inbox/locked.jsonl",
+           "line": None, "detail": "not read this time (Permission denied); tried again at the next pull " * 3}
+    line = warning_line(json.dumps(rec))
+    assert line is not None and line.startswith("warning: file_not_read (source=s file=/srv/inbox/locked.jsonl ")
+    assert "None" not in line and len(line) <= 160 < len(json.dumps(rec)) and line.endswith("…")
+
+
 def test_plan_at_a_terminal_prints_the_plan_without_log_lines_or_a_pull(tmp_path, tiny_model):
     cfg, inbox = toml_config(tmp_path, tiny_model)
     write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(6)])

@@ -12,6 +12,7 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from jobs.data.csv_rows import read_csv
 from jobs.data.pull import Quarantine
@@ -87,8 +88,11 @@ def test_a_file_that_vanishes_during_the_pull_is_reported_and_retried(env, monke
         return real_open(f, allowed)
 
     monkeypatch.setattr(pull_mod, "open_inbox_file", vanish)
-    res = do_pull()
+    with capture_logs() as logs:
+        res = do_pull()
     assert res.ingested["s"] == 1 and res.quarantined == {"unreadable": 1}
+    # logged as left in place, not as "record_quarantined ... reason=unreadable" (issue 42: what `once` showed)
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["file_not_read"]
     assert [e["reason"] for e in quarantined()] == ["unreadable"]
     assert ledger.db.execute("SELECT COUNT(*) FROM files").fetchone()[0] == 1  # not recorded: read when back
 

@@ -49,3 +49,38 @@ def test_a_night_resumed_with_less_time_shows_its_new_plan(night_env):
     assert second["planned_tokens"] == first["trained_tokens"] + int(fits) < total
     assert second["deferred_samples"] == second["cut_samples"]  # what the loop cut, not the plan's estimate again
 
+
+
+def test_the_plan_of_a_stopped_night_is_the_plan_its_resume_trains(night_env):
+    """`nightshift plan` before resuming a stopped night planned afresh (another version, other samples: "1,315
+    new, 109 deferred, 76 held out" where the resumed `once` then trained its stored 1,419 with 81 held out). It
+    shows the stored plan with the time left now, and changes nothing (not even the run's attempt count)."""
+    import time
+
+    from jobs.night.run import run_night
+    from jobs.store.ledger import Ledger
+    from tests.night.test_plan_readonly import snapshot
+
+    inbox, make = night_env
+    cfg = make(eval={"min_eval_samples": 1}, plan={"heldout_share": 0.2}, train={"batch_size": 4, "epochs": 2})
+    write_jsonl(inbox / "a.jsonl", [alpaca(i) for i in range(30)])
+    stop = threading.Event()
+    first = run(cfg, stop=stop, events=StopAtProgress(stop))
+    assert first["outcome"] == "interrupted" and first["trained_tokens"] > 0
+    write_jsonl(inbox / "b.jsonl", [alpaca(i, " later") for i in range(5)])  # arrived since: not in the resume
+    before = snapshot(cfg.state_dir)
+    shown: list = []
+    run_night(cfg, night="2026-11-21", deadline=time.time() + 3600, emit=shown.append, stop=threading.Event(),
+              plan_only=True)
+    assert snapshot(cfg.state_dir) == before
+    led = Ledger(cfg.state_dir / "ledger.sqlite")
+    assert led.run(first["run_id"])["attempt"] == 1
+    led.close()
+    [plan] = [ev.plan for ev in shown if getattr(ev, "event", None) == "plan"]
+    events: list[dict] = []
+    second = run(cfg, events=events)
+    trained = next(ev["plan"] for ev in events if ev["event"] == "plan")
+    assert second["run_id"] == first["run_id"] and plan.version == first["version"] == trained["version"]
+    for key in ("train_ids", "heldout_ids", "replay_ids", "train_tokens"):
+        assert getattr(plan, key) == trained[key] == first["plan"][key], key
+    assert f"{first['trained_tokens']:,} tokens trained before" in plan.basis

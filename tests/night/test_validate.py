@@ -143,3 +143,31 @@ def test_the_same_content_under_two_names_is_checked_once_as_the_inbox_reads_it(
     first, second = check_files([inbox / "empty.csv", inbox / "empty.parquet"], cfg, tokenizer, ledger)
     assert not first.problems and not second.problems and second.records == 0
     assert second.note is not None and "same content as" in second.note and "empty.csv" in second.note
+
+
+def test_a_file_that_cannot_be_read_now_is_not_called_quarantined(night_env, tokenizer, tmp_path, monkeypatch):
+    """A file of the inbox this user may not read: the pull leaves it there and retries it each night, `plan` says
+    "cannot be read now", but validate called it "bad_file: cannot read: PermissionError", "1 would be
+    quarantined" (issue 42)."""
+    import jobs.night.validate as validate_mod
+    from daemon.validate_cli import render
+
+    inbox, make = night_env
+    cfg = make(sources=[{"name": "inbox", "inbox": inbox, "settle_seconds": 0}])
+    locked = write_jsonl(inbox / "locked.jsonl", [alpaca(1)])
+    fine = write_jsonl(inbox / "fine.jsonl", [alpaca(2), "{broken"])
+    real = validate_mod.sha256_file
+
+    def denied(path):
+        if Path(path).name == "locked.jsonl":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(validate_mod, "sha256_file", denied)
+    checks = list(check_files([locked, fine], cfg, tokenizer, Ledger(tmp_path / "ledger.sqlite")))
+    assert [[p.reason.value for p in c.problems] for c in checks] == [["unreadable"], ["invalid_json"]]
+    text = render(checks)
+    assert "0 would be quarantined" in text.splitlines()[1] and "bad_file" not in text
+    assert "cannot be read now: Permission denied" in text.splitlines()[2]
+    assert text.splitlines()[-1] == ("2 file(s): 1 records would train, 1 would be quarantined (invalid_json 1), "
+                                     "1 cannot be read now (a night retries them)")
