@@ -62,8 +62,7 @@ def render(checks: list[FileCheck]) -> str:
             if p.reason == QuarantineReason.unreadable:  # the pull leaves it in place: it is not quarantined
                 out.append(f"  the whole file: {p.detail} (a night leaves it in the inbox and tries it again)")
                 continue
-            where = f"line {p.line}" if p.line is not None else "the whole file"
-            out.append(f"  {where}: {p.reason.value}: {p.detail}")
+            out.append(f"  {p.where}: {p.reason.value}: {p.detail}")
     bad = Counter(p.reason.value for c in checks for p in c.problems if p.reason != QuarantineReason.unreadable)
     total = f"{len(checks)} file(s): {sum(c.would_train for c in checks):,} records would train, "
     total += f"{sum(bad.values()):,} would be quarantined" + (

@@ -138,8 +138,8 @@ class _Pull:
             if self.in_file > KEPT_PER_FILE:
                 self.beyond[err.reason] += 1
                 return
-        self.quarantine.add(source=src.name, file=file, line=raw.line, reason=err.reason, detail=err.detail,
-                            record=raw.record, raw=raw.raw, size=raw.size, sha256=raw.sha256)
+        self.quarantine.add(source=src.name, file=file, line=raw.line, item=raw.item, reason=err.reason,
+                            detail=err.detail, record=raw.record, raw=raw.raw, size=raw.size, sha256=raw.sha256)
         detail = printable(err.detail, 500)
         row = {"run_id": self.run_id, "source": src.name, "file": file, "line": raw.line, "reason": err.reason,
                "detail": detail}
@@ -151,8 +151,8 @@ class _Pull:
         if err.reason == QuarantineReason.unreadable:  # left in place and retried: not called quarantined
             log.warning("file_not_read", source=src.name, file=file, detail=detail)
         elif conn is None or self.in_file <= LOGGED_PER_FILE:
-            log.warning("record_quarantined", source=src.name, file=file, line=raw.line, reason=err.reason,
-                        detail=detail)
+            log.warning("record_quarantined", source=src.name, file=file, line=raw.line, item=raw.item,
+                        reason=err.reason, detail=detail)
 
     def flooded(self, conn: sqlite3.Connection, src: SourceConfig, file: str) -> None:
         """The end of a file with more quarantined records than are kept or logged one by one: one entry for the

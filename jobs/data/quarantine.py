@@ -45,9 +45,12 @@ class Quarantine:
         self._f: Any = None
 
     def add(self, *, source: str, file: str | Path, line: int | None, reason: str, detail: str,
-            record: Any = None, raw: str | None = None, size: int | None = None, sha256: str | None = None) -> None:
+            record: Any = None, raw: str | None = None, size: int | None = None, sha256: str | None = None,
+            item: int | None = None) -> None:
         entry: dict[str, Any] = {"source": source, "file": printable(file), "line": line, "reason": reason,
                                  "detail": printable(detail, 2000)}
+        if item is not None:  # the element of a JSON array (several can share a line)
+            entry["item"] = item
         if record is not None:
             text = _json(record)
             if text is not None and len(text) <= self.excerpt_bytes:

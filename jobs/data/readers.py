@@ -16,7 +16,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO, Any
 
 from jobs.data.formats import RecordError
@@ -41,6 +41,7 @@ class RawRecord:
     raw: str | None = None  # what to keep in quarantine when the record could not be decoded (an excerpt)
     size: int | None = None  # bytes of the record, when only an excerpt of it is kept
     sha256: str | None = None  # of the whole record, when only an excerpt of it is kept
+    item: int | None = None  # 1-based element of a JSON array: several elements can share a line
 
 
 _FOREIGN_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32 (little-endian)"), (b"\x00\x00\xfe\xff", "UTF-32 (big-endian)"),
@@ -244,8 +245,8 @@ def read_json_array(f: IO[bytes], lim: Limits) -> Iterator[RawRecord]:
                 end_of_array = c != b","
                 if not (end_of_array and n == 0 and elem.empty()):
                     n += 1
-                    yield (RawRecord(elem.line, None, RecordError("invalid_json", f"record {n} is empty"))
-                           if elem.empty() else elem.record(n))
+                    yield replace(RawRecord(elem.line, None, RecordError("invalid_json", f"record {n} is empty"))
+                                  if elem.empty() else elem.record(n), item=n)
                 if end_of_array:
                     yield from _after_array(chunk[pos:], f)
                     return
@@ -257,7 +258,7 @@ def read_json_array(f: IO[bytes], lim: Limits) -> Iterator[RawRecord]:
         if not chunk:
             yield RawRecord(elem.line, None, RecordError("invalid_json", f"the file ends inside record {n + 1} "
                                                          "(unterminated array)"),
-                            excerpt(bytes(elem.buf).strip(_WS), lim.excerpt_bytes))
+                            excerpt(bytes(elem.buf).strip(_WS), lim.excerpt_bytes), item=n + 1)
             return
 
 

@@ -81,7 +81,7 @@ def check_files(paths: Sequence[Path], cfg: NightConfig, tokenizer: Any, ledger:
                                      excerpt_bytes=cfg.quarantine.excerpt_bytes):
                 counts["records"] += 1
                 if c.error is not None:
-                    problems.append(RecordProblem(line=c.raw.line, reason=c.error.reason,
+                    problems.append(RecordProblem(line=c.raw.line, item=c.raw.item, reason=c.error.reason,
                                                   detail=printable(c.error.detail)))
                 elif c.norm is not None and c.tokens is not None:
                     if c.norm.hash in seen:

@@ -171,3 +171,35 @@ def test_a_file_that_cannot_be_read_now_is_not_called_quarantined(night_env, tok
     assert "cannot be read now: Permission denied" in text.splitlines()[2]
     assert text.splitlines()[-1] == ("2 file(s): 1 records would train, 1 would be quarantined (invalid_json 1), "
                                      "1 cannot be read now (a night retries them)")
+
+
+def test_the_elements_of_a_json_array_on_one_line_are_told_apart(night_env, tokenizer, tmp_path):
+    """A JSON array written on one line (what `json.dump` writes): every bad element was "line 1", which does not
+    say which one; now validate says `line 1, record 3`, and the pull's quarantine entry and log keep the element."""
+    from daemon.validate_cli import render
+
+    inbox, make = night_env
+    cfg = make(sources=[{"name": "inbox", "inbox": inbox, "settle_seconds": 0}])
+    one_line = tmp_path / "export.json"
+    one_line.write_text(json.dumps([alpaca(1), {"instruction": "no output"}, 42, alpaca(2), {"output": None}]))
+    pretty = tmp_path / "pretty.json"
+    pretty.write_text(json.dumps([alpaca(3), {"instruction": "no output"}], indent=2))
+    [c, p] = check_files([one_line, pretty], cfg, tokenizer, Ledger(tmp_path / "ledger.sqlite"))
+    assert [(x.line, x.item, x.reason.value) for x in c.problems] == [
+        (1, 2, "missing_field"), (1, 3, "wrong_type"), (1, 5, "missing_field")], c.problems
+    assert [(x.line, x.item) for x in p.problems] == [(6, 2)]  # its own line, and still which element
+    text = render([c, p])
+    assert "  line 1, record 2: missing_field:" in text and "  line 1, record 3: wrong_type:" in text
+    assert "  line 6, record 2: missing_field:" in text
+
+    state = Path(cfg.state_dir)
+    (inbox / "export.json").write_bytes(one_line.read_bytes())
+    led = Ledger(state / "ledger.sqlite")
+    try:
+        pull(cfg.sources, led, tokenizer, run_id="r0", quarantine=Quarantine(state / "q.jsonl"), max_seq_length=256,
+             overlong="reject")
+    finally:
+        led.close()
+    q = [json.loads(line) for line in (state / "q.jsonl").read_text().splitlines()]
+    assert [(e["line"], e["item"], e["reason"]) for e in q] == [
+        (1, 2, "missing_field"), (1, 3, "wrong_type"), (1, 5, "missing_field")]
