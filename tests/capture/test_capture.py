@@ -20,6 +20,7 @@ from jobs.data.pull import Quarantine, pull
 from jobs.data.sources import SourceConfig
 from jobs.store.ledger import Ledger
 from tests.capture.upstream import upstream
+from tests.conftest import hang_bound
 
 
 def call(addr: tuple[str, int], method: str, path: str, body: dict | None = None) -> tuple[int, bytes, dict]:
@@ -52,9 +53,18 @@ def proxy(tmp_path: Path, up: str, **over):
 
 
 def wait_held(srv: CaptureServer, n: int, last: str | None = None) -> None:
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + hang_bound(60)
     while len(srv.store.held) < n or (last is not None and last not in srv.store.held):
         assert time.monotonic() < deadline, "captures never arrived"
+        time.sleep(0.01)
+
+
+def settled(srv: CaptureServer) -> None:
+    """Every reply the clients have is through its capture (held, dropped or refused, and counted): each
+    forwarded reply is in flight from before its first byte until its capture is over (jobs/capture/server.py)."""
+    deadline = time.monotonic() + hang_bound(60)
+    while srv.store.in_flight:
+        assert time.monotonic() < deadline, "captures never settled"
         time.sleep(0.01)
 
 
@@ -120,10 +130,11 @@ def test_bounds_rate_memory_and_disk(tmp_path):
                                  _clock=lambda: now[0]) as srv:
         for i in range(4):
             chat(srv.address, f"q{i}")
-        deadline = time.monotonic() + 60
-        while metric(srv, "nightshift_capture_requests_total", outcome="rate_limited") < 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        # all four through their capture: the one the bucket let in is held before the newer ones (counting the
+        # three refused ones was not enough: the fourth's thread could still be on its way to hold it)
+        settled(srv)
+        assert metric(srv, "nightshift_capture_requests_total", outcome="rate_limited") == 3
+        assert len(srv.store.held) == 1
         now[0] += 10
         for i in range(4, 7):
             now[0] += 10
