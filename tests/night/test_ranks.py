@@ -83,9 +83,9 @@ def test_sigterm_reaches_every_rank_and_the_checkpoint_holds_the_global_position
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()
-    end = time.time() + 180
+    end = time.monotonic() + hang_bound(180)
     while not list(state.glob("checkpoints/*/latest/state.json")):  # training, and not finished
-        assert time.time() < end and proc.poll() is None, "no checkpoint appeared: " + "".join(lines[-20:])
+        assert time.monotonic() < end and proc.poll() is None, "no checkpoint appeared: " + "".join(lines[-20:])
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # as Ctrl-C or `systemctl stop`: the CLI stops its child group
     out = proc.stdout.read()
