@@ -170,4 +170,5 @@ def test_a_hung_rank_fails_the_collective_after_the_timeout_instead_of_hanging(t
                        timeout=hang_bound(120),
                        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
     outcome, seconds = (tmp_path / "rank0").read_text().split()
-    assert outcome == "RuntimeError" and 2.5 < float(seconds) < 30, (outcome, seconds, r.stderr[-2000:])
+    # raised at the 3 s timeout (later on a busy box), not hung: rank 1 would wait for rank 0 forever
+    assert outcome == "RuntimeError" and 2.5 < float(seconds) < hang_bound(30), (outcome, seconds, r.stderr[-2000:])
