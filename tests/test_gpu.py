@@ -243,12 +243,29 @@ def test_a_failing_emit_does_not_stop_the_readings() -> None:
 
 
 def test_the_background_thread_samples_at_the_configured_rate() -> None:
+    """The thread waits 1/hz between readings. Checked on the waits it asks for, not by counting the readings of
+    0.3 s of sleep (a busy box lets the thread run fewer times, or the sleep last longer)."""
+    import threading
+
+    from tests.conftest import hang_bound
+
+    asked: list[float | None] = []
+
+    class Waits(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            asked.append(timeout)
+            return super().wait(timeout)
+
     events: list[Any] = []
     s = GpuSampler(events.append, hz=20, nvml=FakeNvml([100_000], None))
+    s._stop = Waits()
     assert s.start()
-    time.sleep(0.3)
+    end = time.monotonic() + hang_bound(30)
+    while len(events) < 4:  # the start's reading, then three of the thread's
+        assert time.monotonic() < end, "the sampler's thread never read"
+        time.sleep(0.01)
     summary = s.stop()
-    assert 4 <= len(events) <= 12  # ~6 at 20 Hz plus start and stop readings
+    assert len(asked) >= 3 and set(asked) == {1 / 20}
     assert summary is not None and summary.mean_power_watts == pytest.approx(100.0)
 
 

@@ -32,6 +32,7 @@ from jobs.hotswap.core import parse_served_name
 log = structlog.get_logger("nightshift.capture")
 JOURNAL = "captures.jsonl"
 FILE_PREFIX = "capture-"
+SETTLE_SECONDS = 5.0  # how long feedback on an unknown id, or a stop, waits for the replies still in flight
 CRASH_BEFORE_RENAME = crashpoints.declare("capture.feedback_before_rename",
                                           "a feedback record fsynced under its temporary name (not acknowledged)")
 CRASH_AFTER_RENAME = crashpoints.declare("capture.feedback_after_rename",
@@ -118,6 +119,7 @@ class CaptureStore:
         self.lock = threading.Lock()
         self.settled = threading.Condition(self.lock)
         self.in_flight = 0  # replies sent whose capture is not held yet (feedback on them waits a moment)
+        self.closed = False  # the journal's writer is told to end: a capture now is dropped, not queued behind it
         self.seq = itertools.count()
         self._load()
         self.q: queue.Queue[Capture | None] = queue.Queue(cfg.queue)
@@ -127,12 +129,17 @@ class CaptureStore:
     # ---- captures ----
 
     def add(self, capture: Capture) -> bool:
-        """Held for feedback at once; journaled by the writer thread. False: the queue was full (dropped).
-        Counted before it is held: whoever sees it held sees it counted."""
+        """Held for feedback at once; journaled by the writer thread. False: the queue was full, or the store closed
+        (dropped). Counted before it is held: whoever sees it held sees it counted."""
         capture = Capture.model_validate(self.redact(capture.model_dump()))
-        try:
-            self.q.put_nowait(capture)
-        except queue.Full:
+        with self.lock:  # the journal's end is queued under it too: nothing is queued behind the end
+            queued = not self.closed
+            if queued:
+                try:
+                    self.q.put_nowait(capture)
+                except queue.Full:
+                    queued = False
+        if not queued:
             self.on_drop()
             return False
         self.on_capture()
@@ -159,7 +166,7 @@ class CaptureStore:
 
     def get(self, cid: str) -> Capture:
         with self.lock:
-            self.settled.wait_for(lambda: cid in self.held or self.in_flight == 0, timeout=5.0)
+            self.settled.wait_for(lambda: cid in self.held or self.in_flight == 0, timeout=SETTLE_SECONDS)
             c = self.held.get(cid)
         if c is None:
             raise FeedbackError(404, f"no captured reply with id {cid!r} (unknown, or older than the "
@@ -191,7 +198,13 @@ class CaptureStore:
                         continue  # a line cut by a kill: that capture alone is lost
 
     def close(self) -> None:
-        self.q.put(None)
+        """The replies still in flight get SETTLE_SECONDS to be captured, then the journal is ended and written out:
+        a stop of the capture path loses no reply the client had whole (it was queued after the end, never written,
+        yet counted captured). One later than that is dropped and counted."""
+        with self.lock:
+            self.settled.wait_for(lambda: self.in_flight == 0, timeout=SETTLE_SECONDS)
+            self.closed = True
+            self.q.put(None)  # blocks only while the queue is full: the writer empties it without this lock
         self.writer.join(timeout=30)
 
     # ---- feedback ----

@@ -20,6 +20,7 @@ from jobs.data.pull import Quarantine, pull
 from jobs.data.sources import SourceConfig
 from jobs.store.ledger import Ledger
 from tests.capture.upstream import upstream
+from tests.conftest import hang_bound
 
 
 def call(addr: tuple[str, int], method: str, path: str, body: dict | None = None) -> tuple[int, bytes, dict]:
@@ -52,9 +53,18 @@ def proxy(tmp_path: Path, up: str, **over):
 
 
 def wait_held(srv: CaptureServer, n: int, last: str | None = None) -> None:
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + hang_bound(60)
     while len(srv.store.held) < n or (last is not None and last not in srv.store.held):
         assert time.monotonic() < deadline, "captures never arrived"
+        time.sleep(0.01)
+
+
+def settled(srv: CaptureServer) -> None:
+    """Every reply the clients have is through its capture (held, dropped or refused, and counted): each
+    forwarded reply is in flight from before its first byte until its capture is over (jobs/capture/server.py)."""
+    deadline = time.monotonic() + hang_bound(60)
+    while srv.store.in_flight:
+        assert time.monotonic() < deadline, "captures never settled"
         time.sleep(0.01)
 
 
@@ -120,10 +130,11 @@ def test_bounds_rate_memory_and_disk(tmp_path):
                                  _clock=lambda: now[0]) as srv:
         for i in range(4):
             chat(srv.address, f"q{i}")
-        deadline = time.monotonic() + 60
-        while metric(srv, "nightshift_capture_requests_total", outcome="rate_limited") < 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        # all four through their capture: the one the bucket let in is held before the newer ones (counting the
+        # three refused ones was not enough: the fourth's thread could still be on its way to hold it)
+        settled(srv)
+        assert metric(srv, "nightshift_capture_requests_total", outcome="rate_limited") == 3
+        assert len(srv.store.held) == 1
         now[0] += 10
         for i in range(4, 7):
             now[0] += 10
@@ -237,3 +248,54 @@ def test_a_capture_is_counted_before_it_is_held(tmp_path):
         srv.store.close()
     assert seen == [(0, 1.0), (1, 2.0), (2, 3.0)]
     assert list(srv.store.held) == ["c0", "c1", "c2"]
+
+
+def a_capture(cid: str):
+    from jobs.capture.store import Capture
+
+    return Capture(id=cid, at=0.0, model=None, version=None, messages=[{"role": "user", "content": cid}], reply="r")
+
+
+def test_a_stop_waits_for_the_replies_in_flight_and_journals_them(tmp_path):
+    """A reply the client had whole, its capture still on its thread when the capture path stopped: its capture was
+    queued behind the journal's end, never written (and counted captured); after a restart its feedback was a 404.
+    The stop now lets the replies in flight through first. Ordered by intercepting the stop's wait: the reply's
+    thread goes on only once the stop waits for it, as a reply descheduled across the whole stop would."""
+    from jobs.capture.store import CaptureStore
+
+    cfg = CaptureConfig(upstream="http://127.0.0.1:1", inbox=tmp_path / "inbox", state=tmp_path / "capture")
+    store = CaptureStore(cfg)
+    stop_waits, done = threading.Event(), threading.Event()
+
+    class Settled(threading.Condition):
+        def wait_for(self, predicate, timeout=None):
+            stop_waits.set()
+            return super().wait_for(predicate, timeout)
+
+    store.settled = Settled(store.lock)
+    store.begin()  # a reply sent, its capture not made yet
+
+    def reply_thread() -> None:
+        stop_waits.wait(hang_bound(60))
+        done.set()
+        store.add(a_capture("late"))
+        store.end()
+
+    t = threading.Thread(target=reply_thread)
+    t.start()
+    store.close()
+    stop_waits.set()  # (the old stop never waited: let the thread finish anyway)
+    t.join(hang_bound(60))
+    assert done.is_set()
+    journal = (tmp_path / "capture" / "captures.jsonl")
+    assert journal.exists() and '"late"' in journal.read_text()
+
+
+def test_a_capture_after_the_stop_is_dropped_and_counted_not_queued_behind_the_end(tmp_path):
+    cfg = CaptureConfig(upstream="http://127.0.0.1:1", inbox=tmp_path / "inbox", state=tmp_path / "capture", port=0)
+    srv = CaptureServer(cfg, registry=CollectorRegistry())
+    srv.httpd.server_close()
+    srv.store.close()
+    assert srv.store.add(a_capture("after")) is False
+    assert metric(srv, "nightshift_capture_requests_total", outcome="dropped") == 1
+    assert metric(srv, "nightshift_capture_requests_total", outcome="captured") == 0

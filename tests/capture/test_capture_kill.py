@@ -41,7 +41,7 @@ def start(tmp_path: Path, up: str, crash_at: str | None = None) -> tuple[subproc
 
 def wait_journal(tmp_path: Path, n: int) -> None:
     journal = tmp_path / "state" / "capture" / "captures.jsonl"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + hang_bound(120)
     while not journal.exists() or len(journal.read_text().splitlines()) < n:
         assert time.monotonic() < deadline, "captures never journaled"
         time.sleep(0.05)

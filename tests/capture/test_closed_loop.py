@@ -16,7 +16,7 @@ from jobs.capture.config import CaptureConfig
 from jobs.capture.server import CaptureServer
 from tests.capture.test_capture import call, chat
 from tests.capture.upstream import upstream
-from tests.conftest import alpaca, run, write_jsonl
+from tests.conftest import alpaca, hang_bound, run, write_jsonl
 
 torch = pytest.importorskip("torch")
 
@@ -58,7 +58,7 @@ def test_capture_feedback_preference_night_and_a_shift_on_unseen_prompts(night_e
             for i in range(40):
                 good = json.loads(chat(srv.address, f"Add {i} and {i + 1}.")[1])["id"]
                 bad = json.loads(chat(srv.address, f"Add {i} and {i + 1}.")[1])["id"]
-                deadline = time.monotonic() + 60
+                deadline = time.monotonic() + hang_bound(60)
                 while bad not in srv.store.held:
                     assert time.monotonic() < deadline
                     time.sleep(0.01)

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -50,12 +49,8 @@ def nightshift(*args, env=None, timeout=120):
 
 
 def popen_once(cfg, env=None):
-    proc = subprocess.Popen([sys.executable, "-m", "daemon", "--config", str(cfg), "once"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
-    proc.lines = []
-    threading.Thread(target=lambda: proc.lines.extend(proc.stderr), daemon=True).start()
-    return proc
+    """`once` with its stderr drained into `proc.lines`, all of it there once its exit is seen."""
+    return start(cfg, env=env, command="once")
 
 
 def kill(pid):

@@ -36,11 +36,11 @@ def test_kill_9_of_one_rank_fails_the_attempt_and_the_retry_trains_every_global_
     try:
         wait_for(lambda: runs(state) and runs(state)[0]["status"] == "succeeded", 600, "the retried run to finish",
                  proc)
-        assert len(child_pids(proc)) == 2  # a second group, started by the daemon after the backoff
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=hang_bound(60)) == 0
+        assert proc.wait(timeout=hang_bound(60)) == 0  # its log read to the end
     finally:
         proc.kill()
+    assert len(child_pids(proc)) == 2  # a second group, started by the daemon after the backoff
     lines = [json.loads(x) for x in proc.lines if x.startswith("{")]
     killed = [x for x in lines if x.get("event") == "child_exited" or x.get("event") == "attempt_failed"]
     resumed = [x for x in lines if x.get("event") == "resumed_from_checkpoint" and x.get("rank") == 0]

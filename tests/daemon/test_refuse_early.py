@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -43,9 +42,8 @@ def test_run_with_missing_paths_refuses_before_ready(tmp_path, tiny_model):
     finally:
         if daemon.poll() is None:
             daemon.kill()
-        daemon.wait()
-        time.sleep(0.3)
-        notify.close()
+        daemon.wait()  # its stderr read to the end
+        notify.close()  # what it sent read too
     err = "".join(daemon.lines)
     assert daemon.returncode == ExitCode.USAGE and "Traceback" not in err
     for key in ("[model] path", "[[sources]] #1 inbox", "[eval] regression_set"):
@@ -62,8 +60,7 @@ def test_run_with_a_metrics_port_in_use_refuses_before_ready_in_one_line(tmp_pat
     notify = Notify(tmp_path / "notify.sock")
     try:
         daemon = start(cfg, notify)
-        wait_for(lambda: daemon.poll() is not None, 60, "the refusal")
-        time.sleep(0.3)
+        wait_for(lambda: daemon.poll() is not None, 60, "the refusal")  # its stderr read to the end
     finally:
         busy.close()
         notify.close()

@@ -14,6 +14,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 
 from daemon.scheduler import NightlyCronTrigger, WakeScheduler, build_trigger
 from daemon.window import DAYS, Window, WindowConfig
+from tests.conftest import hang_bound
 
 YEAR_START, YEAR_END = datetime(2026, 1, 1, tzinfo=UTC), datetime(2027, 1, 1, tzinfo=UTC)
 WINDOWS = [
@@ -107,7 +108,8 @@ CFG = WindowConfig(start="01:00", end="06:00", timezone="UTC")
 
 
 def eventually(check: Callable[[], bool], timeout: float = 3.0) -> bool:
-    end = _time.monotonic() + timeout
+    """`timeout`: idle-machine seconds, stretched by the load (the scheduler's thread may wait its turn)."""
+    end = _time.monotonic() + hang_bound(timeout)
     while not check():
         if _time.monotonic() > end:
             return False
@@ -131,7 +133,7 @@ def test_short_trigger_wakes_with_the_window_of_the_clock() -> None:
     ws.start()
     try:
         assert ws.running and ws.next_wake() is not None
-        assert rec.called.wait(5)
+        assert rec.called.wait(hang_bound(5))
     finally:
         ws.stop()
     assert not ws.running and ws.next_wake() is None
@@ -147,7 +149,7 @@ def test_wake_outside_a_window_does_not_call_back() -> None:
 
     ws = WakeScheduler(CFG, rec, clock=clock, trigger=IntervalTrigger(seconds=0.05), catch_up=False)
     ws.start()
-    assert asked.wait(5)
+    assert asked.wait(hang_bound(5))
     ws.stop(wait=True)  # lets the job finish
     assert rec.windows == []
 
@@ -157,7 +159,7 @@ def test_catch_up_when_started_inside_a_window() -> None:
     ws = WakeScheduler(CFG, rec, clock=lambda: INSIDE)  # the real cron trigger: hours away
     ws.start()
     try:
-        assert rec.called.wait(5)
+        assert rec.called.wait(hang_bound(5))
         assert rec.windows == [CFG.window_at(INSIDE)]
         expected = CFG.next_window(datetime.now(UTC)).start
         assert eventually(lambda: ws.next_wake() == expected)  # then back on the schedule
@@ -191,7 +193,7 @@ def test_real_clock_window_opening_in_a_second() -> None:
     ws.start()
     try:
         assert ws.next_wake() == opens or datetime.now(UTC) >= opens  # (a very slow start: caught up)
-        assert rec.called.wait(10)
+        assert rec.called.wait(hang_bound(10))
     finally:
         ws.stop()
     w = rec.windows[0]

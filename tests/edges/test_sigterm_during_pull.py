@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -38,14 +37,15 @@ def test_sigterm_during_a_long_pull_stops_it_and_keeps_what_was_ingested(tmp_pat
             if '"file_ingested"' in line:
                 ingested.set()
 
-    threading.Thread(target=read, daemon=True).start()
-    assert ingested.wait(600), "".join(lines[-30:])
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert ingested.wait(hang_bound(600)), "".join(lines[-30:])
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=hang_bound(600))  # bounds a hang only; what is asserted is where the pull stopped
     finally:
         proc.kill()
-    time.sleep(0.5)
+    reader.join(timeout=hang_bound(30))  # its last lines (pull_stopped) read, not a moment later
     assert proc.returncode == ExitCode.INTERRUPTED, "".join(lines[-30:])
     led = open_read_only(tmp_path / "state" / "ledger.sqlite")
     files = led.db.execute("SELECT COUNT(*), COALESCE(SUM(accepted), 0) FROM files").fetchone()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
-import os
 import ssl
 import sys
 import time
@@ -26,6 +25,7 @@ from jobs.hotswap import (
     verify_signature,
 )
 from jobs.hotswap.lora_server import Client, ours
+from tests.conftest import hang_bound
 from tests.fixtures.lora_servers import BASE, Fake, start
 
 DIGEST = AdapterRef(version=1, name="t-v0001", path=Path("/x"), base_model=BASE,
@@ -323,7 +323,8 @@ def test_timeout_is_reported_and_retried(tmp_path: Path, servers: list[Fake]) ->
     [out] = notify_all(c, adapter(tmp_path, 1), sleep=sleeps)
     assert not out.ok and out.attempts == 2 and sleeps == [1.0]
     assert "timed out after 0.2 s" in (out.error or "")
-    assert time.monotonic() - t0 < 3 and 0.3 < out.seconds < 3
+    # cut at 0.2 s twice, not answered by the server's hang (5 s each): a bound no busy box reaches by load alone
+    assert time.monotonic() - t0 < 10 and 0.3 < out.seconds < 10
 
 
 def test_connection_refused_is_retried(tmp_path: Path, servers: list[Fake]) -> None:
@@ -478,18 +479,22 @@ def test_command_timeout_kills_it_and_its_children(tmp_path: Path) -> None:
     c = cfg({"kind": "command", "name": "c", "timeout_s": 1.0, "retries": 0, "argv": [sys.executable, "-c", script]})
     t0 = time.monotonic()
     [out] = notify_all(c, adapter(tmp_path, 1), sleep=Sleeps())
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 50  # killed at 1 s, not waited for (60 s)
     assert not out.ok and "timed out after 1 s and was killed" in (out.error or "")
     assert "started" in out.detail["output_tail"]
     for pid in map(int, pids.read_text().split()):
-        for _ in range(50):  # the grandchild is reparented and reaped by init, give it a moment
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
+        end = time.monotonic() + hang_bound(10)
+        while not dead(pid):  # killed: a zombie until whoever inherits it reaps it (on a busy box, later)
+            assert time.monotonic() < end, f"process {pid} survived the timeout"
             time.sleep(0.05)
-        else:
-            pytest.fail(f"process {pid} survived the timeout")
+
+
+def dead(pid: int) -> bool:
+    """Gone, or killed and not reaped yet (state Z: `kill -0` still finds a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in ("Z", "X")
+    except OSError:
+        return True
 
 
 # -- TLS -------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from jobs.hotswap import HotswapConfig, versions
 from jobs.store.adapters import Adapters, RegistryConfig
 from jobs.store.ledger import Ledger
 from jobs.store.outcomes import NightOutcomes
+from tests.conftest import hang_bound
 from tests.fixtures.lora_servers import Fake, start
 from tests.store.test_adapters import bare, cli, craft, current, settings
 
@@ -53,19 +54,21 @@ def test_rollback_tells_the_server_behind_a_stuck_swap(tmp_path: Path, servers: 
     def hang_first(h: Any, body: dict[str, Any]) -> None:
         if not stuck.is_set():
             stuck.set()
-            time.sleep(3)  # longer than the attempt's deadline: the client gives up at 2 s
+            time.sleep(5)  # longer than the attempt's deadline: the client gives up at 4 s
         real_load(h, body)
 
     srv._load = hang_first  # type: ignore[method-assign]
-    target = {"kind": "vllm", "name": "vllm", "base_url": srv.url, "retries": 0, "timeout_s": 2, "keep_loaded": 1}
+    target = {"kind": "vllm", "name": "vllm", "base_url": srv.url, "retries": 0, "timeout_s": 4, "keep_loaded": 1}
     cfg = HotswapConfig.model_validate({"targets": [target]})
     ad = Adapters(state, cfg=RegistryConfig(lock_timeout_seconds=0.5))
     night = threading.Thread(target=versions.send, args=(ad, cfg), kwargs={"trigger": "night"})
     night.start()
     assert stuck.wait(30)
-    s = settings(state, target, lock_timeout=0.5)
-    assert cli(s, "adapters", "rollback") == 0  # waited for the stuck swap (old: "busy" after 0.5 s, never told)
-    night.join(30)
+    # 2 s of the lock's own wait: room for the night to record its failed attempt on a busy box, and still short of
+    # the 4 s attempt (the old wait, lock_timeout alone, gave up while the night held the lock)
+    s = settings(state, target, lock_timeout=2)
+    assert cli(s, "adapters", "rollback") == 0  # waited for the stuck swap (old: "busy" after 2 s, never told)
+    night.join(hang_bound(30))
     assert current(state) == "tiny-v0001"
     assert bare(srv.loaded) == ["tiny-v0001"]
     led = Ledger(state / "ledger.sqlite")

@@ -8,7 +8,7 @@ import pytest
 import structlog
 
 from jobs.night.background import in_background
-from tests.conftest import alpaca, run, write_jsonl
+from tests.conftest import alpaca, hang_bound, run, write_jsonl
 
 
 def test_the_call_keeps_the_callers_context_and_its_error_reaches_the_caller():
@@ -38,7 +38,8 @@ def test_leaving_the_block_waits_for_the_call_even_when_the_block_fails():
 
 
 def test_the_token_ids_are_read_while_the_model_loads(night_env, monkeypatch):
-    """Fails where the two come one after the other: the load waits (up to 20 s) for the ids to be read, and
+    """Fails where the two come one after the other: the load waits (up to 20 s, stretched by the load) for the
+    ids to be read, and
     the model loads in the night's own thread (the one that trains: Unsloth patches and compiles there)."""
     import jobs.data.token_cache as token_cache
     import jobs.night.candidate as candidate
@@ -48,7 +49,7 @@ def test_the_token_ids_are_read_while_the_model_loads(night_env, monkeypatch):
     real_load, real_samples = candidate.load_for_training, token_cache.TokenCache.samples
 
     def load(*a, **kw):
-        seen.append((ids_read.wait(20), threading.current_thread() is threading.main_thread()))
+        seen.append((ids_read.wait(hang_bound(20)), threading.current_thread() is threading.main_thread()))
         return real_load(*a, **kw)
 
     def samples(self, *a, **kw):

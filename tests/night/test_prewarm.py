@@ -49,7 +49,12 @@ def test_the_child_waits_for_the_opening_and_times_its_first_step_from_there(tmp
         led.close()
     assert run["started_at"] >= opening - 0.01  # no run opened, nothing pulled, before the window
     prewarmed = [json.loads(x) for x in lines if '"prewarmed"' in x]
-    assert len(prewarmed) == 1 and 0 <= prewarmed[0]["waits_seconds"] <= 15 and 10 <= prewarmed[0]["lead_seconds"] <= 15
+    [p] = prewarmed
+    # the lead counts from the process's start (its imports, then its wait): no bound on how long a busy box's
+    # imports take, which ate more than the 5 s `10 <= lead` left them
+    assert 0 <= p["waits_seconds"] <= max(0.0, p["lead_seconds"]) and p["lead_seconds"] <= 15
+    if p["waits_seconds"] > 0:  # imported before the opening: the lead is the two legs (each rounded to 0.1 s)
+        assert p["lead_seconds"] == pytest.approx(p["import_seconds"] + p["waits_seconds"], abs=0.15)
     imported = [json.loads(x) for x in lines if '"imported"' in x]  # the wake's first leg, logged in every child
     assert len(imported) == 1 and 0 < imported[0]["seconds"] <= prewarmed[0]["import_seconds"] + 0.1
     first_step_at = opening + out.summary.first_step_seconds
@@ -57,10 +62,11 @@ def test_the_child_waits_for_the_opening_and_times_its_first_step_from_there(tmp
 
 
 def test_a_child_stopped_before_the_opening_opens_no_run(tmp_path, tiny_model):
-    child, _, lines, settings = start_child(tmp_path, tiny_model, lead=120)
+    lead = hang_bound(120)  # the imports end before the opening, even on a busy box: it is stopped while it waits
+    child, _, lines, settings = start_child(tmp_path, tiny_model, lead=lead)
     waiting = threading.Event()
-    deadline = time.time() + 120
-    while time.time() < deadline and not waiting.is_set():
+    deadline = time.monotonic() + lead
+    while time.monotonic() < deadline and not waiting.is_set():
         if any('"prewarmed"' in x for x in lines):
             waiting.set()
         time.sleep(0.1)

@@ -4,7 +4,6 @@ driven through the CLI as an operator would. The daemon's retry after a dead ran
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ import pytest
 from daemon.settings import load_settings
 from jobs.store.ledger import Ledger
 from tests.conftest import REPO, alpaca, hang_bound, run, toml_config, write_jsonl
+from tests.fixtures.ports import reserved_port
 
 pytestmark = pytest.mark.slow
 ENV = {"OMP_NUM_THREADS": "1"}  # 2 cores, 2 ranks
@@ -83,9 +83,9 @@ def test_sigterm_reaches_every_rank_and_the_checkpoint_holds_the_global_position
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()
-    end = time.time() + 180
+    end = time.monotonic() + hang_bound(180)
     while not list(state.glob("checkpoints/*/latest/state.json")):  # training, and not finished
-        assert time.time() < end and proc.poll() is None, "no checkpoint appeared: " + "".join(lines[-20:])
+        assert time.monotonic() < end and proc.poll() is None, "no checkpoint appeared: " + "".join(lines[-20:])
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # as Ctrl-C or `systemctl stop`: the CLI stops its child group
     out = proc.stdout.read()
@@ -108,37 +108,32 @@ def test_sigterm_reaches_every_rank_and_the_checkpoint_holds_the_global_position
     assert Ledger(state / "ledger.sqlite").sample_counts() == {"trained": 24}
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_local_hosts_rendezvous_over_loopback_and_node_0_owns_the_night(tmp_path, tiny_model):
-    port = free_port()
-    cfgs = []
-    for node in (0, 1):
-        (tmp_path / f"host{node}").mkdir()
-        cfg, _ = toml_config(tmp_path / f"host{node}", tiny_model, batch_size=4, more=f"""
+    # held until node 0's rendezvous store binds it (tests/fixtures/ports.py)
+    with reserved_port() as port:
+        cfgs = []
+        for node in (0, 1):
+            (tmp_path / f"host{node}").mkdir()
+            cfg, _ = toml_config(tmp_path / f"host{node}", tiny_model, batch_size=4, more=f"""
 [train.distributed]
 nnodes = 2
 node_rank = {node}
 rdzv_endpoint = "127.0.0.1:{port}"
 join_timeout_seconds = 120
 """)
-        cfgs.append(cfg)
-    write_jsonl(tmp_path / "host0" / "inbox" / "a.jsonl", [alpaca(i) for i in range(24)])
-    refused = nightshift("--config", str(cfgs[1]), "once")
-    assert refused.returncode == 2 and "nightshift join" in refused.stderr  # node 1 never runs a night itself
-    joiner = subprocess.Popen([sys.executable, "-m", "daemon", "--config", str(cfgs[1]), "join", "--once"],
-                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, **ENV})
-    try:
-        r = nightshift("--config", str(cfgs[0]), "once")
-        assert r.returncode == 0, r.stderr[-4000:]
-        _, err = joiner.communicate(timeout=hang_bound(120))
-    finally:
-        joiner.kill()
+            cfgs.append(cfg)
+        write_jsonl(tmp_path / "host0" / "inbox" / "a.jsonl", [alpaca(i) for i in range(24)])
+        refused = nightshift("--config", str(cfgs[1]), "once")
+        assert refused.returncode == 2 and "nightshift join" in refused.stderr  # node 1 never runs a night itself
+        joiner = subprocess.Popen([sys.executable, "-m", "daemon", "--config", str(cfgs[1]), "join", "--once"],
+                                  cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, **ENV})
+        try:
+            r = nightshift("--config", str(cfgs[0]), "once")
+            assert r.returncode == 0, r.stderr[-4000:]
+            _, err = joiner.communicate(timeout=hang_bound(120))
+        finally:
+            joiner.kill()
     assert joiner.returncode == 0, err[-3000:]
     done = [json.loads(x) for x in err.splitlines() if '"rank_done"' in x]
     assert done and done[0]["rank"] == 1 and done[0]["steps"] == 3  # 6 rows, 2 per step

@@ -25,6 +25,7 @@ from jobs.store.adapters import RegistryConfig
 from jobs.store.ledger import Ledger
 from jobs.store.locking import StateLock
 from jobs.store.registry import Registry, version_name
+from tests.conftest import hang_bound
 from tests.fixtures.lora_servers import Fake
 
 NAME = "tiny"
@@ -338,7 +339,7 @@ def test_prune_racing_a_publish_waits_for_it_and_deletes_nothing_in_use(
     state = tmp_path / "state"
     craft(state, 1)
     craft(state, 2, status="rejected")
-    s = settings(state, keep=1)
+    s = settings(state, keep=1, lock_timeout=hang_bound(60))  # waits for the publish, however slow the box
     held, times = threading.Event(), {}
 
     def night_publish() -> None:  # what night_train does under the lock: a .tmp- dir, then publish
@@ -353,7 +354,7 @@ def test_prune_racing_a_publish_waits_for_it_and_deletes_nothing_in_use(
 
     t = threading.Thread(target=night_publish)
     t.start()
-    assert held.wait(5)
+    assert held.wait(hang_bound(5))
     assert cli(s, "adapters", "prune") == 0
     times["pruned"] = time.monotonic()
     t.join()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import signal
-import socket
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ torch = pytest.importorskip("torch")
 
 from jobs.contract.crashpoints import POINTS  # noqa: E402
 from tests.conftest import hang_bound  # noqa: E402
+from tests.fixtures.ports import reserved_port  # noqa: E402
 from tests.training import kill_worker  # noqa: E402
 
 STEP_POINTS = ["train.backward", "train.reduced", "train.stepped", "train.counted"]
@@ -30,12 +30,6 @@ NTH = {**{p: 3 for p in STEP_POINTS}, **{p: 2 for p in CHECKPOINT_POINTS}}  # mi
 CASES = ([(1, 0, p) for p in STEP_POINTS + CHECKPOINT_POINTS if p != "train.reduced"]  # one process: no reduction
          + [(2, 0, p) for p in STEP_POINTS + CHECKPOINT_POINTS]
          + [(2, 1, p) for p in STEP_POINTS])  # rank 1 writes no checkpoint
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +41,15 @@ def forks():
 
 def launch(forks, out: Path, name: str, case: str, world: int, **spec) -> list[int]:
     """Every rank of one run; their exit codes (-9: killed by its crash point)."""
-    port = free_port()
-    procs = [forks.Process(target=kill_worker.run_rank,
-                           args=(str(out), {"name": name, "case": case, "rank": r, "world": world, "port": port,
-                                            **spec}))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=hang_bound(300))  # bounds a hang only (the collectives' own timeout is 120 s)
+    with reserved_port() as port:  # nobody else's until rank 0's store has it (tests/fixtures/ports.py)
+        procs = [forks.Process(target=kill_worker.run_rank,
+                               args=(str(out), {"name": name, "case": case, "rank": r, "world": world, "port": port,
+                                                **spec}))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=hang_bound(300))  # bounds a hang only (the collectives' own timeout is 120 s)
     hung = [p for p in procs if p.is_alive()]
     for p in hung:
         p.kill()
