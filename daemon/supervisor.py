@@ -39,6 +39,9 @@ from jobs.training.config import TrainConfig
 from jobs.training.ranks.topology import World, launch_command, launch_env, resolve_world, visible_gpus
 
 log = structlog.get_logger("nightshift.supervisor")
+# after the child's exit, how long the event reader may still take to hand on what the child wrote (it ends at the
+# pipe's end, or once the night's result is handled): only a descendant holding the pipe open reaches it
+READER_BOUND_SECONDS = 120.0
 
 
 def child_env() -> dict[str, str]:
@@ -103,6 +106,7 @@ class NightChild:
         self.summary: RunSummary | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self._threads: list[threading.Thread] = []
+        self._result_handled = threading.Event()
 
     def start(self) -> int:
         args = ["--join"] if self.join else ["--night", self.night, "--deadline", repr(self.deadline)]
@@ -148,12 +152,16 @@ class NightChild:
                 self.tail.append(raw.decode(errors="replace").rstrip()[:500])
                 log.warning("bad_child_event", error=str(e))
                 continue
-            if isinstance(ev, ResultEvent) and not ev.adapter:  # [[adapters]]: one adapter's is not the night's
+            night_result = isinstance(ev, ResultEvent) and not ev.adapter  # [[adapters]]: one adapter's is not it
+            if night_result:
                 self.summary = ev.summary
             try:
                 self.on_event(ev)
             except Exception:  # a metrics bug, or a reader gone (`once | head -1`), must not stop the reading
                 log.exception("event_handler_failed", child_event=ev.event)  # `event` is structlog's own
+            finally:
+                if night_result:
+                    self._result_handled.set()
 
     def _read_logs(self) -> None:
         assert self.proc and self.proc.stderr
@@ -189,13 +197,25 @@ class NightChild:
     def wait(self, timeout: float | None = None) -> ChildOutcome:
         assert self.proc is not None
         rc = self.proc.wait(timeout=timeout)
-        for t in self._threads:
-            t.join(timeout=5)
+        self._join_readers(READER_BOUND_SECONDS if rc >= 0 else 5.0)  # killed: it wrote no result
         if self._config_file is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._config_file)
             self._config_file = None
         return ChildOutcome(rc, self.summary, list(self.tail), launcher=self.world.launcher)
+
+    def _join_readers(self, bound: float) -> None:
+        """Everything the child wrote before it exited is handed on, its result among them: with the reader given 5 s,
+        a handler slower than that (a blocked terminal, sd_notify) could leave the result unread, and a night that
+        succeeded would be counted failed. The log reader gets 5 s: its lines are also in the night's log file."""
+        if not self._threads:
+            return
+        events, *others = self._threads
+        end = time.monotonic() + bound
+        while events.is_alive() and not self._result_handled.is_set() and time.monotonic() < end:
+            events.join(timeout=0.1)
+        for t in others:
+            t.join(timeout=5)
 
 
 def wait_interruptibly(child: NightChild, stop: threading.Event, grace: float, poll: float = 0.2,

@@ -113,3 +113,41 @@ def test_validate_into_a_closed_pipe_still_says_a_record_would_be_quarantined(tm
     r = closed_stdout("validate", str(bad))
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.returncode == ExitCode.FAILED, r.stderr[-3000:]
+
+
+class ExitedChild:
+    """A child that has exited; what it wrote is still in the pipe."""
+
+    def __init__(self, lines: list[bytes]) -> None:
+        self.stdout, self.pid = lines, 1
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+
+def test_the_result_behind_a_slow_handler_still_arrives_after_the_child_exits():
+    """The child wrote its result and exited while a handler still held an earlier event (a blocked terminal,
+    sd_notify): the reader had 5 s after the exit, then the result was lost and a night that succeeded was counted
+    failed. Now the wait hands on everything the child wrote; the handler here holds the first event for 6 s."""
+    import threading
+
+    release = threading.Event()
+    seen: list[str] = []
+
+    def slow(ev: object) -> None:
+        if not seen:
+            release.wait(hang_bound(60))
+        seen.append(type(ev).__name__)
+
+    child = NightChild("{}", night="2026-11-21", deadline=0.0, on_event=slow)
+    events = [PhaseEvent(phase=Phase.pull, state="start"),
+              ResultEvent(summary=RunSummary(run_id="r", night="2026-11-21", outcome=Outcome.succeeded, version=3))]
+    child.proc = ExitedChild([ev.model_dump_json().encode() + b"\n" for ev in events])  # type: ignore[assignment]
+    child._threads = [threading.Thread(target=child._read_events, daemon=True),
+                      threading.Thread(target=lambda: None, daemon=True)]  # its log reader: nothing to read
+    for t in child._threads:
+        t.start()
+    threading.Timer(6.0, release.set).start()  # past the old 5-s join
+    out = child.wait()
+    assert seen == ["PhaseEvent", "ResultEvent"]
+    assert out.summary is not None and out.summary.version == 3 and out.returncode == 0
