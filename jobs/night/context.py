@@ -140,13 +140,12 @@ def open_context(cfg: NightConfig, *, model_path: Path, fingerprint: str, night:
     open_run = ledger.open_run(night)
     if open_run is not None and plan_only and expired(open_run, clock()):
         open_run = None  # the next night closes it and plans afresh, as this plan does
-    if open_run is not None and plan_only:  # what a start now would resume: its stored plan, the time left now
+    if open_run is not None:  # a plan shows what a start now would resume: its stored plan, the time left now
         run_id = str(open_run["id"])  # (a plan that planned afresh showed other samples and another version)
-    elif open_run is not None:
-        run_id = str(open_run["id"])
-        attempt = ledger.resume_run(run_id, deadline)
-        ledger.add_event("resumed", run_id=run_id, detail={"attempt": attempt, "deadline": deadline})
-        log.info("resuming_run", run_id=run_id, attempt=attempt)
+        if not plan_only:
+            attempt = ledger.resume_run(run_id, deadline)
+            ledger.add_event("resumed", run_id=run_id, detail={"attempt": attempt, "deadline": deadline})
+            log.info("resuming_run", run_id=run_id, attempt=attempt)
     else:
         run_id = run_id or new_run_id("plan" if plan_only else night)
         if not plan_only:
