@@ -54,15 +54,13 @@ def render(checks: list[FileCheck]) -> str:
             out.append("  already ingested (the ledger has this very file): the inbox would skip it")
         if c.note:
             out.append(f"  note: {c.note}")
-        bad = [p for p in c.problems if p.reason != QuarantineReason.unreadable]
+        quarantined = sum(p.reason != QuarantineReason.unreadable for p in c.problems)
         out.append(f"  {c.records:,} records: {c.would_train:,} would train ({c.tokens:,} tokens), "
                    f"{c.known:,} already in the ledger, {c.repeated:,} repeated, "
-                   f"{len(bad):,} would be quarantined")
-        for p in c.problems:
-            if p.reason == QuarantineReason.unreadable:  # the pull leaves it in place: it is not quarantined
-                out.append(f"  the whole file: {p.detail} (a night leaves it in the inbox and tries it again)")
-                continue
-            out.append(f"  {p.where}: {p.reason.value}: {p.detail}")
+                   f"{quarantined:,} would be quarantined")
+        for p in c.problems:  # an unreadable file is left in the inbox by the pull: not quarantined
+            out.append(f"  {p.where}: {p.detail} (a night leaves it in the inbox and tries it again)"
+                       if p.reason == QuarantineReason.unreadable else f"  {p.where}: {p.reason.value}: {p.detail}")
     bad = Counter(p.reason.value for c in checks for p in c.problems if p.reason != QuarantineReason.unreadable)
     total = f"{len(checks)} file(s): {sum(c.would_train for c in checks):,} records would train, "
     total += f"{sum(bad.values()):,} would be quarantined" + (

@@ -195,13 +195,6 @@ class RunSummary(BaseModel):
 # ---- `nightshift validate`'s child: a FileCheck per file read as the inbox would (a JSON line each) ---
 
 
-def record_location(line: int | None, item: int | None = None) -> str:
-    """Where a person finds a record: `line 4`, `line 1, record 3` (a JSON array on one line), `the whole file`."""
-    if line is None:
-        return "the whole file"
-    return f"line {line}" + (f", record {item}" if item is not None else "")
-
-
 class RecordProblem(Frozen):
     line: int | None  # 1-based line (JSONL) or record number; None: the whole file
     reason: QuarantineReason
@@ -210,7 +203,10 @@ class RecordProblem(Frozen):
 
     @property
     def where(self) -> str:
-        return record_location(self.line, self.item)
+        """`line 4`, `line 1, record 3` (a JSON array on one line), `the whole file`."""
+        if self.line is None:
+            return "the whole file"
+        return f"line {self.line}" + (f", record {self.item}" if self.item is not None else "")
 
 
 class FileCheck(Frozen):
